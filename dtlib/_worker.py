@@ -1,0 +1,190 @@
+"""The code that runs inside every rank started by :func:`dtlib.spawn`.
+
+Kept free of heavy imports at module level: under the ``spawn`` start method
+this module is imported before the rank's environment is in place, and torch
+should see the final environment (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``).
+
+The parent talks to a rank through five pipes:
+
+- ``stdout`` and ``stderr``: file descriptors 1 and 2 of the rank, relayed line
+  by line by the parent, C-level output (gloo, NCCL) included;
+- ``result``: one framed message, ``("ok", value)`` or ``("error", details)``;
+- ``stacks``: where :mod:`faulthandler` writes every thread's Python stack when
+  the parent sends ``SIGUSR1`` (used for the timeout report);
+- ``alive``: the parent holds the write end. End-of-file means either "every
+  rank has reported, finish now" or "the parent died"; in both cases the rank
+  must not outlive it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import linecache
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+STACK_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a rank needs besides the pickled function."""
+
+    rank: int
+    world_size: int
+    env: dict[str, str]  # the parent's environment plus the torchrun variables
+    backend: str | None  # None: the function initialises the process group itself
+    source_lines: dict[str, list[str]]  # linecache entries, so tracebacks show cell code
+    close_fds: list[int]  # parent-side descriptors a forked child inherits
+
+
+@dataclass
+class WorkerPipes:
+    """The child's ends of the five pipes described in the module docstring."""
+
+    result: Connection
+    stdout: Connection
+    stderr: Connection
+    stacks: Connection
+    alive: Connection
+
+
+_held: list[Any] = []  # objects that must stay alive for the life of the process
+
+
+def _redirect_output(pipes: WorkerPipes) -> None:
+    os.dup2(pipes.stdout.fileno(), 1)
+    os.dup2(pipes.stderr.fileno(), 2)
+    # Fresh line-buffered streams: under ``fork`` the inherited sys.stdout may be a
+    # Jupyter stream object that must not be used from a child process.
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+    stack_file = open(pipes.stacks.fileno(), "w", closefd=False)
+    _held.append(stack_file)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _watch_parent(alive: Connection, finished: threading.Event) -> None:
+    """Block until the parent closes its end, then make sure this rank ends."""
+    try:
+        os.read(alive.fileno(), 1)
+    except OSError:
+        pass
+    if not finished.wait(timeout=0.0):
+        # The parent went away (or is stopping us) while fn was still running.
+        os._exit(75)
+
+
+def _error_details(exc: BaseException) -> dict[str, str]:
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is main.__code__ and tb.tb_next is not None:
+        tb = tb.tb_next  # start the remote traceback at the user's code, not at dtlib's
+    return {
+        "type": type(exc).__qualname__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+    }
+
+
+def _dumps_result(value: Any) -> bytes:
+    """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA."""
+    import cloudpickle
+
+    torch = sys.modules.get("torch")
+
+    class ResultPickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return _identity, (obj.detach().cpu(),)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    ResultPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _init_process_group(backend: str, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://", device_id=device)
+    else:
+        dist.init_process_group(backend, init_method="env://")
+
+
+def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
+    """Entry point of one rank: run ``fn(rank, world_size, *args, **kwargs)`` and report."""
+    for fd in config.close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    os.setpgid(0, 0)  # own process group: the parent can stop the rank and its children
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interrupts
+    _redirect_output(pipes)
+    finished = threading.Event()
+    threading.Thread(target=_watch_parent, args=(pipes.alive, finished), daemon=True).start()
+
+    os.environ.clear()
+    os.environ.update(config.env)
+    for filename, lines in config.source_lines.items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+    message: tuple[str, Any]
+    initialised = False
+    try:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if "torch" in sys.modules and "OMP_NUM_THREADS" in os.environ:
+            # torch may have been imported before the variable was set (forkserver).
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if config.backend is not None:
+            _init_process_group(config.backend, config.rank)
+            initialised = True
+        value = fn(config.rank, config.world_size, *args, **kwargs)
+        try:
+            message = ("ok", _dumps_result(value))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            wrapped = TypeError(
+                f"rank {config.rank} returned a {type(value).__name__} that cannot be pickled: {exc}"
+            )
+            message = ("error", _error_details(wrapped))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        message = ("error", _error_details(exc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import cloudpickle
+
+    finished.set()  # from here on, end-of-file on ``alive`` means "finish normally"
+    pipes.result.send_bytes(cloudpickle.dumps(message))
+    # Linger until the parent has heard from every rank: a rank that returned early
+    # must keep its connections open, or peers still inside a collective would see
+    # "connection closed" instead of the real problem.
+    try:
+        os.read(pipes.alive.fileno(), 1)
+    except OSError:
+        pass
+    if initialised and message[0] == "ok":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()

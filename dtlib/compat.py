@@ -1,0 +1,84 @@
+"""The one place that knows torch versions differ.
+
+Everything else in dtlib calls these helpers instead of branching on versions.
+The lowest torch dtlib supports is :data:`MIN_TORCH` (FSDP2's public
+``torch.distributed.fsdp.fully_shard`` arrived in 2.6).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MIN_TORCH = (2, 6)
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed torch, e.g. ``(2, 13)`` for ``2.13.0+cpu``."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch_version() -> None:
+    """Raise a clear error when torch is older than dtlib supports."""
+    if torch_version() < MIN_TORCH:
+        raise RuntimeError(
+            f"dtlib needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}"
+        )
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = None,
+                          group: Any = None, async_op: bool = False) -> Any:
+    """Reduce-scatter one flat tensor: ``output`` gets this rank's reduced slice of ``input``.
+
+    torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` and
+    warns on the old name; older versions have only the old name.
+
+    Example: with 2 ranks, ``input`` of 4 elements and ``output`` of 2, rank 1 gets
+    the sum over ranks of ``input[2:4]``.
+    """
+    op = dist.ReduceOp.SUM if op is None else op
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                      async_op: bool = False) -> Any:
+    """All-gather into one flat tensor (``all_gather_into_tensor`` before torch 2.13).
+
+    Example: with 2 ranks each holding 2 elements, ``output`` (4 elements) ends as
+    rank 0's elements followed by rank 1's.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def loopback_store(world_size: int) -> dist.TCPStore:
+    """A rendezvous store that listens on 127.0.0.1 only, on a free port.
+
+    A TCPStore created the usual way listens on every interface. Binding the
+    socket ourselves and handing it over (``master_listen_fd``) keeps it on
+    loopback, and holding the socket from the start means no other process can
+    take the port between choosing it and using it. Read the port from ``.port``.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on and closes it when deleted.
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size=None,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        use_libuv=True,
+    )

@@ -1,0 +1,86 @@
+"""The exceptions :func:`dtlib.spawn` raises when ranks fail or hang."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank.
+
+    ``exc_type`` is the original exception's class name (``"ValueError"``), or
+    ``None`` when the process died without raising (a crash, ``os._exit``, a signal).
+    """
+
+    rank: int
+    exc_type: str | None
+    message: str
+    traceback: str
+    exitcode: int | None = None
+
+    def headline(self) -> str:
+        """One line: ``rank 1 raised ValueError: bad shape``."""
+        if self.exc_type is None:
+            return f"rank {self.rank} {self.message}"
+        return f"rank {self.rank} raised {self.exc_type}: {self.message}"
+
+
+class WorkerError(RuntimeError):
+    """One or more ranks failed; ``failures`` holds every failed rank, in rank order.
+
+    Example::
+
+        try:
+            dtlib.spawn(fn, world_size=2)
+        except dtlib.WorkerError as err:
+            print(err.failures[0].rank, err.failures[0].exc_type)
+    """
+
+    def __init__(self, failures: list[RankFailure]) -> None:
+        self.failures = sorted(failures, key=lambda failure: failure.rank)
+        self.rank = self.failures[0].rank
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        if len(self.failures) == 1:
+            head = self.failures[0].headline()
+        else:
+            ranks = ", ".join(str(failure.rank) for failure in self.failures)
+            lines = "\n".join("  " + failure.headline() for failure in self.failures)
+            head = f"{len(self.failures)} ranks failed ({ranks}):\n{lines}"
+        parts = [head]
+        for failure in self.failures:
+            if failure.traceback:
+                parts.append(f"--- remote traceback of rank {failure.rank} ---\n{failure.traceback.rstrip()}")
+        return "\n".join(parts)
+
+
+class WorkerTimeout(WorkerError, TimeoutError):
+    """Ranks were still running after ``timeout`` seconds; every rank was stopped.
+
+    ``stacks`` maps each rank that was still running to its Python stack at that
+    moment, so the report shows which rank waited in which collective.
+    """
+
+    def __init__(self, timeout: float, stacks: dict[int, str], finished: list[int]) -> None:
+        self.timeout = timeout
+        self.stacks = dict(sorted(stacks.items()))
+        self.running_ranks = list(self.stacks)
+        self.finished_ranks = sorted(finished)
+        failures = [
+            RankFailure(rank, None, f"was still running after {timeout:g} s", stack)
+            for rank, stack in self.stacks.items()
+        ]
+        super().__init__(failures)
+
+    def _describe(self) -> str:
+        running = ", ".join(map(str, self.running_ranks))
+        done = ", ".join(map(str, self.finished_ranks)) or "none"
+        parts = [
+            f"timed out after {self.timeout:g} s: rank(s) {running} still running "
+            f"(finished: {done}); every rank was stopped."
+        ]
+        for rank, stack in self.stacks.items():
+            parts.append(f"--- Python stack of rank {rank} at the timeout ---\n{stack.rstrip()}")
+        return "\n".join(parts)

@@ -1,0 +1,1 @@
+"""Small jobs that run the same under ``dtlib.spawn`` and ``torchrun``."""

@@ -1,0 +1,65 @@
+"""``dtlib.run``: one entry point that works in a notebook and under torchrun.
+
+In a notebook or a plain ``python script.py`` it starts the ranks with
+:func:`dtlib.spawn`. Started by ``torchrun`` (one process per rank already
+exists), it runs ``fn`` in this process and gathers every rank's result, so
+the same script scales from a laptop to ``torchrun --nnodes=...`` unchanged::
+
+    python -m dtlib.examples.hello
+    torchrun --standalone --nproc_per_node=2 -m dtlib.examples.hello
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtlib.launch import resolve_backend, spawn
+
+
+def under_torchrun() -> bool:
+    """True inside a process that torchrun (torch.distributed.run) started.
+
+    Example: ``under_torchrun()`` is False in a notebook and in ranks of ``dtlib.spawn``.
+    """
+    return "TORCHELASTIC_RUN_ID" in os.environ and "DTLIB_SPAWN" not in os.environ
+
+
+def run(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    **spawn_options: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return all results by rank.
+
+    Under torchrun, ``world_size`` is ignored (torchrun's ``WORLD_SIZE`` wins),
+    the process group is created here and every rank gets the full list.
+
+    Example::
+
+        results = dtlib.run(train, world_size=2)   # same line in a notebook or under torchrun
+    """
+    if not under_torchrun():
+        return spawn(fn, world_size, args, kwargs, **spawn_options)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = resolve_backend(spawn_options.get("backend", "auto"), local_world)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend)
+    try:
+        value = fn(rank, world, *args, **(kwargs or {}))
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, value)
+        return gathered
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
