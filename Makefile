@@ -20,7 +20,7 @@ test: setup
 	$(PY) -m pytest
 
 notebooks: setup
-	$(PY) -m dtlib.tools.run_notebooks notebooks/*.ipynb
+	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=300 notebooks/*.ipynb
 
 bench: setup
 	$(PY) -m dtlib.bench launch

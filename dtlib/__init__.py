@@ -1,8 +1,12 @@
 """dtlib: the support package of the distributed-training course.
 
-The names most notebooks need are here; the rest live in submodules
-(``dtlib.compat``, ``dtlib.sysinfo``, ``dtlib.plots``, ``dtlib.checks``, ``dtlib.bench``).
+The launcher's names are here; submodules (``dtlib.checks``, ``dtlib.plots``,
+``dtlib.sysinfo``, ``dtlib.compat``, ``dtlib.bench``, ...) load on first use, so
+``import dtlib`` stays light inside every rank.
 """
+
+import importlib
+from typing import Any
 
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import spawn
@@ -10,3 +14,11 @@ from dtlib.run import run, under_torchrun
 
 __all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "run", "spawn", "under_torchrun"]
 __version__ = "0.1.0"
+
+_SUBMODULES = {"bench", "checks", "compat", "examples", "launch", "plots", "sysinfo"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dtlib.{name}")
+    raise AttributeError(f"module 'dtlib' has no attribute {name!r}")

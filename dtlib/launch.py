@@ -239,8 +239,8 @@ class _Job:
             try:
                 state.outcome = ("ok", pickle.loads(body))
             except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
-                failure = RankFailure(state.rank, type(exc).__qualname__, f"its result could not be unpickled here: {exc}", "")
-                state.outcome = ("error", failure)
+                message = f"its result could not be unpickled here: {exc}"
+                state.outcome = ("error", RankFailure(state.rank, type(exc).__qualname__, message, ""))
         else:
             failure = RankFailure(state.rank, body["type"], body["message"], body["traceback"])
             state.outcome = ("error", failure)

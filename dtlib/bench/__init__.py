@@ -1,0 +1,5 @@
+"""Benchmarks, run as ``python -m dtlib.bench <what>``; each prints a table (or JSON).
+
+- ``launch``: how long a one-all-reduce job takes from the call to the results,
+  per start method, beside plain ``torch.multiprocessing.spawn``.
+"""

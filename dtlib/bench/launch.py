@@ -1,0 +1,128 @@
+"""Launch overhead: the time from the call to the returned results of a tiny job.
+
+The job initialises the process group, does one all-reduce of one number and
+returns. Plain ``torch.multiprocessing.spawn`` of a module-level function is the
+floor dtlib's launcher adds to. Run it::
+
+    python -m dtlib.bench launch --world-size 2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+import dtlib
+from dtlib.examples.hello import sum_of_ranks
+
+# Measured in this order: the forkserver's first call must come before any other use of it.
+METHODS = ("forkserver-first", "forkserver", "fork", "spawn", "mp.spawn")
+LABELS = {
+    "forkserver-first": "dtlib forkserver, first call (starts the server)",
+    "forkserver": "dtlib forkserver, warm",
+    "fork": "dtlib fork",
+    "spawn": "dtlib spawn",
+    "mp.spawn": "torch.multiprocessing.spawn (floor)",
+}
+
+
+@dataclass
+class LaunchTiming:
+    """Seconds from the call to the results, one entry per launch."""
+
+    method: str
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.method]
+
+
+def _mp_spawn_job(rank: int, world_size: int, port: int) -> None:
+    """The same job for plain mp.spawn, which can neither set the environment nor return."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def time_once(method: str, world_size: int) -> float:
+    """Seconds for one launch of the one-all-reduce job with ``method``."""
+    start = time.perf_counter()
+    if method == "mp.spawn":
+        torch.multiprocessing.spawn(_mp_spawn_job, args=(world_size, _free_port()), nprocs=world_size)
+    else:
+        start_method = "forkserver" if method == "forkserver-first" else method
+        results = dtlib.spawn(sum_of_ranks, world_size, start_method=start_method, backend="gloo", output="none")
+        assert results[0]["sum"] == world_size * (world_size - 1) // 2
+    return time.perf_counter() - start
+
+
+def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = None) -> list[LaunchTiming]:
+    """Time every method ``repeats`` times (the forkserver's first call once), interleaved.
+
+    Interleaving (round after round, each method once per round) spreads the
+    machine's noise over all methods alike, so their ratios are fair.
+
+    Example: ``measure(2, repeats=3, methods=["forkserver", "fork"])``.
+    """
+    methods = list(METHODS if methods is None else methods)
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    if repeats < 1 or world_size < 1:
+        raise ValueError("repeats and world_size must be >= 1")
+    timings = {method: LaunchTiming(method, []) for method in methods}
+    if "forkserver-first" in timings:
+        timings["forkserver-first"].seconds.append(time_once("forkserver-first", world_size))
+    elif "forkserver" in timings:
+        time_once("forkserver", world_size)  # warm-up: start the server outside the timings
+    for _ in range(repeats):
+        for method in methods:
+            if method != "forkserver-first":
+                timings[method].seconds.append(time_once(method, world_size))
+    return list(timings.values())
+
+
+def as_records(timings: list[LaunchTiming], world_size: int) -> list[dict[str, object]]:
+    """Plain dicts for ``--json``."""
+    return [
+        {"method": t.method, "label": t.label, "world_size": world_size, "median_s": t.median,
+         "min_s": min(t.seconds), "max_s": max(t.seconds), "seconds": t.seconds}
+        for t in timings
+    ]
+
+
+def format_table(timings: list[LaunchTiming], world_size: int) -> str:
+    """An nccl-tests-like table with the ratio to plain mp.spawn where it was measured."""
+    floor = next((t.median for t in timings if t.method == "mp.spawn"), None)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines = [
+        f"# dtlib.bench launch: world_size={world_size}, one gloo all-reduce per job, "
+        f"torch {torch.__version__}, Python {platform.python_version()}, {cpus} CPUs",
+        f"# {'method':<50} {'n':>3} {'median_s':>9} {'min_s':>8} {'max_s':>8} {'vs mp.spawn':>12}",
+    ]
+    for t in timings:
+        ratio = f"{t.median / floor:.2f}x" if floor else "-"
+        lines.append(f"  {t.label:<50} {len(t.seconds):>3} {t.median:>9.3f} {min(t.seconds):>8.3f} "
+                     f"{max(t.seconds):>8.3f} {ratio:>12}")
+    return "\n".join(lines)

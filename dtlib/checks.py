@@ -1,0 +1,90 @@
+"""Exercise checkers: each says what is right or, precisely, what is wrong.
+
+A checker returns :class:`Feedback`; the notebook shows it as the cell's value.
+Checkers never raise on a wrong answer: a wrong answer is the normal case.
+
+Example::
+
+    dtlib.checks.backend_choice("gloo", world_size=2)   # ✓ or ✗ with a hint
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dtlib.errors import WorkerError
+from dtlib.launch import resolve_backend, spawn
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """The verdict of a checker: ``ok`` and a message that says what to do next."""
+
+    ok: bool
+    message: str
+
+    def __repr__(self) -> str:
+        return ("✓ " if self.ok else "✗ ") + self.message
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def backend_choice(answer: Any, world_size: int = 2) -> Feedback:
+    """Notebook 00: which backend does ``dtlib.spawn(backend="auto")`` pick for ``world_size`` ranks here?"""
+    if answer is None:
+        return Feedback(False, "No answer yet: set `answer` to 'gloo' or 'nccl'.")
+    if not isinstance(answer, str) or answer.lower() not in ("gloo", "nccl", "mpi"):
+        return Feedback(False, f"{answer!r} is not a backend name; the choices are 'gloo', 'nccl' and 'mpi'.")
+    expected = resolve_backend("auto", world_size)
+    if answer.lower() == expected:
+        why = "one GPU per rank is available" if expected == "nccl" else "there are not enough GPUs for NCCL"
+        return Feedback(True, f"Right: {expected}, because {why} for {world_size} ranks.")
+    if answer.lower() == "nccl":
+        return Feedback(False, f"NCCL needs one CUDA GPU per rank; this machine cannot give {world_size} ranks "
+                               "a GPU each (look at the GPU count above).")
+    if answer.lower() == "mpi":
+        return Feedback(False, "dtlib never picks MPI by itself; 'auto' chooses between NCCL and gloo.")
+    return Feedback(False, f"This machine has enough GPUs for {world_size} ranks, so 'auto' picks NCCL.")
+
+
+def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: float = 30.0) -> Feedback:
+    """Notebook 01: ``fn(rank, world_size)`` must return, on every rank, 0 + 1 + ... + (world_size - 1).
+
+    Example: ``sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
+    """
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    expected = world_size * (world_size - 1) // 2
+    try:
+        results = spawn(fn, world_size, timeout=timeout, output="none")
+    except WorkerError as err:
+        if any("still running" in failure.message for failure in err.failures):
+            return Feedback(False, "Your function hung: does every rank call the same collective? "
+                                   f"Details:\n{err}")
+        return Feedback(False, f"Your function raised on a rank:\n{err.failures[0].headline()}")
+    wrong = {}
+    for rank, value in enumerate(results):
+        if _as_number(value) != expected:
+            wrong[rank] = value
+    if not wrong:
+        return Feedback(True, f"Every rank returned {expected}: the all-reduce summed all {world_size} ranks.")
+    rank, value = next(iter(wrong.items()))
+    if value is None:
+        hint = "it returned None: return the tensor (or its .item()) after the all-reduce."
+    elif all(_as_number(v) == r for r, v in enumerate(results)):
+        hint = "each rank returned its own rank: was dist.all_reduce called before returning?"
+    elif _as_number(value) == expected * world_size:
+        hint = "the sum came out world_size times too big: add each rank's number once, not the total."
+    else:
+        hint = f"it returned {value!r}."
+    return Feedback(False, f"Rank {rank} should return {expected}, but {hint}")
+
+
+def _as_number(value: Any) -> Any:
+    try:
+        return value.item()
+    except (AttributeError, RuntimeError, ValueError):
+        return value

@@ -1,0 +1,90 @@
+"""dtlib.checks: each checker accepts the right answer and says precisely what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtlib import checks
+from dtlib.launch import resolve_backend
+
+
+def test_feedback_shows_a_mark_and_is_truthy_only_when_ok():
+    assert repr(checks.Feedback(True, "fine")) == "✓ fine"
+    assert repr(checks.Feedback(False, "nope")) == "✗ nope"
+    assert checks.Feedback(True, "") and not checks.Feedback(False, "")
+
+
+def test_backend_choice_accepts_what_auto_picks():
+    expected = resolve_backend("auto", 2)
+    assert checks.backend_choice(expected, world_size=2).ok
+    assert checks.backend_choice(expected.upper(), world_size=2).ok
+
+
+@pytest.mark.parametrize(
+    ("answer", "fragment"),
+    [(None, "No answer yet"), (42, "not a backend name"), ("tcp", "not a backend name"), ("mpi", "never picks MPI")],
+)
+def test_backend_choice_explains_bad_answers(answer, fragment):
+    feedback = checks.backend_choice(answer, world_size=2)
+    assert not feedback.ok
+    assert fragment in feedback.message
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs a machine with fewer than 2 GPUs")
+def test_backend_choice_says_why_nccl_is_wrong_without_gpus():
+    feedback = checks.backend_choice("nccl", world_size=2)
+    assert not feedback.ok and "one CUDA GPU per rank" in feedback.message
+
+
+def _correct(rank, world_size):
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value)
+    return value
+
+
+def _double_counted(rank, world_size):
+    value = torch.tensor([float(world_size * (world_size - 1) // 2)])
+    dist.all_reduce(value)
+    return value
+
+
+def _hangs(rank, world_size):
+    if rank == 0:
+        dist.barrier()
+    return 0
+
+
+def _raises(rank, world_size):
+    raise KeyError("missing")
+
+
+@pytest.mark.timeout(60)
+def test_sum_of_ranks_accepts_a_correct_function():
+    feedback = checks.sum_of_ranks(_correct, world_size=3)
+    assert feedback.ok, feedback.message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("fn", "fragment"),
+    [
+        (lambda rank, world_size: torch.tensor([float(rank)]), "each rank returned its own rank"),
+        (lambda rank, world_size: None, "returned None"),
+        (_double_counted, "world_size times too big"),
+        (lambda rank, world_size: "three", "it returned 'three'"),
+        (_raises, "raised KeyError"),
+        ("not a function", "Pass your function itself"),
+    ],
+)
+def test_sum_of_ranks_says_what_is_wrong(fn, fragment):
+    feedback = checks.sum_of_ranks(fn, world_size=3)
+    assert not feedback.ok
+    assert fragment in feedback.message, feedback.message
+
+
+@pytest.mark.timeout(60)
+def test_sum_of_ranks_reports_a_hang_instead_of_hanging():
+    feedback = checks.sum_of_ranks(_hangs, world_size=2, timeout=3)
+    assert not feedback.ok and "hung" in feedback.message and "barrier" in feedback.message

@@ -1,0 +1,76 @@
+"""dtlib.compat: the version-proof collectives match their definitions and never warn."""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtlib
+from dtlib import compat
+
+
+def test_torch_version_parses_local_builds(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu126")
+    assert compat.torch_version() == (2, 11)
+
+
+def test_installed_torch_is_supported():
+    assert compat.torch_version() >= compat.MIN_TORCH
+    compat.check_torch_version()
+
+
+def test_old_torch_is_refused_with_a_clear_message(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.4.1")
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.6"):
+        compat.check_torch_version()
+
+
+def _collectives_without_warnings(rank, world_size):
+    chunk = 3
+    full = torch.arange(world_size * chunk, dtype=torch.float32) * (rank + 1)  # (world_size * chunk,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning from a renamed API fails the test
+        reduced = torch.empty(chunk)
+        compat.reduce_scatter_single(reduced, full)
+        gathered = torch.empty(world_size * chunk)
+        compat.all_gather_single(gathered, torch.full((chunk,), float(rank)))
+    return reduced, gathered
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_scatter_and_all_gather_match_their_definitions(world_size):
+    chunk = 3
+    results = dtlib.spawn(_collectives_without_warnings, world_size)
+    scale = sum(r + 1 for r in range(world_size))  # every rank contributed (rank + 1) * arange
+    expected_full = torch.arange(world_size * chunk, dtype=torch.float32) * scale
+    expected_gathered = torch.arange(world_size, dtype=torch.float32).repeat_interleave(chunk)
+    for rank, (reduced, gathered) in enumerate(results):
+        torch.testing.assert_close(reduced, expected_full[rank * chunk:(rank + 1) * chunk])
+        torch.testing.assert_close(gathered, expected_gathered)
+
+
+def _listeners(port: int) -> list[str]:
+    return [c.laddr.ip for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+def test_loopback_store_listens_on_loopback_only_and_frees_its_port():
+    store = compat.loopback_store(world_size=2)
+    port = store.port
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    client.set("key", "value")
+    assert store.get("key") == b"value"
+    assert _listeners(port) == ["127.0.0.1"]
+    del client, store
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _listeners(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _listeners(port) == []
