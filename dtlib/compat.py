@@ -72,7 +72,9 @@ def loopback_store(world_size: int) -> dist.TCPStore:
     except BaseException:
         sock.close()
         raise
-    # The store owns the descriptor from here on and closes it when deleted.
+    # The store owns the descriptor from here on and closes it when deleted. The libuv
+    # store learned to listen on a handed-over socket only in torch 2.8 (pytorch#150215);
+    # before that, the older backend does it.
     return dist.TCPStore(
         "127.0.0.1",
         port,
@@ -80,5 +82,5 @@ def loopback_store(world_size: int) -> dist.TCPStore:
         is_master=True,
         wait_for_workers=False,
         master_listen_fd=sock.detach(),
-        use_libuv=True,
+        use_libuv=torch_version() >= (2, 8),
     )

@@ -61,8 +61,12 @@ def _listeners(port: int) -> list[str]:
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
 
 
-def test_loopback_store_listens_on_loopback_only_and_frees_its_port():
+@pytest.mark.parametrize("version", [(2, 6), None], ids=["torch-2.6-store", "installed-store"])
+def test_loopback_store_listens_on_loopback_only_and_frees_its_port(monkeypatch, version):
+    if version is not None:  # before 2.8 the libuv store cannot take over a socket: the older one is used
+        monkeypatch.setattr(compat, "torch_version", lambda: version)
     store = compat.loopback_store(world_size=2)
+    assert store.libuvBackend == (compat.torch_version() >= (2, 8))
     port = store.port
     client = dist.TCPStore("127.0.0.1", port, is_master=False)
     client.set("key", "value")
