@@ -15,8 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     launch_parser = commands.add_parser("launch", help="time from dtlib.spawn's call to its results")
     launch_parser.add_argument("--world-size", type=int, default=2)
     launch_parser.add_argument("--repeats", type=int, default=5, help="timed launches per method")
-    launch_parser.add_argument("--methods", default=",".join(launch.METHODS),
-                               help=f"comma-separated subset of {','.join(launch.METHODS)}")
+    launch_parser.add_argument("--methods", default=",".join(launch.default_methods()),
+                               help=f"comma-separated subset of {','.join(launch.METHODS)} "
+                                    "(accelerate only where it is installed)")
     launch_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
 

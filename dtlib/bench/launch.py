@@ -9,6 +9,9 @@ floor dtlib's launcher adds to. Run it::
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import os
 import platform
 import socket
@@ -24,14 +27,22 @@ import dtlib
 from dtlib.examples.hello import sum_of_ranks
 
 # Measured in this order: the forkserver's first call must come before any other use of it.
-METHODS = ("forkserver-first", "forkserver", "fork", "spawn", "mp.spawn")
+# "accelerate" (its fork-based notebook_launcher) is measured when accelerate is installed.
+METHODS = ("forkserver-first", "forkserver", "fork", "spawn", "mp.spawn", "accelerate")
 LABELS = {
     "forkserver-first": "dtlib forkserver, first call (starts the server)",
     "forkserver": "dtlib forkserver, warm",
     "fork": "dtlib fork",
     "spawn": "dtlib spawn",
     "mp.spawn": "torch.multiprocessing.spawn (floor)",
+    "accelerate": "accelerate.notebook_launcher (fork)",
 }
+
+
+def default_methods() -> list[str]:
+    """Every method, less ``accelerate`` when it is not installed."""
+    have_accelerate = importlib.util.find_spec("accelerate") is not None
+    return [m for m in METHODS if m != "accelerate" or have_accelerate]
 
 
 @dataclass
@@ -59,6 +70,14 @@ def _mp_spawn_job(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _accelerate_job() -> None:
+    """The same job for accelerate's notebook_launcher, which sets the environment itself."""
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -70,6 +89,11 @@ def time_once(method: str, world_size: int) -> float:
     start = time.perf_counter()
     if method == "mp.spawn":
         torch.multiprocessing.spawn(_mp_spawn_job, args=(world_size, _free_port()), nprocs=world_size)
+    elif method == "accelerate":
+        from accelerate import notebook_launcher
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it announces every launch
+            notebook_launcher(_accelerate_job, num_processes=world_size, use_port=str(_free_port()))
     else:
         start_method = "forkserver" if method == "forkserver-first" else method
         results = dtlib.spawn(sum_of_ranks, world_size, start_method=start_method, backend="gloo", output="none")
@@ -78,14 +102,14 @@ def time_once(method: str, world_size: int) -> float:
 
 
 def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = None) -> list[LaunchTiming]:
-    """Time every method ``repeats`` times (the forkserver's first call once), interleaved.
+    """Time every method ``repeats`` times after one untimed warm-up (the forkserver's first call once).
 
     Interleaving (round after round, each method once per round) spreads the
     machine's noise over all methods alike, so their ratios are fair.
 
     Example: ``measure(2, repeats=3, methods=["forkserver", "fork"])``.
     """
-    methods = list(METHODS if methods is None else methods)
+    methods = default_methods() if methods is None else list(methods)
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
@@ -94,8 +118,9 @@ def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = N
     timings = {method: LaunchTiming(method, []) for method in methods}
     if "forkserver-first" in timings:
         timings["forkserver-first"].seconds.append(time_once("forkserver-first", world_size))
-    elif "forkserver" in timings:
-        time_once("forkserver", world_size)  # warm-up: start the server outside the timings
+    for method in methods:  # one untimed warm-up each: imports, page cache, the forkserver
+        if method != "forkserver-first":
+            time_once(method, world_size)
     for _ in range(repeats):
         for method in methods:
             if method != "forkserver-first":
