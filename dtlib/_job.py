@@ -13,6 +13,7 @@ import os
 import pickle
 import selectors
 import signal
+import socket
 import sys
 import time
 import types
@@ -108,7 +109,9 @@ class Job:
         self.stopped = False
 
     # -- starting ---------------------------------------------------------------
-    def start(self, ctx: Any, method: str, payload: bytes, backend: str | None, port: int) -> None:
+    def start(self, ctx: Any, method: str, payload: bytes, backend: str | None, listener: socket.socket) -> None:
+        """Start every rank; ``listener`` is the rendezvous socket (its port goes in MASTER_PORT)."""
+        port = listener.getsockname()[1]
         alive_r, self.alive_w = ctx.Pipe(duplex=False)
         sources = _cell_sources() if method != "fork" else {}
         base_env = dict(os.environ)
@@ -118,7 +121,7 @@ class Job:
             child = _worker.WorkerPipes(*[w for _, w in ends], alive=alive_r)
             close_fds = []
             if method == "fork":  # a forked child inherits every descriptor the parent holds
-                close_fds = [c.fileno() for c in parent_ends] + [self.alive_w.fileno()]
+                close_fds = [c.fileno() for c in parent_ends] + [self.alive_w.fileno(), listener.fileno()]
                 close_fds += [fd for other in self.ranks for fd in other.fds()]
             config = _worker.WorkerConfig(
                 rank=rank,
@@ -188,6 +191,9 @@ class Job:
                 state.outcome = ("error", self._death(state))
 
     def _death(self, state: RankState) -> RankFailure:
+        # The pipes close a moment before the process is reaped; fork and spawn
+        # processes report no exit code until joined.
+        state.process.join(timeout=1)
         code = state.process.exitcode
         how = f"exited with code {code}"
         if code is not None and code < 0:

@@ -56,31 +56,45 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = No
     return fn(output, input, group=group, async_op=async_op)
 
 
-def loopback_store(world_size: int) -> dist.TCPStore:
-    """A rendezvous store that listens on 127.0.0.1 only, on a free port.
+def loopback_listener(backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 only, on a free port: the rendezvous address.
 
     A TCPStore created the usual way listens on every interface. Binding the
-    socket ourselves and handing it over (``master_listen_fd``) keeps it on
-    loopback, and holding the socket from the start means no other process can
-    take the port between choosing it and using it. Read the port from ``.port``.
+    socket ourselves keeps it on loopback, and holding it from the start means no
+    other process can take the port between choosing it and using it. Connections
+    wait in the backlog until :func:`store_on` starts serving the socket.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", 0))
-        sock.listen(max(128, world_size))
-        port = sock.getsockname()[1]
+        sock.listen(max(128, backlog))
     except BaseException:
         sock.close()
         raise
-    # The store owns the descriptor from here on and closes it when deleted. The libuv
-    # store learned to listen on a handed-over socket only in torch 2.8 (pytorch#150215);
-    # before that, the older backend does it.
+    return sock
+
+
+def store_on(listener: socket.socket) -> dist.TCPStore:
+    """Serve a rendezvous store on ``listener``, which the store owns from then on.
+
+    The libuv store learned to serve a handed-over socket only in torch 2.8
+    (pytorch#150215); before that, the older backend does it.
+    """
+    port = listener.getsockname()[1]
     return dist.TCPStore(
         "127.0.0.1",
         port,
         world_size=None,
         is_master=True,
         wait_for_workers=False,
-        master_listen_fd=sock.detach(),
+        master_listen_fd=listener.detach(),  # closed by the store when it is deleted
         use_libuv=torch_version() >= (2, 8),
     )
+
+
+def loopback_store(world_size: int) -> dist.TCPStore:
+    """A rendezvous store on 127.0.0.1 only, on a free port (read it from ``.port``).
+
+    Example: ``store = loopback_store(2); dist.TCPStore("127.0.0.1", store.port)`` connects.
+    """
+    return store_on(loopback_listener(world_size))

@@ -145,10 +145,15 @@ def spawn(
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
-    store = compat.loopback_store(world_size)
+    listener = compat.loopback_listener(world_size)
+    store = None
     job = Job(world_size, output)
     try:
-        job.start(ctx, method, payload, resolved_backend if init_process_group else None, store.port)
+        job.start(ctx, method, payload, resolved_backend if init_process_group else None, listener)
+        # The store starts after the ranks: it runs a thread, and forking a process while
+        # one of its threads holds a lock can deadlock the child. Ranks that connect
+        # earlier wait in the socket's backlog.
+        store = compat.store_on(listener)
         outcome = job.wait(timeout)
         if outcome == "ok":
             job.stop(grace_s=FINISH_GRACE_S)
@@ -166,4 +171,6 @@ def spawn(
         raise
     finally:
         job.close()
+        if store is None:
+            listener.close()
         del store
