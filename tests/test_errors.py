@@ -1,0 +1,95 @@
+"""Unit tests of the exceptions dtlib.spawn raises: RankFailure, WorkerError, WorkerTimeout."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
+
+TRACEBACK = 'Traceback (most recent call last):\n  File "cell.py", line 2, in fn\nValueError: bad shape\n'
+
+
+def test_headline_of_a_raised_exception():
+    """A rank that raised: 'rank N raised Type: message'."""
+    assert RankFailure(1, "ValueError", "bad shape", TRACEBACK).headline() == "rank 1 raised ValueError: bad shape"
+
+
+def test_headline_of_a_dead_process():
+    """A rank that died without raising: 'rank N <what happened>'."""
+    failure = RankFailure(2, None, "was killed by SIGKILL without returning a result", "", -9)
+    assert failure.headline() == "rank 2 was killed by SIGKILL without returning a result"
+
+
+def test_worker_error_with_one_failure():
+    """One failure: the headline, then that rank's remote traceback; .rank and .failures point at it."""
+    failure = RankFailure(1, "ValueError", "bad shape", TRACEBACK)
+    err = WorkerError([failure])
+    assert isinstance(err, RuntimeError)
+    assert (err.rank, err.failures) == (1, [failure])
+    assert str(err) == f"rank 1 raised ValueError: bad shape\n--- remote traceback of rank 1 ---\n{TRACEBACK.rstrip()}"
+
+
+def test_worker_error_without_traceback_has_no_traceback_section():
+    """A failure with no traceback text adds no empty traceback section."""
+    err = WorkerError([RankFailure(0, None, "exited with code 3 without returning a result", "", 3)])
+    assert str(err) == "rank 0 exited with code 3 without returning a result"
+
+
+def test_worker_error_with_several_failures_sorted_by_rank():
+    """Several failures: a summary line naming the ranks, one headline each, then the tracebacks, all in rank order."""
+    late = RankFailure(2, "KeyError", "'w'", "tb of rank 2\n")
+    early = RankFailure(0, None, "exited with code 1 without returning a result", "", 1)
+    err = WorkerError([late, early])
+    assert err.failures == [early, late]
+    assert err.rank == 0
+    assert str(err) == (
+        "2 ranks failed (0, 2):\n"
+        "  rank 0 exited with code 1 without returning a result\n"
+        "  rank 2 raised KeyError: 'w'\n"
+        "--- remote traceback of rank 2 ---\n"
+        "tb of rank 2"
+    )
+
+
+@given(st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=8, unique=True))
+def test_worker_error_orders_any_failures_by_rank(ranks):
+    """Property: whatever order the failures arrive in, they are kept and reported in rank order."""
+    err = WorkerError([RankFailure(rank, "ValueError", f"m{rank}", "") for rank in ranks])
+    assert [f.rank for f in err.failures] == sorted(ranks)
+    assert err.rank == min(ranks)
+    message = str(err)
+    positions = [message.index(f"rank {rank} raised ValueError: m{rank}") for rank in sorted(ranks)]
+    assert positions == sorted(positions)
+
+
+def test_worker_timeout_attributes():
+    """WorkerTimeout keeps the timeout, each running rank's stack (by rank), and the finished ranks (sorted)."""
+    err = WorkerTimeout(3.0, {2: "stack of 2\n", 0: "stack of 0\n"}, [3, 1])
+    assert isinstance(err, WorkerError) and isinstance(err, TimeoutError)
+    assert err.timeout == 3.0
+    assert list(err.stacks) == [0, 2]
+    assert (err.running_ranks, err.finished_ranks) == ([0, 2], [1, 3])
+    assert [(f.rank, f.exc_type, f.message, f.traceback) for f in err.failures] == [
+        (0, None, "was still running after 3 s", "stack of 0\n"),
+        (2, None, "was still running after 3 s", "stack of 2\n"),
+    ]
+    assert err.rank == 0
+
+
+def test_worker_timeout_message():
+    """The message says how long, which ranks ran and which finished, then each running rank's stack."""
+    err = WorkerTimeout(2.5, {1: "  File x.py, line 3 in barrier\n"}, [])
+    assert str(err) == (
+        "timed out after 2.5 s: rank(s) 1 still running (finished: none); every rank was stopped.\n"
+        "--- Python stack of rank 1 at the timeout ---\n"
+        "  File x.py, line 3 in barrier"
+    )
+
+
+def test_rank_failure_is_immutable():
+    """A RankFailure is a frozen record."""
+    failure = RankFailure(0, "ValueError", "m", "")
+    with pytest.raises(AttributeError):
+        failure.rank = 1
