@@ -16,7 +16,7 @@ lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
 
 test: setup
-	$(PY) -m ruff check dtlib tests
+	$(PY) -m ruff check dtlib tests notebooks
 	$(PY) -m pytest
 
 notebooks: setup
