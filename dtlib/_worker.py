@@ -183,8 +183,8 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
     except OSError:
         pass
     if initialised and message[0] == "ok":
-        import torch.distributed as dist
+        from dtlib import compat
 
-        dist.destroy_process_group()
+        compat.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

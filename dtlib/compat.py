@@ -8,6 +8,7 @@ The lowest torch dtlib supports is :data:`MIN_TORCH` (FSDP2's public
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,21 @@ def check_torch_version() -> None:
         raise RuntimeError(
             f"dtlib needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}"
         )
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """``dist.destroy_process_group(group)``, without the deadlock of torch 2.6 and 2.7.
+
+    Before torch 2.8 (fixed by pytorch#154976), a gloo group's destructor waits for
+    its worker threads while holding the GIL. A worker still releasing the tensors
+    of a finished collective (``all_gather_object`` makes such temporaries) needs
+    the GIL for that, so both wait for ever. Sleeping first hands the GIL to the
+    workers. Measured on torch 2.6: init, ``all_gather_object``, destroy in a loop
+    hung within 100 rounds without the pause and passed 600 rounds with it.
+    """
+    if torch_version() < (2, 8):
+        time.sleep(0.05)  # releases the GIL so gloo's workers can drop their tensors
+    dist.destroy_process_group(group)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = None,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib import compat
 from dtlib.launch import resolve_backend, spawn
 
 
@@ -62,4 +63,4 @@ def run(
         return gathered
     finally:
         if owns_group:
-            dist.destroy_process_group()
+            compat.destroy_process_group()

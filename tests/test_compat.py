@@ -78,3 +78,32 @@ def test_loopback_store_listens_on_loopback_only_and_frees_its_port(monkeypatch,
     while _listeners(port) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _listeners(port) == []
+
+
+def _gather_and_destroy_in_a_loop(rank, world_size, folder, rounds):
+    for i in range(rounds):
+        store = dist.FileStore(f"{folder}/store_{i}", world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, {"rank": rank, "round": i})  # leaves temporaries to gloo's workers
+        compat.destroy_process_group()
+    return rounds
+
+
+@pytest.mark.timeout(120)
+def test_destroy_process_group_never_deadlocks(tmp_path):
+    """Torch 2.6 hung within 100 such rounds with plain destroy_process_group (see compat)."""
+    rounds = 60
+    assert dtlib.spawn(
+        _gather_and_destroy_in_a_loop, 2, args=(str(tmp_path), rounds), init_process_group=False, timeout=100
+    ) == [rounds, rounds]
+
+
+@pytest.mark.parametrize(("version", "pauses"), [("2.6.0", True), ("2.7.1", True), ("2.8.0", False), ("2.13.0", False)])
+def test_destroy_pauses_only_where_torch_needs_it(monkeypatch, version, pauses):
+    calls = []
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(compat.time, "sleep", lambda s: calls.append(("sleep", s)))
+    monkeypatch.setattr(compat.dist, "destroy_process_group", lambda group=None: calls.append(("destroy", group)))
+    compat.destroy_process_group()
+    assert calls == ([("sleep", 0.05)] if pauses else []) + [("destroy", None)]

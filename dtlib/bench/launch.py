@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 import dtlib
+from dtlib import compat
 from dtlib.examples.hello import sum_of_ranks
 
 # Measured in this order: the forkserver's first call must come before any other use of it.
@@ -67,7 +68,7 @@ def _mp_spawn_job(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     value = torch.tensor([float(rank)])
     dist.all_reduce(value)
-    dist.destroy_process_group()
+    compat.destroy_process_group()
 
 
 def _accelerate_job() -> None:
@@ -75,7 +76,7 @@ def _accelerate_job() -> None:
     dist.init_process_group("gloo")
     value = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(value)
-    dist.destroy_process_group()
+    compat.destroy_process_group()
 
 
 def _free_port() -> int:
