@@ -442,26 +442,24 @@ def test_every_failing_rank_is_reported():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["forkserver", "fork"])
-def test_hard_exit_reports_exit_code(start_method):
-    """A rank that calls os._exit(3) is reported with exit code 3 and no exception type (10 runs, to catch races)."""
+@pytest.mark.parametrize(
+    ("fn", "exitcode", "how"),
+    [
+        (exit_hard_on_rank_1, 3, "exited with code 3"),
+        (sigkill_on_rank_1, -signal.SIGKILL, "was killed by SIGKILL"),
+    ],
+    ids=["os._exit(3)", "SIGKILL"],
+)
+def test_a_dead_rank_is_reported_by_how_it_died(start_method, fn, exitcode, how):
+    """A rank that calls os._exit(3) or is killed by SIGKILL is reported with its exit code
+    or signal and no exception type (10 runs, to catch races between the pipes closing
+    and the process being reaped)."""
     for _ in range(10):
         with pytest.raises(dtlib.WorkerError) as info:
-            dtlib.spawn(exit_hard_on_rank_1, world_size=2, start_method=start_method, output="none")
+            dtlib.spawn(fn, world_size=2, start_method=start_method, output="none")
         [failure] = info.value.failures
-        assert (failure.rank, failure.exc_type, failure.exitcode) == (1, None, 3), failure
-        assert "rank 1 exited with code 3" in str(info.value)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
-def test_signal_death_names_the_signal(start_method):
-    """A rank killed by SIGKILL is reported as killed by SIGKILL (10 runs, to catch races)."""
-    for _ in range(10):
-        with pytest.raises(dtlib.WorkerError) as info:
-            dtlib.spawn(sigkill_on_rank_1, world_size=2, start_method=start_method, output="none")
-        [failure] = info.value.failures
-        assert (failure.rank, failure.exc_type, failure.exitcode) == (1, None, -signal.SIGKILL), failure
-        assert "rank 1 was killed by SIGKILL" in str(info.value)
+        assert (failure.rank, failure.exc_type, failure.exitcode) == (1, None, exitcode), failure
+        assert f"rank 1 {how}" in str(info.value)
 
 
 @pytest.mark.timeout(30)
