@@ -1,0 +1,336 @@
+"""A pure-Python simulator of all-reduce algorithms: the ring as data you can step through.
+
+One process, no ``torch.distributed``. Each algorithm is a list of steps; in a step
+every rank sends at the same time, then every receiver adds (reduce) or copies
+(gather) what arrived. The trace records who sent which chunk to whom, the bytes,
+and optionally every rank's buffer after each step::
+
+    trace = simulate_all_reduce([[1, 2, 3], [10, 20, 30]])
+    trace.outputs          # [array([11, 22, 33]), array([11, 22, 33])]
+    len(trace.steps)       # 2 = 2 * (N - 1): reduce-scatter, then all-gather
+    trace.bytes_sent       # array([12, 12]): each rank sent one chunk of 2 elements and one of 1, 4 bytes each
+
+Buffers are cut into N chunks as ``numpy.array_split`` does (the first
+``length % N`` chunks one element longer), so any length works, shorter than N
+included (some chunks are then empty and their transfers carry 0 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Op = Literal["add", "copy"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message: ``src`` sends ``elements`` (``bytes``) of ``chunk`` to ``dst``.
+
+    ``chunk`` is None when the whole buffer is sent. ``op`` is what the receiver
+    does with it: "add" into its own copy, or "copy" over it.
+    """
+
+    src: int
+    dst: int
+    chunk: int | None
+    elements: int
+    bytes: int
+    op: Op
+
+
+@dataclass
+class Step:
+    """Every rank's transfers in one round, and the state after it."""
+
+    phase: str
+    transfers: list[Transfer]
+    buffers: list[np.ndarray] | None  # each rank's whole buffer after the step, if kept
+    contributions: np.ndarray  # (ranks, chunks): how many ranks' inputs each chunk holds
+
+
+@dataclass
+class Trace:
+    """What an algorithm did: its steps, results and traffic per rank (bytes)."""
+
+    algorithm: str
+    world_size: int
+    itemsize: int
+    chunk_bounds: list[tuple[int, int]]  # [start, stop) of each chunk, in elements
+    steps: list[Step]
+    outputs: list[np.ndarray]
+    bytes_sent: np.ndarray  # (ranks,)
+    bytes_received: np.ndarray  # (ranks,)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """S: the bytes of one rank's whole buffer."""
+        return self.chunk_bounds[-1][1] * self.itemsize if self.chunk_bounds else 0
+
+
+def _as_arrays(inputs: Sequence[Any], *, equal_lengths: bool = True) -> list[np.ndarray]:
+    if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
+        raise TypeError("inputs must be a list with one sequence per rank, e.g. [[1, 2], [3, 4]]")
+    if len(inputs) == 0:
+        raise ValueError("inputs is empty: give one sequence per rank (at least one rank)")
+    arrays = []
+    for rank, values in enumerate(inputs):
+        if hasattr(values, "detach"):  # a torch tensor
+            values = values.detach().cpu().numpy()
+        array = np.asarray(values)
+        if array.ndim != 1:
+            raise ValueError(f"rank {rank}'s input has shape {array.shape}; each rank needs one flat sequence")
+        if array.size and array.dtype.kind not in "biufc":
+            raise TypeError(f"rank {rank}'s input is not numeric (dtype {array.dtype})")
+        arrays.append(array)
+    lengths = [len(a) for a in arrays]
+    if equal_lengths and len(set(lengths)) > 1:
+        raise ValueError(f"every rank needs a buffer of the same length; got lengths {lengths} for ranks 0..")
+    dtype = np.result_type(*[a.dtype for a in arrays if a.size] or [np.float32])
+    return [a.astype(dtype, copy=True) for a in arrays]
+
+
+def chunk_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``world_size`` chunks, as ``numpy.array_split`` cuts them.
+
+    Example: ``chunk_bounds(5, 2) == [(0, 3), (3, 5)]``.
+    """
+    base, extra = divmod(length, world_size)
+    bounds, start = [], 0
+    for chunk in range(world_size):
+        stop = start + base + (chunk < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class _Simulation:
+    """Buffers, traffic counters and contributions, advanced one step at a time."""
+
+    def __init__(self, buffers: list[np.ndarray], bounds: list[tuple[int, int]], itemsize: int,
+                 keep_buffers: bool, contributions: np.ndarray) -> None:
+        self.buffers = buffers
+        self.bounds = bounds
+        self.itemsize = itemsize
+        self.keep_buffers = keep_buffers
+        self.contributions = contributions
+        n = len(buffers)
+        self.bytes_sent = np.zeros(n, dtype=np.int64)
+        self.bytes_received = np.zeros(n, dtype=np.int64)
+        self.steps: list[Step] = []
+
+    def _span(self, chunk: int | None) -> slice:
+        if chunk is None:
+            return slice(0, self.bounds[-1][1])
+        start, stop = self.bounds[chunk]
+        return slice(start, stop)
+
+    def step(self, phase: str, moves: list[tuple[int, int, int | None, Op]]) -> None:
+        """Run one round: every (src, dst, chunk, op) message is sent at once, then applied."""
+        def columns(chunk: int | None) -> int | slice:
+            return slice(None) if chunk is None else chunk
+
+        sent = [(self.buffers[src][self._span(chunk)].copy(), self.contributions[src, columns(chunk)].copy())
+                for src, _, chunk, _ in moves]  # what was there before anyone received
+        transfers = []
+        for (src, dst, chunk, op), (data, counts) in zip(moves, sent, strict=True):
+            span = self._span(chunk)
+            if op == "add":
+                self.buffers[dst][span] += data
+                self.contributions[dst, columns(chunk)] += counts
+            else:
+                self.buffers[dst][span] = data
+                self.contributions[dst, columns(chunk)] = counts
+            nbytes = len(data) * self.itemsize
+            self.bytes_sent[src] += nbytes
+            self.bytes_received[dst] += nbytes
+            transfers.append(Transfer(src, dst, chunk, len(data), nbytes, op))
+        snapshot = [b.copy() for b in self.buffers] if self.keep_buffers else None
+        self.steps.append(Step(phase, transfers, snapshot, self.contributions.copy()))
+
+    def trace(self, algorithm: str, outputs: list[np.ndarray]) -> Trace:
+        return Trace(algorithm, len(self.buffers), self.itemsize, self.bounds, self.steps, outputs,
+                     self.bytes_sent, self.bytes_received)
+
+
+def _start(inputs: Sequence[Any], itemsize: int, keep_buffers: bool) -> _Simulation:
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be a positive number of bytes, got {itemsize}")
+    buffers = _as_arrays(inputs)
+    n = len(buffers)
+    return _Simulation(buffers, chunk_bounds(len(buffers[0]), n), itemsize, keep_buffers,
+                       np.ones((n, n), dtype=np.int64))
+
+
+def _ring_reduce_scatter(sim: _Simulation) -> None:
+    n = len(sim.buffers)
+    for s in range(n - 1):  # rank r passes chunk r-1-s on; after N-1 steps it holds chunk r, fully reduced
+        sim.step("reduce-scatter", [(r, (r + 1) % n, (r - 1 - s) % n, "add") for r in range(n)])
+
+
+def _ring_all_gather(sim: _Simulation) -> None:
+    n = len(sim.buffers)
+    for s in range(n - 1):  # rank r passes on chunk r-s, the one it completed or received last
+        sim.step("all-gather", [(r, (r + 1) % n, (r - s) % n, "copy") for r in range(n)])
+
+
+def simulate_all_reduce(inputs: Sequence[Any], *, itemsize: int = 4, keep_buffers: bool = True) -> Trace:
+    """Ring all-reduce: 2(N-1) steps, each rank sending 2(N-1)/N x S bytes in all.
+
+    ``inputs``: one equal-length sequence per rank (lists, NumPy arrays or tensors).
+    ``itemsize``: bytes per element for the traffic counts (4 = float32).
+    ``keep_buffers=False`` skips the per-step snapshots (for large N and lengths).
+
+    Example: ``simulate_all_reduce([[1, 2], [3, 4]]).outputs`` is ``[array([4, 6]), array([4, 6])]``.
+    """
+    sim = _start(inputs, itemsize, keep_buffers)
+    _ring_reduce_scatter(sim)
+    _ring_all_gather(sim)
+    return sim.trace("ring all-reduce", [b.copy() for b in sim.buffers])
+
+
+def simulate_reduce_scatter(inputs: Sequence[Any], *, itemsize: int = 4, keep_buffers: bool = True) -> Trace:
+    """Ring reduce-scatter: N-1 steps; rank r ends with chunk r of the sum (``.outputs[r]``).
+
+    Example: ``simulate_reduce_scatter([[1, 2], [3, 4]]).outputs`` is ``[array([4]), array([6])]``.
+    """
+    sim = _start(inputs, itemsize, keep_buffers)
+    _ring_reduce_scatter(sim)
+    outputs = [sim.buffers[r][sim._span(r)].copy() for r in range(len(sim.buffers))]
+    return sim.trace("ring reduce-scatter", outputs)
+
+
+def simulate_all_gather(shards: Sequence[Any], *, itemsize: int = 4, keep_buffers: bool = True) -> Trace:
+    """Ring all-gather: N-1 steps; every rank ends with all shards, concatenated in rank order.
+
+    ``shards[r]`` is rank r's piece; pieces may differ in length (as uneven chunks do).
+
+    Example: ``simulate_all_gather([[1], [2, 3]]).outputs`` is ``[array([1, 2, 3])] * 2``.
+    """
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be a positive number of bytes, got {itemsize}")
+    pieces = _as_arrays(shards, equal_lengths=False)
+    n = len(pieces)
+    stops = np.cumsum([len(p) for p in pieces])
+    bounds = [(int(stop - len(p)), int(stop)) for p, stop in zip(pieces, stops, strict=True)]
+    buffers = [np.zeros(int(stops[-1]), dtype=pieces[0].dtype) for _ in range(n)]
+    contributions = np.zeros((n, n), dtype=np.int64)
+    for rank, piece in enumerate(pieces):
+        buffers[rank][bounds[rank][0]:bounds[rank][1]] = piece
+        contributions[rank, rank] = 1
+    sim = _Simulation(buffers, bounds, itemsize, keep_buffers, contributions)
+    _ring_all_gather(sim)
+    return sim.trace("ring all-gather", [b.copy() for b in sim.buffers])
+
+
+def simulate_naive_all_reduce(inputs: Sequence[Any], *, itemsize: int = 4, keep_buffers: bool = True) -> Trace:
+    """Naive all-reduce: in one step every rank sends its whole buffer to every other: (N-1) x S each.
+
+    Example: ``simulate_naive_all_reduce([[1], [2], [3]]).bytes_sent`` is ``array([8, 8, 8])``.
+    """
+    sim = _start(inputs, itemsize, keep_buffers)
+    n = len(sim.buffers)
+    sim.step("exchange", [(src, dst, None, "add") for src in range(n) for dst in range(n) if src != dst])
+    return sim.trace("naive all-reduce", [b.copy() for b in sim.buffers])
+
+
+def simulate_star_all_reduce(inputs: Sequence[Any], *, itemsize: int = 4, keep_buffers: bool = True) -> Trace:
+    """Reduce to rank 0, then broadcast from it: rank 0 receives and sends (N-1) x S, the bottleneck.
+
+    Example: ``len(simulate_star_all_reduce([[1], [2]]).steps)`` is 2 (reduce, broadcast).
+    """
+    sim = _start(inputs, itemsize, keep_buffers)
+    n = len(sim.buffers)
+    if n > 1:
+        sim.step("reduce", [(src, 0, None, "add") for src in range(1, n)])
+        sim.step("broadcast", [(0, dst, None, "copy") for dst in range(1, n)])
+    return sim.trace("reduce + broadcast", [b.copy() for b in sim.buffers])
+
+
+def simulate_recursive_doubling_all_reduce(inputs: Sequence[Any], *, itemsize: int = 4,
+                                           keep_buffers: bool = True) -> Trace:
+    """Recursive doubling: in step k, rank r swaps whole buffers with rank r XOR 2^k; log2(N) steps.
+
+    For N not a power of two, the P = 2^floor(log2 N) first ranks do the doubling; each
+    rank r >= P first folds its buffer into rank r - P and gets the result back at the end.
+
+    Example: ``len(simulate_recursive_doubling_all_reduce([[1]] * 4).steps)`` is 2.
+    """
+    sim = _start(inputs, itemsize, keep_buffers)
+    n = len(sim.buffers)
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    if n > p:
+        sim.step("fold in", [(r, r - p, None, "add") for r in range(p, n)])
+    distance = 1
+    while distance < p:
+        sim.step(f"exchange at distance {distance}", [(r, r ^ distance, None, "add") for r in range(p)])
+        distance *= 2
+    if n > p:
+        sim.step("hand back", [(r - p, r, None, "copy") for r in range(p, n)])
+    return sim.trace("recursive doubling all-reduce", [b.copy() for b in sim.buffers])
+
+
+# -- the alpha-beta cost model -------------------------------------------------------------
+
+#: For each algorithm: (messages in sequence, bytes in sequence per byte of S) as functions of N.
+#: Time = messages * alpha + bytes_factor * S / bandwidth. Ring: 2(N-1) steps of S/N bytes each.
+COST_TERMS = {
+    "ring all-reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+    "ring reduce-scatter": lambda n: (n - 1, (n - 1) / n),
+    "ring all-gather": lambda n: (n - 1, (n - 1) / n),
+    # A rank sends its N-1 messages one after another through one link.
+    "naive all-reduce": lambda n: (n - 1, n - 1),
+    "reduce + broadcast": lambda n: (2 * (n - 1), 2 * (n - 1)),
+    "recursive doubling all-reduce": lambda n: (_doubling_steps(n), _doubling_steps(n)),
+}
+
+
+def _doubling_steps(n: int) -> int:
+    p = 1 << (n.bit_length() - 1)
+    return (p.bit_length() - 1) + (2 if n > p else 0)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Latency per message (seconds) and bandwidth (bytes per second) of one link."""
+
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+
+    def time(self, algorithm: str, world_size: int, nbytes: float) -> float:
+        """Predicted seconds for ``algorithm`` on ``world_size`` ranks with S = ``nbytes`` per rank.
+
+        Example: ``AlphaBeta(1e-5, 1e9).time("ring all-reduce", 4, 1e6)`` is 6e-5 + 1.5e-3 seconds.
+        """
+        if algorithm not in COST_TERMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; known: {sorted(COST_TERMS)}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        messages, bytes_factor = COST_TERMS[algorithm](world_size)
+        return messages * self.alpha_s + bytes_factor * nbytes / self.bandwidth_bytes_per_s
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, algorithm: str = "ring all-reduce",
+                   world_size: int = 2) -> AlphaBeta:
+    """Least-squares fit of alpha and bandwidth to measured times of ``algorithm``.
+
+    Needs at least two different sizes. Example: times made by ``AlphaBeta(2e-5, 5e9)``
+    give back ``AlphaBeta(2e-5, 5e9)``.
+    """
+    sizes = np.asarray(sizes_bytes, dtype=np.float64)
+    times = np.asarray(seconds, dtype=np.float64)
+    if sizes.shape != times.shape or sizes.ndim != 1:
+        raise ValueError(f"need one time per size; got {sizes.shape} sizes and {times.shape} times")
+    if len(np.unique(sizes)) < 2:
+        raise ValueError("need timings at two or more different sizes to separate latency from bandwidth")
+    if world_size < 2:
+        raise ValueError("one rank sends nothing: fit with world_size >= 2")
+    messages, bytes_factor = COST_TERMS[algorithm](world_size)
+    design = np.column_stack([np.full_like(sizes, messages), bytes_factor * sizes])  # t = [m, f*S] @ [a, 1/b]
+    (alpha, inverse_bandwidth), *_ = np.linalg.lstsq(design, times, rcond=None)
+    if inverse_bandwidth <= 0:
+        raise ValueError("the times do not grow with size, so no bandwidth can be fitted; measure larger sizes")
+    return AlphaBeta(float(alpha), float(1 / inverse_bandwidth))
