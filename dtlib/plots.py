@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
@@ -131,5 +132,102 @@ def launch_times(timings: Sequence[Any]) -> Figure:
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the call to the results (median, log scale)")
     ax.set_title("Launching a one-all-reduce job on this machine")
+    fig.tight_layout()
+    return fig
+
+
+# -- the ring simulator (dtlib.ring) ----------------------------------------------------------
+
+
+def _ring_positions(n: int, radius: float = 2.6, center: tuple[float, float] = (3.4, 3.4)) -> list[tuple[float, float]]:
+    # Rank 0 at the top, the ring running clockwise.
+    return [(center[0] + radius * np.sin(2 * np.pi * r / n), center[1] + radius * np.cos(2 * np.pi * r / n))
+            for r in range(n)]
+
+
+def ring_step(trace: Any, step: int) -> Figure:
+    """One step of a simulated collective: who sends which chunk to whom (left), and after
+    the step how many ranks' inputs each rank's chunks hold (right). ``step`` 0 is the start.
+
+    Example: ``dtlib.plots.ring_step(dtlib.ring.simulate_all_reduce([[1, 2], [3, 4]]), 1)``.
+    """
+    n, last = trace.world_size, len(trace.steps)
+    if not 0 <= step <= last:
+        raise ValueError(f"step must be between 0 (the start) and {last}, got {step}")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
+    left.set_xlim(0, 6.8)
+    left.set_ylim(0, 6.8)
+    left.set_aspect("equal")
+    left.axis("off")
+    where = _ring_positions(n)
+    transfers = trace.steps[step - 1].transfers if step else []
+    for t in transfers:
+        label = "all" if t.chunk is None else f"c{t.chunk}"
+        start, end = np.array(where[t.src]), np.array(where[t.dst])
+        gap = (end - start) / max(np.linalg.norm(end - start), 1e-9) * 0.45
+        _arrow(left, tuple(start + gap), tuple(end - gap), connectionstyle="arc3,rad=0.15")
+        if len(transfers) <= 12:
+            mid = (start + end) / 2
+            left.text(mid[0], mid[1], f"{label}\n{t.bytes} B", fontsize=7, ha="center", va="center",
+                      bbox={"fc": "white", "ec": "none", "alpha": 0.8})
+    for rank, (x, y) in enumerate(where):
+        _box(left, x - 0.5, y - 0.25, 1.0, 0.5, f"rank {rank}", COLORS["rank"])
+    phase = trace.steps[step - 1].phase if step else "start"
+    left.set_title(f"{trace.algorithm}, N = {n}: step {step} of {last} ({phase})")
+    counts = trace.contributions(step)
+    image = right.imshow(counts, cmap="viridis", vmin=0, vmax=n, aspect="auto")
+    right.set_xticks(range(counts.shape[1]), [f"c{c}" for c in range(counts.shape[1])])
+    right.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    if n <= 12:
+        for (r, c), value in np.ndenumerate(counts):
+            right.text(c, r, str(value), ha="center", va="center", color="white" if value < n * 0.6 else "black")
+    right.set_xlabel("chunk of the buffer")
+    right.set_title("ranks' inputs summed into each chunk")
+    fig.colorbar(image, ax=right, label=f"inputs held (N = {n} means done)")
+    fig.tight_layout()
+    return fig
+
+
+def ring_grid(trace: Any) -> Figure:
+    """Every step at once: the (ranks x chunks) contribution grid from the start to the end.
+
+    Example: ``dtlib.plots.ring_grid(dtlib.ring.simulate_all_reduce([[0] * 8] * 4))``.
+    """
+    n, panels = trace.world_size, len(trace.steps) + 1
+    columns = min(panels, 7)
+    rows = -(-panels // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.7 * columns, 1.9 * rows + 0.5), squeeze=False)
+    for index, ax in enumerate(axes.flat):
+        if index >= panels:
+            ax.axis("off")
+            continue
+        ax.imshow(trace.contributions(index), cmap="viridis", vmin=0, vmax=n)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        phase = trace.steps[index - 1].phase if index else "start"
+        ax.set_title(f"{index}: {phase}", fontsize=8)
+        if index % columns == 0:
+            ax.set_ylabel("ranks")
+        if index >= panels - columns:
+            ax.set_xlabel("chunks")
+    fig.suptitle(f"{trace.algorithm}, N = {n}: inputs summed into each chunk (bright = all {n})")
+    fig.tight_layout()
+    return fig
+
+
+def traffic(world_sizes: Sequence[int], table: dict[str, list[float]]) -> Figure:
+    """Bytes the busiest rank sends, in units of the buffer size S, against N (from ``ring.traffic_table``).
+
+    Example: ``dtlib.plots.traffic([2, 4, 8], dtlib.ring.traffic_table([2, 4, 8]))``.
+    """
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for name, values in table.items():
+        ax.plot(world_sizes, values, marker="o", label=name)
+    ax.axhline(2, color="gray", ls=":", lw=1)
+    ax.text(world_sizes[0], 2.1, "2 x S: the ring's limit", fontsize=8, color="gray")
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel("bytes sent by the busiest rank (x S)")
+    ax.set_title("All-reduce traffic per rank as the job grows")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -64,6 +64,11 @@ class Trace:
     outputs: list[np.ndarray]
     bytes_sent: np.ndarray  # (ranks,)
     bytes_received: np.ndarray  # (ranks,)
+    initial_contributions: np.ndarray  # (ranks, chunks) before the first step
+
+    def contributions(self, step: int) -> np.ndarray:
+        """(ranks, chunks) counts after ``step`` steps (0 = the start)."""
+        return self.initial_contributions if step == 0 else self.steps[step - 1].contributions
 
     @property
     def buffer_bytes(self) -> int:
@@ -117,6 +122,7 @@ class _Simulation:
         self.itemsize = itemsize
         self.keep_buffers = keep_buffers
         self.contributions = contributions
+        self.initial_contributions = contributions.copy()
         n = len(buffers)
         self.bytes_sent = np.zeros(n, dtype=np.int64)
         self.bytes_received = np.zeros(n, dtype=np.int64)
@@ -153,7 +159,7 @@ class _Simulation:
 
     def trace(self, algorithm: str, outputs: list[np.ndarray]) -> Trace:
         return Trace(algorithm, len(self.buffers), self.itemsize, self.bounds, self.steps, outputs,
-                     self.bytes_sent, self.bytes_received)
+                     self.bytes_sent, self.bytes_received, self.initial_contributions)
 
 
 def _start(inputs: Sequence[Any], itemsize: int, keep_buffers: bool) -> _Simulation:
@@ -271,6 +277,29 @@ def simulate_recursive_doubling_all_reduce(inputs: Sequence[Any], *, itemsize: i
     if n > p:
         sim.step("hand back", [(r - p, r, None, "copy") for r in range(p, n)])
     return sim.trace("recursive doubling all-reduce", [b.copy() for b in sim.buffers])
+
+
+ALL_REDUCE_ALGORITHMS = {
+    "ring all-reduce": simulate_all_reduce,
+    "naive all-reduce": simulate_naive_all_reduce,
+    "reduce + broadcast": simulate_star_all_reduce,
+    "recursive doubling all-reduce": simulate_recursive_doubling_all_reduce,
+}
+
+
+def traffic_table(world_sizes: Sequence[int], length: int = 840) -> dict[str, list[float]]:
+    """Busiest rank's bytes sent, in units of S, per all-reduce algorithm and world size.
+
+    Measured by running each simulator (840 = 2^3 x 3 x 5 x 7 elements divides evenly
+    for most N). Example: ``traffic_table([4])["ring all-reduce"] == [1.5]``.
+    """
+    table: dict[str, list[float]] = {name: [] for name in ALL_REDUCE_ALGORITHMS}
+    for world_size in world_sizes:
+        inputs = [np.zeros(length, dtype=np.float32)] * world_size
+        for name, simulate in ALL_REDUCE_ALGORITHMS.items():
+            trace = simulate(inputs, keep_buffers=False)
+            table[name].append(float(trace.bytes_sent.max()) / trace.buffer_bytes)
+    return table
 
 
 # -- the alpha-beta cost model -------------------------------------------------------------

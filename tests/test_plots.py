@@ -51,3 +51,34 @@ def test_launch_times_labels_each_bar_with_its_median():
     fig = plots.launch_times(timings)
     text = _texts(fig)
     assert "0.050 s" in text and "1.250 s" in text
+
+
+def test_ring_step_draws_one_arrow_per_transfer_and_the_counts():
+    from dtlib import ring
+
+    trace = ring.simulate_all_reduce([[0] * 8] * 4)
+    fig = plots.ring_step(trace, 2)
+    left, right = fig.axes[:2]
+    assert "step 2 of 6 (reduce-scatter)" in left.get_title()
+    assert sum(p.__class__.__name__ == "FancyArrowPatch" for p in left.patches) == 4
+    labels = [t.get_text() for t in left.texts]
+    for t in trace.steps[1].transfers:
+        assert f"c{t.chunk}\n{t.bytes} B" in labels
+    shown = sorted(int(t.get_text()) for t in right.texts)
+    assert shown == sorted(trace.steps[1].contributions.ravel().tolist())
+    assert right.get_xlabel() == "chunk of the buffer"
+    with pytest.raises(ValueError, match="between 0"):
+        plots.ring_step(trace, 7)
+
+
+def test_ring_grid_has_a_panel_per_step_and_traffic_a_line_per_algorithm():
+    from dtlib import ring
+
+    trace = ring.simulate_all_reduce([[0] * 8] * 4)
+    fig = plots.ring_grid(trace)
+    titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titled[0] == "0: start" and titled[-1] == "6: all-gather" and len(titled) == 7
+    table = ring.traffic_table([2, 4, 8])
+    ax = plots.traffic([2, 4, 8], table).axes[0]
+    assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] == list(table)
+    assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()

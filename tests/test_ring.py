@@ -166,3 +166,13 @@ def test_fit_recovers_a_known_model(algorithm):
 def test_fit_needs_two_sizes():
     with pytest.raises(ValueError, match="two or more different sizes"):
         ring.fit_alpha_beta([1024, 1024], [1e-4, 1.1e-4])
+
+
+def test_traffic_table_matches_the_formulas():
+    world_sizes = [2, 3, 4, 5, 7, 8]
+    table = ring.traffic_table(world_sizes)
+    for i, n in enumerate(world_sizes):
+        assert table["ring all-reduce"][i] == pytest.approx(2 * (n - 1) / n)
+        assert table["naive all-reduce"][i] == n - 1
+        assert table["reduce + broadcast"][i] == n - 1  # rank 0 sends the result to the N-1 others
+    assert table["recursive doubling all-reduce"][world_sizes.index(8)] == 3  # log2(8) whole buffers
