@@ -15,7 +15,7 @@ from dtlib.run import run, under_torchrun
 __all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "run", "spawn", "under_torchrun"]
 __version__ = "0.1.0"
 
-_SUBMODULES = {"bench", "checks", "compat", "examples", "launch", "plots", "ring", "sysinfo"}
+_SUBMODULES = {"bench", "checks", "collectives", "compat", "examples", "launch", "plots", "ring", "sysinfo"}
 
 
 def __getattr__(name: str) -> Any:
