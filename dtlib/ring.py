@@ -314,6 +314,8 @@ COST_TERMS = {
     "naive all-reduce": lambda n: (n - 1, n - 1),
     "reduce + broadcast": lambda n: (2 * (n - 1), 2 * (n - 1)),
     "recursive doubling all-reduce": lambda n: (_doubling_steps(n), _doubling_steps(n)),
+    # Cut into many small pieces and passed down a chain: S once, after N-1 start-up hops.
+    "pipelined broadcast": lambda n: (n - 1, 1.0),
 }
 
 

@@ -2,4 +2,6 @@
 
 - ``launch``: how long a one-all-reduce job takes from the call to the results,
   per start method, beside plain ``torch.multiprocessing.spawn``.
+- ``allreduce``, ``allgather``, ``reducescatter``, ``broadcast``: nccl-tests-style
+  sweeps over message sizes with algbw and busbw (``--algo ring`` for the send/recv ring).
 """

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dtlib.bench import launch
+from dtlib.bench import collective, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,16 @@ def main(argv: list[str] | None = None) -> int:
                                help=f"comma-separated subset of {','.join(launch.METHODS)} "
                                     "(accelerate only where it is installed)")
     launch_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    for op in collective.OPS:
+        sweep_parser = commands.add_parser(op, help=f"nccl-tests-style {op} sweep over message sizes")
+        sweep_parser.add_argument("--world-size", type=int, default=2)
+        sweep_parser.add_argument("--min-bytes", default="1K", help="smallest S, e.g. 1K (K, M, G = 1024^1..3)")
+        sweep_parser.add_argument("--max-bytes", default="64M", help="largest S, e.g. 64M")
+        sweep_parser.add_argument("--iters", type=int, default=20, help="timed iterations per size")
+        sweep_parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per size first")
+        sweep_parser.add_argument("--algo", choices=["library", "ring"], default="library",
+                                  help="ring: dtlib's send/recv ring all-reduce (allreduce only)")
+        sweep_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
 
     if options.what == "launch":
@@ -28,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(launch.as_records(timings, options.world_size), indent=2))
         else:
             print(launch.format_table(timings, options.world_size))
+    else:
+        rows = collective.sweep(options.what, options.world_size, options.min_bytes, options.max_bytes,
+                                iters=options.iters, warmup=options.warmup, algo=options.algo)
+        print(json.dumps(collective.as_records(rows), indent=2) if options.json else collective.format_table(rows))
     return 0
 
 
