@@ -231,3 +231,31 @@ def traffic(world_sizes: Sequence[int], table: dict[str, list[float]]) -> Figure
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def busbw(rows: Sequence[Any], model: Any = None) -> Figure:
+    """Bus bandwidth against message size (a ``dtlib.bench.collective.sweep``), with the fitted
+    alpha-beta model's prediction laid over it.
+
+    Example: ``rows = sweep("allreduce"); dtlib.plots.busbw(rows, fit(rows))``.
+    """
+    from dtlib.bench.collective import BUS_FACTOR, MODEL
+
+    first = rows[0]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    sizes = [r.size_bytes for r in rows]
+    ax.plot(sizes, [r.busbw_gbs for r in rows], marker="o", label=f"measured here ({first.world_size} ranks)")
+    if model is not None:
+        factor = BUS_FACTOR[first.op](first.world_size)
+        grid = np.geomspace(sizes[0], sizes[-1], 100)
+        predicted = [s / model.time(MODEL[first.op], first.world_size, s) / 1e9 * factor for s in grid]
+        ax.plot(grid, predicted, "--", color="black",
+                label=f"alpha-beta fit: alpha = {model.alpha_s * 1e6:.0f} us, "
+                      f"b = {model.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes, log scale)")
+    ax.set_ylabel("bus bandwidth (GB/s, 1 GB = 1e9 B)")
+    ax.set_title(f"{first.op}{' (send/recv ring)' if first.algo == 'ring' else ''}: busbw against size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -346,7 +346,7 @@ class AlphaBeta:
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, algorithm: str = "ring all-reduce",
                    world_size: int = 2) -> AlphaBeta:
-    """Least-squares fit of alpha and bandwidth to measured times of ``algorithm``.
+    """Least-squares fit (of relative errors) of alpha and bandwidth to measured times of ``algorithm``.
 
     Needs at least two different sizes. Example: times made by ``AlphaBeta(2e-5, 5e9)``
     give back ``AlphaBeta(2e-5, 5e9)``.
@@ -360,8 +360,11 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, al
     if world_size < 2:
         raise ValueError("one rank sends nothing: fit with world_size >= 2")
     messages, bytes_factor = COST_TERMS[algorithm](world_size)
+    if np.any(times <= 0):
+        raise ValueError("every time must be positive")
     design = np.column_stack([np.full_like(sizes, messages), bytes_factor * sizes])  # t = [m, f*S] @ [a, 1/b]
-    (alpha, inverse_bandwidth), *_ = np.linalg.lstsq(design, times, rcond=None)
+    # Relative errors, not absolute ones: otherwise the largest sizes decide alone and alpha is lost.
+    (alpha, inverse_bandwidth), *_ = np.linalg.lstsq(design / times[:, None], np.ones_like(times), rcond=None)
     if inverse_bandwidth <= 0:
         raise ValueError("the times do not grow with size, so no bandwidth can be fitted; measure larger sizes")
     return AlphaBeta(float(alpha), float(1 / inverse_bandwidth))

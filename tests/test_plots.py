@@ -82,3 +82,21 @@ def test_ring_grid_has_a_panel_per_step_and_traffic_a_line_per_algorithm():
     ax = plots.traffic([2, 4, 8], table).axes[0]
     assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] == list(table)
     assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+
+
+def test_busbw_plot_shows_the_sweep_and_the_fit():
+    from dtlib import ring
+    from dtlib.bench.collective import Row
+
+    truth = ring.AlphaBeta(1e-4, 2e9)
+    rows = []
+    for size in (2**10, 2**14, 2**18, 2**22):
+        seconds = truth.time("ring all-reduce", 2, size)
+        rows.append(Row("allreduce", "library", 2, size, size // 4, "float32", seconds * 1e6,
+                        size / seconds / 1e9, size / seconds / 1e9))
+    ax = plots.busbw(rows, truth).axes[0]
+    measured, fitted = ax.get_lines()
+    assert list(measured.get_ydata()) == [r.busbw_gbs for r in rows]
+    assert fitted.get_ydata()[-1] == pytest.approx(rows[-1].busbw_gbs)  # the model through its own data
+    assert "alpha = 100 us, b = 2.00 GB/s" in fitted.get_label()
+    assert "bytes" in ax.get_xlabel() and "GB/s" in ax.get_ylabel() and ax.get_title()
