@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dtlib.errors import WorkerError
+from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import resolve_backend, spawn
 
 
@@ -81,6 +81,71 @@ def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: fl
     else:
         hint = f"it returned {value!r}."
     return Feedback(False, f"Rank {rank} should return {expected}, but {hint}")
+
+
+def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None], which: str,
+                          length: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from dtlib import collectives
+
+    data = torch.arange(length, dtype=torch.float64) * 10.0**rank  # rank r: 10^r x [0, 1, 2, ...]
+    expected = data.clone()
+    dist.all_reduce(expected)
+    ours = data.clone()
+    collectives.ring_all_reduce(ours, **{which: phase})
+    return {"ours": ours.tolist(), "expected": expected.tolist(), "input": data.tolist()}
+
+
+def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size: int = 4,
+               length: int = 10, timeout: float = 30.0) -> Feedback:
+    """Notebook 03: your ``phase(chunks, rank, world_size)`` inside ``ring_all_reduce``.
+
+    ``which`` is "all_gather" or "reduce_scatter": the phase you wrote; dtlib's own
+    implementation does the other one. The buffer (``length`` elements, uneven chunks
+    on 4 ranks) must come out equal to ``dist.all_reduce``'s.
+
+    Example: ``ring_phase(dtlib.collectives.ring_all_gather_phase)`` is ✓.
+    """
+    if which not in ("all_gather", "reduce_scatter"):
+        return Feedback(False, f"which must be 'all_gather' or 'reduce_scatter', not {which!r}.")
+    if not callable(phase):
+        return Feedback(False, f"Pass your function itself, not {type(phase).__name__}.")
+    try:
+        reports = spawn(_ring_with_your_phase, world_size, args=(phase, which, length), timeout=timeout,
+                        output="none")
+    except WorkerTimeout:
+        return Feedback(False, "The ring hung: on every step each rank must call ring_shift exactly once, "
+                               "sending one chunk and receiving one, and all ranks must take the same "
+                               f"number of steps ({world_size - 1}).")
+    except WorkerError as err:
+        headline = err.failures[0].headline()
+        if "SIGABRT" in headline:
+            return Feedback(False, f"{headline}. gloo aborts a rank when a send and the receive it meets "
+                                   "differ in size: with uneven chunks, the chunk you send must be the one "
+                                   "your right-hand neighbour expects to receive.")
+        return Feedback(False, f"Your phase raised on a rank:\n{headline}")
+    from dtlib.ring import chunk_bounds
+
+    for rank, report in enumerate(reports):
+        for chunk, (start, stop) in enumerate(chunk_bounds(length, world_size)):
+            got, want = report["ours"][start:stop], report["expected"][start:stop]
+            if got == want:
+                continue
+            where = f"On rank {rank}, chunk {chunk} holds {got} but should hold {want}"
+            # Every input is >= 0 (rank r holds 10^r x [0, 1, ...]), so too much or too little is telling.
+            if all(g >= w for g, w in zip(got, want, strict=True)):
+                return Feedback(False, f"{where}: more than the sum, so some contribution was added twice. "
+                                       "Reduce-scatter adds the incoming chunk; all-gather copies it (copy_).")
+            if all(g <= w for g, w in zip(got, want, strict=True)):
+                return Feedback(False, f"{where}: less than the sum, so some ranks' contributions never "
+                                       "reached it. Check which chunk you send and which you receive at each "
+                                       "step (dtlib.ring.simulate_all_reduce shows them).")
+            return Feedback(False, f"{where}. Step through dtlib.ring.simulate_all_reduce on a small input to "
+                                   "see which chunk should move at each step.")
+    return Feedback(True, f"Equal to dist.all_reduce on all {world_size} ranks, uneven chunks included: "
+                          f"your {which.replace('_', '-')} phase works.")
 
 
 def _as_number(value: Any) -> Any:

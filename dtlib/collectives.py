@@ -145,8 +145,11 @@ def demo(name: str, world_size: int = 4, **spawn_options: Any) -> CollectiveResu
 Phase = Callable[[list[torch.Tensor], int, int], None]
 
 
-def _shift(send: torch.Tensor, receive_into: torch.Tensor, rank: int, world_size: int) -> None:
-    """Send ``send`` to the right-hand neighbour while receiving ``receive_into`` from the left."""
+def ring_shift(send: torch.Tensor, receive_into: torch.Tensor, rank: int, world_size: int) -> None:
+    """One ring step: send ``send`` to rank+1 while receiving ``receive_into`` from rank-1.
+
+    Every rank must call it the same number of times, or the ring waits for ever.
+    """
     request = dist.isend(send.contiguous(), (rank + 1) % world_size)
     dist.recv(receive_into, (rank - 1) % world_size)
     request.wait()
@@ -157,7 +160,7 @@ def ring_reduce_scatter_phase(chunks: list[torch.Tensor], rank: int, world_size:
     for step in range(world_size - 1):
         send, receive = (rank - 1 - step) % world_size, (rank - 2 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        _shift(chunks[send], incoming, rank, world_size)
+        ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive] += incoming
 
 
@@ -166,7 +169,7 @@ def ring_all_gather_phase(chunks: list[torch.Tensor], rank: int, world_size: int
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        _shift(chunks[send], incoming, rank, world_size)
+        ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive].copy_(incoming)
 
 

@@ -88,3 +88,70 @@ def test_sum_of_ranks_says_what_is_wrong(fn, fragment):
 def test_sum_of_ranks_reports_a_hang_instead_of_hanging():
     feedback = checks.sum_of_ranks(_hangs, world_size=2, timeout=3)
     assert not feedback.ok and "hung" in feedback.message and "barrier" in feedback.message
+
+
+# -- notebook 03: one phase of the ring -------------------------------------------------------
+
+
+def _gather_by_adding(chunks, rank, world_size):
+    import torch
+
+    from dtlib import collectives
+
+    for step in range(world_size - 1):
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        chunks[receive] += incoming  # wrong: the all-gather phase copies
+
+
+def _gather_nothing(chunks, rank, world_size):
+    pass
+
+
+def _gather_wrong_chunks(chunks, rank, world_size):
+    import torch
+
+    from dtlib import collectives
+
+    for step in range(world_size - 1):
+        send, receive = (rank + step) % world_size, (rank - 1 - step) % world_size  # wrong: sends rank + step
+        incoming = torch.empty_like(chunks[receive])
+        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        chunks[receive].copy_(incoming)
+
+
+def _rank_0_skips_the_ring(chunks, rank, world_size):
+    from dtlib import collectives
+
+    if rank != 0:
+        collectives.ring_all_gather_phase(chunks, rank, world_size)
+
+
+@pytest.mark.timeout(60)
+def test_ring_phase_accepts_dtlibs_own_phases():
+    from dtlib import collectives
+
+    assert checks.ring_phase(collectives.ring_all_gather_phase)
+    assert checks.ring_phase(collectives.ring_reduce_scatter_phase, which="reduce_scatter")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("phase", "says"),
+    [
+        (_gather_by_adding, "added twice"),
+        (_gather_nothing, "never reached it"),
+        (_gather_wrong_chunks, "differ in size"),
+        (_rank_0_skips_the_ring, "The ring hung"),
+    ],
+)
+def test_ring_phase_says_what_is_wrong(phase, says):
+    feedback = checks.ring_phase(phase, timeout=5)
+    assert not feedback.ok
+    assert says in feedback.message, feedback.message
+
+
+def test_ring_phase_refuses_bad_arguments():
+    assert "which must be" in checks.ring_phase(_gather_nothing, which="broadcast").message
+    assert "function itself" in checks.ring_phase("my_phase").message
