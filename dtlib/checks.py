@@ -83,6 +83,44 @@ def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: fl
     return Feedback(False, f"Rank {rank} should return {expected}, but {hint}")
 
 
+def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout: float = 30.0) -> Feedback:
+    """Notebook 02: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
+    ``dtlib.collectives.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``).
+
+    Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
+    """
+    import torch
+
+    from dtlib.collectives import starting_values
+
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    start = torch.stack([starting_values(r, world_size) for r in range(world_size)])  # (ranks, slots)
+    expected, total = start.mean(0), start.sum(0)
+    try:
+        results = spawn(fn, world_size, timeout=timeout, output="none")
+    except WorkerTimeout:
+        return Feedback(False, "Your function hung: every rank must call the same collectives in the same order.")
+    except WorkerError as err:
+        headline = err.failures[0].headline()
+        if "AVG" in headline:
+            return Feedback(False, "This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide.")
+        return Feedback(False, f"Your function raised on a rank:\n{headline}")
+    for rank, value in enumerate(results):
+        if not isinstance(value, torch.Tensor) or value.shape != expected.shape:
+            return Feedback(False, f"Rank {rank} returned {value!r}; return the averaged tensor of "
+                                   f"{world_size} values.")
+        if torch.allclose(value, expected):
+            continue
+        if torch.allclose(value, total):
+            return Feedback(False, f"Rank {rank} holds the sum {value.tolist()}: divide by world_size.")
+        if torch.allclose(value, start[rank]):
+            return Feedback(False, f"Rank {rank} still holds its own values: call dist.all_reduce on them.")
+        return Feedback(False, f"Rank {rank} returned {value.tolist()}, expected {expected.tolist()}.")
+    return Feedback(True, f"Every rank holds the mean {expected.tolist()}. all_reduce(SUM) / world_size "
+                          "works on every backend and torch version; DDP averages gradients that way.")
+
+
 def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None], which: str,
                           length: int) -> dict[str, Any]:
     import torch

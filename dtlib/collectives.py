@@ -67,12 +67,7 @@ def _run(rank: int, world_size: int, name: str) -> dict[str, Any]:
     if name == "all_reduce_sum":
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     elif name == "all_reduce_avg":
-        if dist.get_backend() == "gloo":  # gloo rejects ReduceOp.AVG
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
-            x /= world_size
-            note = "gloo has no ReduceOp.AVG: summed, then divided by world_size"
-        else:
-            dist.all_reduce(x, op=dist.ReduceOp.AVG)
+        note = compat.all_reduce_mean(x)
     elif name == "all_reduce_max":
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
     elif name == "broadcast":

@@ -72,6 +72,23 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = No
     return fn(output, input, group=group, async_op=async_op)
 
 
+def all_reduce_mean(tensor: torch.Tensor, group: Any = None) -> str:
+    """Average ``tensor`` over the ranks in place; returns "" or a note on how it was done.
+
+    ``ReduceOp.AVG`` on gloo is refused by older torch ("Cannot use ReduceOp.AVG with
+    Gloo" in 2.6) and accepted by newer (2.13); summing and dividing works everywhere.
+    """
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+        return ""
+    except (RuntimeError, ValueError) as err:
+        if "AVG" not in str(err):
+            raise
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    tensor /= dist.get_world_size(group)
+    return f"{dist.get_backend(group)} in torch {torch.__version__} has no ReduceOp.AVG: summed, then divided"
+
+
 def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Any = None) -> str:
     """``dist.all_to_all(outputs, inputs)``; returns "" or a note on how it was done.
 

@@ -259,3 +259,37 @@ def busbw(rows: Sequence[Any], model: Any = None) -> Figure:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _value_table(ax: Any, rows: list[list[float]], title: str, vmax: float) -> None:
+    width = max((len(r) for r in rows), default=0) or 1
+    grid = np.full((len(rows), width), np.nan)
+    for rank, values in enumerate(rows):
+        grid[rank, : len(values)] = values
+    ax.imshow(grid, cmap="Blues", vmin=0, vmax=vmax * 1.6, aspect="auto")
+    for (rank, slot), value in np.ndenumerate(grid):
+        text = "" if np.isnan(value) else f"{value:g}"
+        ax.text(slot, rank, text, ha="center", va="center", fontsize=9 if width <= 8 else 7)
+    for rank, values in enumerate(rows):
+        if not values:
+            ax.text((width - 1) / 2, rank, "nothing received", ha="center", va="center", fontsize=8, color="gray")
+    ax.set_xticks(range(width))
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.set_xlabel("position in the tensor")
+    ax.set_title(title)
+
+
+def collective(result: Any) -> Figure:
+    """A collective's tensors on every rank, before and after (a ``dtlib.collectives.demo`` result).
+
+    Example: ``dtlib.plots.collective(dtlib.collectives.demo("all_reduce_sum"))``.
+    """
+    width = max(len(r) for r in result.after + result.before)
+    size = (min(12.0, 2.5 + 0.5 * (len(result.before[0]) + width)), 1.0 + 0.45 * len(result.before))
+    fig, (before, after) = plt.subplots(1, 2, figsize=size,
+                                        gridspec_kw={"width_ratios": [len(result.before[0]), max(width, 1)]})
+    vmax = max([abs(v) for r in result.before + result.after for v in r] or [1.0])
+    _value_table(before, result.before, "before", vmax)
+    _value_table(after, result.after, f"after {result.name} ({result.backend})", vmax)
+    fig.tight_layout()
+    return fig

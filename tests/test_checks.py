@@ -155,3 +155,63 @@ def test_ring_phase_says_what_is_wrong(phase, says):
 def test_ring_phase_refuses_bad_arguments():
     assert "which must be" in checks.ring_phase(_gather_nothing, which="broadcast").message
     assert "function itself" in checks.ring_phase("my_phase").message
+
+
+# -- notebook 02: an average without ReduceOp.AVG ------------------------------------------------
+
+
+def _average_right(rank, world_size):
+    import torch.distributed as dist
+
+    from dtlib.collectives import starting_values
+
+    values = starting_values(rank, world_size)
+    dist.all_reduce(values)
+    return values / world_size
+
+
+def _average_forgot_to_divide(rank, world_size):
+    import torch.distributed as dist
+
+    from dtlib.collectives import starting_values
+
+    values = starting_values(rank, world_size)
+    dist.all_reduce(values)
+    return values
+
+
+def _average_with_avg(rank, world_size):
+    import torch.distributed as dist
+
+    from dtlib.collectives import starting_values
+
+    values = starting_values(rank, world_size)
+    dist.all_reduce(values, op=dist.ReduceOp.AVG)
+    return values
+
+
+def _average_forgot_the_all_reduce(rank, world_size):
+    from dtlib.collectives import starting_values
+
+    return starting_values(rank, world_size)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("fn", "ok", "says"),
+    [
+        (_average_right, True, "holds the mean"),
+        (_average_forgot_to_divide, False, "divide by world_size"),
+        (_average_forgot_the_all_reduce, False, "still holds its own values"),
+        (lambda rank, world_size: None, False, "return the averaged tensor"),
+    ],
+)
+def test_average_of_ranks_says_what_is_wrong(fn, ok, says):
+    feedback = checks.average_of_ranks(fn)
+    assert feedback.ok is ok and says in feedback.message, feedback.message
+
+
+@pytest.mark.timeout(60)
+def test_average_with_reduce_op_avg_is_right_where_gloo_has_it_and_explained_where_not():
+    feedback = checks.average_of_ranks(_average_with_avg)
+    assert feedback.ok or "no ReduceOp.AVG" in feedback.message, feedback.message

@@ -52,8 +52,8 @@ def test_every_demo_matches_its_definition(results):
 
 @pytest.mark.timeout(240)
 def test_gloo_gaps_are_said_not_hidden(results):
-    if results["all_reduce_avg"].backend == "gloo":
-        assert "no ReduceOp.AVG" in results["all_reduce_avg"].note
+    note = results["all_reduce_avg"].note  # torch 2.6's gloo refuses ReduceOp.AVG; 2.13's accepts it
+    assert note == "" or "has no ReduceOp.AVG: summed, then divided" in note
     note = results["all_to_all"].note  # torch 2.6's gloo lacks the list form; later ones have it
     assert note == "" or "used all_to_all_single" in note
 

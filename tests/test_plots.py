@@ -100,3 +100,13 @@ def test_busbw_plot_shows_the_sweep_and_the_fit():
     assert fitted.get_ydata()[-1] == pytest.approx(rows[-1].busbw_gbs)  # the model through its own data
     assert "alpha = 100 us, b = 2.00 GB/s" in fitted.get_label()
     assert "bytes" in ax.get_xlabel() and "GB/s" in ax.get_ylabel() and ax.get_title()
+
+
+def test_collective_figure_shows_every_value_before_and_after():
+    from dtlib.collectives import CollectiveResult
+
+    result = CollectiveResult("gather", "gloo", [[0.0, 1.0], [10.0, 11.0]], [[0.0, 1.0, 10.0, 11.0], []])
+    before, after = plots.collective(result).axes
+    assert sorted(t.get_text() for t in before.texts) == ["0", "1", "10", "11"]
+    assert [t.get_text() for t in after.texts if t.get_text()] == ["0", "1", "10", "11", "nothing received"]
+    assert after.get_title() == "after gather (gloo)" and before.get_xlabel() == "position in the tensor"
