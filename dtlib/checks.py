@@ -158,12 +158,16 @@ def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size
                                "sending one chunk and receiving one, and all ranks must take the same "
                                f"number of steps ({world_size - 1}).")
     except WorkerError as err:
-        headline = err.failures[0].headline()
-        if "SIGABRT" in headline:
-            return Feedback(False, f"{headline}. gloo aborts a rank when a send and the receive it meets "
-                                   "differ in size: with uneven chunks, the chunk you send must be the one "
-                                   "your right-hand neighbour expects to receive.")
-        return Feedback(False, f"Your phase raised on a rank:\n{headline}")
+        headlines = [failure.headline() for failure in err.failures]
+        aborted = [h for h in headlines if "SIGABRT" in h]
+        cut_off = [f"rank {f.rank} lost its connection to a peer" for f in err.failures
+                   if "Connection reset" in f.message or "Connection closed" in f.message]
+        if aborted or cut_off:
+            return Feedback(False, f"{(aborted + cut_off)[0]}. gloo aborts a rank when a send and the receive "
+                                   "it meets differ in size, and its peers then lose the connection: with "
+                                   "uneven chunks, the chunk you send must be the one your right-hand "
+                                   "neighbour expects to receive.")
+        return Feedback(False, f"Your phase raised on a rank:\n{headlines[0]}")
     from dtlib.ring import chunk_bounds
 
     for rank, report in enumerate(reports):

@@ -121,6 +121,18 @@ def _gather_wrong_chunks(chunks, rank, world_size):
         chunks[receive].copy_(incoming)
 
 
+def _gather_the_notebook_stub(chunks, rank, world_size):
+    import torch
+
+    from dtlib import collectives
+
+    for _ in range(world_size - 1):
+        send = receive = rank  # notebook 03's starting point
+        incoming = torch.empty_like(chunks[receive])
+        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        chunks[receive].copy_(incoming)
+
+
 def _rank_0_skips_the_ring(chunks, rank, world_size):
     from dtlib import collectives
 
@@ -143,6 +155,7 @@ def test_ring_phase_accepts_dtlibs_own_phases():
         (_gather_by_adding, "added twice"),
         (_gather_nothing, "never reached it"),
         (_gather_wrong_chunks, "differ in size"),
+        (_gather_the_notebook_stub, "differ in size"),
         (_rank_0_skips_the_ring, "The ring hung"),
     ],
 )
