@@ -79,7 +79,7 @@ def test_bad_options_are_refused_before_any_process_starts():
 @pytest.mark.timeout(180)
 def test_benchmark_overhead_and_the_send_recv_ring_at_16_mib():
     """Targets: the sweep's busbw within 5% of a bare dist.all_reduce loop; the ring at >= 50% of it."""
-    busbw = collective.reference(2, "16M", rounds=5, output="none")
+    busbw = collective.reference(2, "16M", output="none")  # median of 9 interleaved rounds
     assert busbw["sweep"] >= 0.95 * busbw["bare loop"], busbw
     assert busbw["sweep, ring"] >= 0.5 * busbw["sweep"], busbw
 

@@ -171,26 +171,41 @@ def sweep(op: str, world_size: int = 2, min_bytes: int | str = "1K", max_bytes: 
 
 
 def _reference_rank(rank: int, world_size: int, size: int, iters: int, rounds: int) -> dict[str, float]:
-    """Best-of-``rounds`` seconds per all-reduce, three ways, interleaved so that noise hits all alike."""
+    """Seconds per all-reduce, three ways, as the median over ``rounds`` interleaved rounds.
+
+    Each round times the sweep's method (a barrier, then one timed call; the median of
+    ``iters``), the same for the send/recv ring, and a bare loop of ``iters`` calls timed
+    as a whole. The order alternates from round to round so that drift and noise on a
+    busy machine hit all three alike; the median over rounds throws out the unlucky ones.
+    """
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     timed = _clock(device)
     library = _operation("allreduce", "library", size, world_size, device)
     by_ring = _operation("allreduce", "ring", size, world_size, device)
-    best = {"sweep": float("inf"), "bare loop": float("inf"), "sweep, ring": float("inf")}
-    for _ in range(rounds):
-        for name, run in (("sweep", library), ("sweep, ring", by_ring)):
-            run()  # warm-up
-            seconds = []
-            for _ in range(iters):
-                dist.barrier()
-                seconds.append(timed(run))
-            best[name] = min(best[name], statistics.median(seconds))
+
+    def sweep_style(run: Callable[[], Any]) -> float:
+        run()  # warm-up
+        seconds = []
+        for _ in range(iters):
+            dist.barrier()
+            seconds.append(timed(run))
+        return statistics.median(seconds)
+
+    def bare_loop() -> float:
+        library()  # warm-up
         dist.barrier()
-        best["bare loop"] = min(best["bare loop"], timed(lambda: [library() for _ in range(iters)]) / iters)
-    return best
+        return timed(lambda: [library() for _ in range(iters)]) / iters
+
+    ways = {"sweep": lambda: sweep_style(library), "bare loop": bare_loop, "sweep, ring": lambda: sweep_style(by_ring)}
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    for round_index in range(rounds):
+        names = list(ways) if round_index % 2 == 0 else list(reversed(ways))
+        for name in names:
+            samples[name].append(ways[name]())
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def reference(world_size: int = 2, size_bytes: int | str = "16M", *, iters: int = 10, rounds: int = 3,
+def reference(world_size: int = 2, size_bytes: int | str = "16M", *, iters: int = 10, rounds: int = 9,
               **spawn_options: Any) -> dict[str, float]:
     """busbw (GB/s) of the sweep's all-reduce, a bare timed loop of ``dist.all_reduce``, and the
     send/recv ring, measured in one run at one size: how much the benchmark itself costs.
