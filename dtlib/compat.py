@@ -151,3 +151,20 @@ def loopback_store(world_size: int) -> dist.TCPStore:
     Example: ``store = loopback_store(2); dist.TCPStore("127.0.0.1", store.port)`` connects.
     """
     return store_on(loopback_listener(world_size))
+
+
+def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
+    """The DDP keyword that turns the buffer sync before each forward on or off.
+
+    torch 2.13 deprecated ``broadcast_buffers`` (a FutureWarning) for
+    ``forward_sync_buffers``; older versions have only ``broadcast_buffers``.
+
+    Example: ``DistributedDataParallel(model, **ddp_buffer_sync(False))``.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}

@@ -1,0 +1,315 @@
+"""The DDP runner: train a toy model on N ranks and return what every rank saw.
+
+One function, :func:`train`, runs inside each rank (under ``dtlib.spawn`` or torchrun);
+:func:`run` starts it from a notebook; :func:`train_single` is the one-process
+reference with the whole global batch. Settings live in :class:`TrainConfig`::
+
+    results = dtlib.ddp.run(dtlib.ddp.TrainConfig(model="mlp", steps=8), world_size=2)
+    results[0].losses             # rank 0's loss per step
+    results[0].comm_calls         # all-reduce calls per step
+
+Under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.ddp --steps 8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dtlib import compat, data, models
+from dtlib.commlog import CommLog, busy_seconds, hidden_share
+from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
+
+WRAPPERS = ("ddp", "naive", "bucketed", "none")
+COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; the same object goes to every rank."""
+
+    model: str = "mlp"  # a name from dtlib.models.MODELS
+    steps: int = 8
+    global_batch: int = 32  # summed over ranks: each rank takes global_batch / world_size
+    grad_accum: int = 1  # micro-batches per step; all but the last under no_sync()
+    lr: float = 0.05
+    momentum: float = 0.9
+    num_samples: int = 512
+    seed: int = 0
+    wrapper: str = "ddp"  # "ddp" (torch), "naive" or "bucketed" (dtlib.ddp_scratch), "none"
+    bucket_cap_mb: float | None = None  # None: DDP's default, 25
+    comm_hook: str | None = None  # None (plain all-reduce), "fp16", "bf16", "powersgd"
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    sync_buffers: bool = True  # DDP's buffer sync before forward (forward_sync_buffers / broadcast_buffers)
+    set_epoch: bool = True
+    threads: int = 1  # torch threads per rank on the CPU
+    save_after_step: int | None = None  # save a checkpoint to checkpoint_path after this many steps
+    resume: bool = False  # start from the checkpoint at checkpoint_path
+    checkpoint_path: str | None = None
+    progress: bool = False  # a tqdm bar on rank 0
+
+
+@dataclass
+class RankResult:
+    """What one rank measured. Times in seconds, sizes in bytes; lists have one entry per step."""
+
+    rank: int
+    world_size: int
+    backend: str
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    comm_calls: list[int] = field(default_factory=list)
+    comm_bytes: list[int] = field(default_factory=list)
+    comm_seconds: list[float] = field(default_factory=list)
+    hidden_share: list[float] = field(default_factory=list)
+    timeline: dict[str, Any] = field(default_factory=dict)  # the last step: compute span, each all-reduce
+    bucket_bytes: list[int] = field(default_factory=list)  # torch DDP: each bucket of the last step
+    grad_bytes_separate: int = 0  # gradient bytes not stored inside a DDP bucket
+    model_state_bytes: int = 0  # parameters + gradients + optimizer state
+    peak_memory_bytes: int = 0  # CUDA allocator peak, or the process's peak RSS on the CPU
+    params: torch.Tensor | None = None  # all parameters, flattened, after the last step
+    grads: torch.Tensor | None = None  # all gradients, flattened, of the last step
+    buffers: torch.Tensor | None = None  # all buffers (BatchNorm statistics), flattened
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """Refuse settings that cannot work, saying what to change."""
+    if config.model not in models.MODELS:
+        raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
+    if config.wrapper not in WRAPPERS:
+        raise ValueError(f"wrapper must be one of {WRAPPERS}, got {config.wrapper!r}")
+    if config.comm_hook not in COMM_HOOKS:
+        raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {config.comm_hook!r}")
+    if world_size < 1 or config.steps < 1 or config.grad_accum < 1:
+        raise ValueError("world_size, steps and grad_accum must all be >= 1")
+    if world_size > config.num_samples:
+        raise ValueError(f"world_size={world_size} is larger than the data set ({config.num_samples} samples): "
+                         "some ranks would get no data; use fewer ranks or a larger num_samples")
+    unit = world_size * config.grad_accum
+    if config.global_batch % unit:
+        raise ValueError(f"global_batch={config.global_batch} must divide evenly into world_size={world_size} "
+                         f"ranks x grad_accum={config.grad_accum} micro-batches; try global_batch="
+                         f"{max(1, config.global_batch // unit) * unit}")
+    if config.global_batch > config.num_samples:
+        raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
+    if (config.save_after_step is not None or config.resume) and not config.checkpoint_path:
+        raise ValueError("saving or resuming needs checkpoint_path")
+
+
+def _device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, log: CommLog,
+          bucket_buffers: dict[int, int]) -> nn.Module:
+    if config.wrapper == "none":
+        return model
+    if config.wrapper == "naive":
+        return NaiveDDP(model)
+    if config.wrapper == "bucketed":
+        return BucketedDDP(model, config.bucket_cap_mb or 25.0)
+    options: dict[str, Any] = {"find_unused_parameters": config.find_unused_parameters,
+                               "gradient_as_bucket_view": config.gradient_as_bucket_view,
+                               "static_graph": config.static_graph, **compat.ddp_buffer_sync(config.sync_buffers)}
+    if config.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = config.bucket_cap_mb
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
+    state, inner = _comm_hook(config.comm_hook)
+
+    def hook(hook_state, bucket):  # noqa: ANN001 - DDP rejects string annotations (from __future__)
+        buffer = bucket.buffer()
+        bucket_buffers[buffer.untyped_storage().data_ptr()] = buffer.numel() * buffer.element_size()
+        return inner(hook_state, bucket)
+
+    ddp.register_comm_hook(state, hook)  # every all-reduce then goes through Python, where CommLog sees it
+    return ddp
+
+
+def _comm_hook(name: str | None) -> tuple[Any, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name is None:
+        return None, default_hooks.allreduce_hook  # what DDP does in C++, written in Python
+    if name == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        min_compression_rate=1)
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    for state in optimizer.state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
+    """Train on this rank (the process group exists unless world_size is 1 with ``wrapper="none"``)."""
+    validate(config, world_size)
+    torch.set_num_threads(config.threads)
+    device = _device()
+    base = models.build(config.model, seed=config.seed).to(device)
+    log, bucket_buffers = CommLog(), {}
+    model = _wrap(base, config, device, log, bucket_buffers)
+    optimizer = torch.optim.SGD(base.parameters(), lr=config.lr, momentum=config.momentum)
+    start = 0
+    if config.resume:  # every rank reads the file; map_location puts tensors on this rank's device
+        checkpoint = torch.load(config.checkpoint_path, map_location=device, weights_only=True)
+        base.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start = checkpoint["step"]
+    dataset = data.for_model(config.model, config.num_samples, seed=config.seed)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed,
+                                 drop_last=True)
+    micro_batch = config.global_batch // world_size // config.grad_accum
+    loader = DataLoader(dataset, batch_size=micro_batch * config.grad_accum, sampler=sampler, drop_last=True)
+    result = RankResult(rank, world_size, dist.get_backend() if dist.is_initialized() else "none", start)
+    steps = range(start, config.steps)
+    if config.progress and rank == 0:
+        from tqdm.auto import tqdm
+        steps = tqdm(steps, desc=f"DDP x{world_size}", file=sys.stderr, ascii=True, ncols=70)
+    batches = _batches(loader, sampler, config, first_step=start)
+    with log.recording():
+        for step in steps:
+            log.step = step
+            x, y = next(batches)
+            step_start = log.now()
+            loss_value = 0.0
+            for micro, (xs, ys) in enumerate(zip(x.split(micro_batch), y.split(micro_batch), strict=True)):
+                last = micro == config.grad_accum - 1
+                context = contextlib.nullcontext() if last or config.wrapper == "none" else model.no_sync()
+                with context:
+                    loss = models.loss_fn(config.model, model(xs.to(device)), ys.to(device)) / config.grad_accum
+                    loss.backward()
+                loss_value += loss.item()
+            if hasattr(model, "finish_gradient_sync"):
+                model.finish_gradient_sync()
+            optimizer.step()
+            result.grads = _flat([p.grad for p in base.parameters() if p.grad is not None])
+            optimizer.zero_grad(set_to_none=not config.gradient_as_bucket_view)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            _record_step(result, log, step, step_start, loss_value)
+            if config.save_after_step == step + 1:
+                _save(base, optimizer, step + 1, config.checkpoint_path, rank)
+    views = set(bucket_buffers)
+    result.bucket_bytes = list(bucket_buffers.values())
+    result.grad_bytes_separate = sum(p.grad.numel() * p.grad.element_size() for p in base.parameters()
+                                     if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)
+    result.model_state_bytes = _state_bytes(base, optimizer)
+    result.peak_memory_bytes = _peak_memory(device)
+    result.params = _flat(list(base.parameters()))
+    result.buffers = _flat(list(base.buffers()))
+    return result
+
+
+def _batches(loader: DataLoader, sampler: DistributedSampler, config: TrainConfig, first_step: int) -> Any:
+    """Batches from ``first_step`` on, epoch after epoch; ``set_epoch`` reshuffles unless told not to."""
+    per_epoch = len(loader)
+    for epoch in itertools.count(first_step // per_epoch):
+        if config.set_epoch:
+            sampler.set_epoch(epoch)
+        skip = first_step - epoch * per_epoch if epoch == first_step // per_epoch else 0
+        yield from itertools.islice(loader, skip, None)
+
+
+def _record_step(result: RankResult, log: CommLog, step: int, step_start: float, loss_value: float) -> None:
+    events = log.in_step(step)
+    compute_end = max((e.launched_s for e in events), default=log.now())
+    result.losses.append(loss_value)
+    result.step_times_s.append(log.now() - step_start)
+    result.comm_calls.append(len(events))
+    result.comm_bytes.append(sum(e.nbytes for e in events))
+    result.comm_seconds.append(busy_seconds([(e.launched_s, e.done_s) for e in events]))
+    result.hidden_share.append(hidden_share(events, compute_end))
+    result.timeline = {"step": step, "start_s": step_start, "compute_end_s": compute_end,
+                       "end_s": log.now(), "comm": [(e.launched_s, e.done_s, e.nbytes) for e in events]}
+
+
+def _save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str, rank: int) -> None:
+    """Rank 0 writes, everyone waits: no rank reads a half-written file, and only one copy is written."""
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run(config: TrainConfig, world_size: int = 2, **spawn_options: Any) -> list[RankResult]:
+    """Train on ``world_size`` ranks through ``dtlib.run``; the results indexed by rank.
+
+    Bad settings are refused here, before any process starts.
+    Example: ``run(TrainConfig(steps=4), world_size=2)[0].losses``.
+    """
+    validate(config, world_size)
+    from dtlib.run import run as run_everywhere
+
+    return run_everywhere(train, world_size, args=(config,), **spawn_options)
+
+
+def train_single(config: TrainConfig, world_size: int = 1) -> RankResult:
+    """The reference: one process, no process group, the whole global batch per step.
+
+    ``world_size`` only checks that the config would also be valid on that many ranks.
+    Example: ``train_single(TrainConfig(steps=4)).losses``.
+    """
+    validate(config, world_size)
+    return train(0, 1, replace(config, wrapper="none", grad_accum=1, save_after_step=None, resume=False))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dtlib.ddp`` (spawns) or ``torchrun ... -m dtlib.ddp``: train, print rank 0's losses."""
+    parser = argparse.ArgumentParser(description="Train a toy model with DDP on N ranks.")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    for name in ("model", "steps", "global_batch", "wrapper", "bucket_cap_mb"):
+        default = getattr(TrainConfig, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", default=default,
+                            type=type(default) if default is not None else float)
+    options = vars(parser.parse_args(argv))
+    world_size = options.pop("world_size")
+    results = run(TrainConfig(**options), world_size)
+    if int(os.environ.get("RANK", 0)) == 0:
+        first = results[0]
+        print(f"DDP on {first.world_size} rank(s), {first.backend}: "
+              f"losses {' '.join(f'{v:.4f}' for v in first.losses)}")
+        print(f"all-reduce calls per step: {first.comm_calls[-1]}, bytes per step: {first.comm_bytes[-1]}")
+
+
+def as_dict(result: RankResult) -> dict[str, Any]:
+    """A JSON-friendly copy (tensors dropped)."""
+    return {k: v for k, v in asdict(result).items() if not isinstance(v, torch.Tensor) and v is not None}
+
+
+if __name__ == "__main__":
+    main()
