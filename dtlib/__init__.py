@@ -15,7 +15,8 @@ from dtlib.run import run, under_torchrun
 __all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "run", "spawn", "under_torchrun"]
 __version__ = "0.1.0"
 
-_SUBMODULES = {"bench", "checks", "collectives", "compat", "examples", "launch", "plots", "ring", "sysinfo"}
+_SUBMODULES = {"bench", "checks", "collectives", "commlog", "compat", "data", "ddp", "ddp_options", "ddp_scratch",
+               "examples", "launch", "models", "plots", "ring", "sysinfo"}
 
 
 def __getattr__(name: str) -> Any:

@@ -43,7 +43,8 @@ class TrainConfig:
     model: str = "mlp"  # a name from dtlib.models.MODELS
     steps: int = 8
     global_batch: int = 32  # summed over ranks: each rank takes global_batch / world_size
-    grad_accum: int = 1  # micro-batches per step; all but the last under no_sync()
+    grad_accum: int = 1  # micro-batches per step
+    no_sync: bool = True  # accumulate under no_sync(): one all-reduce per step instead of one per micro-batch
     lr: float = 0.05
     momentum: float = 0.9
     num_samples: int = 512
@@ -75,6 +76,7 @@ class RankResult:
     step_times_s: list[float] = field(default_factory=list)
     comm_calls: list[int] = field(default_factory=list)
     comm_bytes: list[int] = field(default_factory=list)
+    comm_sizes: list[list[int]] = field(default_factory=list)  # bytes of each all-reduce, per step
     comm_seconds: list[float] = field(default_factory=list)
     hidden_share: list[float] = field(default_factory=list)
     timeline: dict[str, Any] = field(default_factory=dict)  # the last step: compute span, each all-reduce
@@ -130,6 +132,12 @@ def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, log: Comm
                                "static_graph": config.static_graph, **compat.ddp_buffer_sync(config.sync_buffers)}
     if config.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = config.bucket_cap_mb
+    if config.comm_hook == "powersgd" and dist.get_backend() == "gloo":
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if (config.bucket_cap_mb or 25.0) < grad_mb:
+            raise ValueError(f"PowerSGD on gloo needs every gradient in one bucket: set bucket_cap_mb >= "
+                             f"{grad_mb:.1f}. Its callbacks start all-reduces from gloo's threads, and with "
+                             "several buckets the ranks can issue them in different orders (a collective mismatch)")
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
     state, inner = _comm_hook(config.comm_hook)
 
@@ -169,6 +177,12 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def _grad_bytes_outside(model: nn.Module, bucket_storages: set[int]) -> int:
+    """Bytes of gradients with storage of their own, not views into a DDP bucket."""
+    return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+               if p.grad is not None and p.grad.untyped_storage().data_ptr() not in bucket_storages)
+
+
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -204,12 +218,14 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     with log.recording():
         for step in steps:
             log.step = step
+            bucket_buffers.clear()  # DDP rebuilds its buckets after the first step: keep this step's only
             x, y = next(batches)
             step_start = log.now()
             loss_value = 0.0
             for micro, (xs, ys) in enumerate(zip(x.split(micro_batch), y.split(micro_batch), strict=True)):
                 last = micro == config.grad_accum - 1
-                context = contextlib.nullcontext() if last or config.wrapper == "none" else model.no_sync()
+                skip_sync = not last and config.no_sync and config.wrapper != "none"
+                context = model.no_sync() if skip_sync else contextlib.nullcontext()
                 with context:
                     loss = models.loss_fn(config.model, model(xs.to(device)), ys.to(device)) / config.grad_accum
                     loss.backward()
@@ -218,16 +234,14 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
                 model.finish_gradient_sync()
             optimizer.step()
             result.grads = _flat([p.grad for p in base.parameters() if p.grad is not None])
+            result.grad_bytes_separate = _grad_bytes_outside(base, set(bucket_buffers))
             optimizer.zero_grad(set_to_none=not config.gradient_as_bucket_view)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             _record_step(result, log, step, step_start, loss_value)
             if config.save_after_step == step + 1:
                 _save(base, optimizer, step + 1, config.checkpoint_path, rank)
-    views = set(bucket_buffers)
     result.bucket_bytes = list(bucket_buffers.values())
-    result.grad_bytes_separate = sum(p.grad.numel() * p.grad.element_size() for p in base.parameters()
-                                     if p.grad is not None and p.grad.untyped_storage().data_ptr() not in views)
     result.model_state_bytes = _state_bytes(base, optimizer)
     result.peak_memory_bytes = _peak_memory(device)
     result.params = _flat(list(base.parameters()))
@@ -252,6 +266,7 @@ def _record_step(result: RankResult, log: CommLog, step: int, step_start: float,
     result.step_times_s.append(log.now() - step_start)
     result.comm_calls.append(len(events))
     result.comm_bytes.append(sum(e.nbytes for e in events))
+    result.comm_sizes.append([e.nbytes for e in events])
     result.comm_seconds.append(busy_seconds([(e.launched_s, e.done_s) for e in events]))
     result.hidden_share.append(hidden_share(events, compute_end))
     result.timeline = {"step": step, "start_s": step_start, "compute_end_s": compute_end,
