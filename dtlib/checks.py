@@ -195,3 +195,58 @@ def _as_number(value: Any) -> Any:
         return value.item()
     except (AttributeError, RuntimeError, ValueError):
         return value
+
+
+def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any]) -> dict[str, Any]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlib import data, models
+
+    x, y = data.regression(8 * world_size, seed=1).tensors
+    mine = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]  # each rank its own 8 samples
+    yours, reference = models.build("mlp", seed=0), DistributedDataParallel(models.build("mlp", seed=0))
+    for param in yours.parameters():
+        param.register_hook(hook)
+    models.loss_fn("mlp", yours(mine[0]), mine[1]).backward()
+    models.loss_fn("mlp", reference(mine[0]), mine[1]).backward()
+    local = models.build("mlp", seed=0)
+    models.loss_fn("mlp", local(mine[0]), mine[1]).backward()
+    flat = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]) for m in (yours, reference.module, local)]
+    return {"yours": flat[0], "ddp": flat[1], "local": flat[2]}
+
+
+def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
+    """Notebook 04: ``hook(grad)`` is registered on every parameter (``param.register_hook``) and must
+    return the gradient averaged over the ranks, as DDP makes it.
+
+    Example: ``gradient_hook(lambda grad: grad)`` says the gradients were never all-reduced.
+    """
+    import torch
+
+    if not callable(hook):
+        return Feedback(False, f"Pass your hook function itself, not {type(hook).__name__}.")
+    try:
+        results = spawn(_your_hook_against_ddp, world_size, args=(hook,), timeout=timeout, output="none")
+    except WorkerTimeout:
+        return Feedback(False, "Your hook hung: every rank must all-reduce every gradient, in the same order.")
+    except WorkerError as err:
+        raised = [failure for failure in err.failures if failure.exc_type is not None]
+        if raised and "gloo" not in raised[0].message:
+            return Feedback(False, f"Your hook raised on a rank:\n{raised[0].headline()}")
+        return Feedback(False, "A rank died waiting for an all-reduce that another rank never made: every rank "
+                               f"must all-reduce every gradient, in the same order.\n{err.failures[0].headline()}")
+    for rank, result in enumerate(results):
+        yours, ddp, local = result["yours"], result["ddp"], result["local"]
+        if torch.allclose(yours, ddp, atol=1e-6):
+            continue
+        if torch.allclose(yours, local, atol=1e-6):
+            return Feedback(False, f"Rank {rank} kept its own gradients: call dist.all_reduce(grad) in the hook.")
+        if torch.allclose(yours, ddp * world_size, atol=1e-5):
+            return Feedback(False, f"Rank {rank} holds the sum over ranks: divide by dist.get_world_size().")
+        if torch.allclose(yours, ddp / world_size, atol=1e-6):
+            return Feedback(False, f"Rank {rank}'s gradients are world_size times too small: divide once.")
+        return Feedback(False, f"Rank {rank}'s gradients differ from DDP's by up to "
+                               f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
+    return Feedback(True, f"On all {world_size} ranks your gradients equal DistributedDataParallel's: "
+                          "all-reduce (SUM) and divide by world_size is what DDP does, bucket by bucket.")

@@ -293,3 +293,10 @@ def collective(result: Any) -> Figure:
     _value_table(after, result.after, f"after {result.name} ({result.backend})", vmax)
     fig.tight_layout()
     return fig
+
+
+# -- training runs (dtlib.ddp, dtlib.fsdp) ---------------------------------------------------------
+from dtlib.plots.training import bars, ddp_timeline, loss_curves, sampler_grid  # noqa: E402
+
+__all__ = ["bars", "busbw", "collective", "ddp_timeline", "dp_vs_ddp", "launch_times", "loss_curves", "machine",
+           "ranks", "ring_grid", "ring_step", "sampler_grid", "traffic"]

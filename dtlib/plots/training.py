@@ -1,0 +1,103 @@
+"""Drawings of training runs: loss curves, the communication timeline, samplers, bar charts.
+
+Each function takes what a dtlib runner returned (``dtlib.ddp.RankResult`` and friends)
+and returns a Figure. Example::
+
+    results = dtlib.ddp.run(dtlib.ddp.TrainConfig(), world_size=2)
+    dtlib.plots.loss_curves(results, reference=dtlib.ddp.train_single(dtlib.ddp.TrainConfig()))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from dtlib.plots import COLORS
+
+
+def loss_curves(results: Sequence[Any], reference: Any = None, title: str = "Loss per step, every rank") -> Figure:
+    """Each rank's loss per step overlaid, their mean, and a one-process reference if given."""
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for result in results:
+        steps = range(result.first_step, result.first_step + len(result.losses))
+        ax.plot(steps, result.losses, marker=".", alpha=0.6, label=f"rank {result.rank} (its own batch)")
+    mean = np.mean([r.losses for r in results], axis=0)
+    first = results[0].first_step
+    ax.plot(range(first, first + len(mean)), mean, color="black", lw=2, label="mean over ranks")
+    if reference is not None:
+        ax.plot(range(len(reference.losses)), reference.losses, "o", mfc="none", color="#C44E52", ms=9,
+                label="one process, whole global batch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
+    """One step per rank: forward and backward compute as a bar, each all-reduce (bucket) as a bar
+    below it, from launch to finish. Communication left of the compute's end is hidden behind it."""
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 1.1 * len(results)))
+    for row, result in enumerate(results):
+        line = result.timeline
+        start = line["start_s"]
+        y = row * 2
+        ax.broken_barh([(0, (line["compute_end_s"] - start) * 1e3)], (y + 1, 0.8), color=COLORS["cpu"])
+        for launched, done, nbytes in line["comm"]:
+            ax.broken_barh([((launched - start) * 1e3, max((done - launched) * 1e3, 0.02))], (y + 0.1, 0.8),
+                           color=COLORS["store"], alpha=0.9, edgecolor="black", lw=0.5)
+            if len(line["comm"]) <= 12:
+                ax.text((launched - start) * 1e3, y + 0.5, f" {nbytes / 2**20:.2f}", fontsize=7, va="center")
+        ax.axvline((line["compute_end_s"] - start) * 1e3, ymin=0, ymax=1, color="gray", lw=0.5, ls=":")
+    ax.set_yticks([row * 2 + 0.5 for row in range(len(results))] + [row * 2 + 1.4 for row in range(len(results))],
+                  [f"rank {r.rank} all-reduce" for r in results] + [f"rank {r.rank} compute" for r in results])
+    ax.set_xlabel("ms since the step began (labels: bucket size in MiB)")
+    share = np.mean([r.hidden_share[-1] for r in results])
+    ax.set_title(title or f"Step {results[0].timeline['step']}: {share:.0%} of communication hidden behind compute")
+    ax.plot([], [], color=COLORS["cpu"], lw=8, label="forward + backward (until the last gradient is ready)")
+    ax.plot([], [], color=COLORS["store"], lw=8, label="all-reduce of one bucket, launch to finish")
+    ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1, -0.25), ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def sampler_grid(order: Sequence[Sequence[Sequence[int]]], title: str = "") -> Figure:
+    """``[epoch][rank]`` indices (``dtlib.data.sampler_indices``) as a grid: rows are (epoch, rank),
+    each cell a sample index, coloured by the index so that repeats across epochs show."""
+    rows = [(epoch, rank, indices) for epoch, ranks in enumerate(order) for rank, indices in enumerate(ranks)]
+    width = max(len(indices) for _, _, indices in rows)
+    grid = np.full((len(rows), width), np.nan)
+    for i, (_, _, indices) in enumerate(rows):
+        grid[i, : len(indices)] = indices
+    fig, ax = plt.subplots(figsize=(min(12, 1.5 + 0.5 * width), 0.6 + 0.35 * len(rows)))
+    ax.imshow(grid, cmap="viridis", aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        if not np.isnan(value):
+            ax.text(j, i, f"{int(value)}", ha="center", va="center", fontsize=8, color="white")
+    ax.set_yticks(range(len(rows)), [f"epoch {e}, rank {r}" for e, r, _ in rows])
+    ax.set_xticks(range(width))
+    ax.set_xlabel("position in the rank's epoch")
+    ax.set_title(title or "Sample indices each rank sees, epoch by epoch")
+    fig.tight_layout()
+    return fig
+
+
+def bars(values: Mapping[str, float], title: str, ylabel: str, fmt: str = "{:.3g}") -> Figure:
+    """A labelled bar chart: one bar per key, its value written on it."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(values)), 3.6))
+    bars_ = ax.bar(list(values), list(values.values()), color=COLORS["cpu"])
+    for bar, value in zip(bars_, values.values(), strict=True):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), fmt.format(value), ha="center", va="bottom",
+                fontsize=9)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    return fig
