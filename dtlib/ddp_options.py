@@ -178,3 +178,28 @@ def sampler_coverage(dataset_len: int, world_size: int, *, drop_last: bool = Fal
     return {"per_rank": per_rank, "samples_per_rank": len(per_rank[0]),
             "repeated": sorted({i for i in seen if seen.count(i) > 1}),
             "dropped": sorted(set(range(dataset_len)) - set(seen))}
+
+
+def data_parallel(steps: int = 5, model: str = "wide_mlp", global_batch: int = 512) -> dict[str, Any]:
+    """``nn.DataParallel`` (one process, one thread per GPU) for a few steps, where there are 2+ GPUs.
+
+    Returns the GPU count and, with 2 or more, the median step time in ms; otherwise a note.
+    DataParallel has no CPU mode: it exists to drive several GPUs from one process.
+    """
+    import time
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return {"gpus": gpus, "note": f"DataParallel needs 2 or more GPUs; this machine has {gpus}: not run"}
+    net = nn.DataParallel(models.build(model).cuda())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    x, y = (t.cuda() for t in data.for_model(model, global_batch).tensors)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        models.loss_fn(model, net(x), y).backward()  # scatter x, replicate weights, gather outputs on GPU 0
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"gpus": gpus, "step_ms": statistics.median(times[1:]) * 1e3}

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dtlib.bench import collective, launch
+from dtlib.bench import collective, ddp, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         sweep_parser.add_argument("--algo", choices=["library", "ring"], default="library",
                                   help="ring: dtlib's send/recv ring all-reduce (allreduce only)")
         sweep_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ddp_parser = commands.add_parser("ddp", help="DDP step time on 1 rank against N, buckets, overlap")
+    ddp_parser.add_argument("--world-size", type=int, default=2)
+    ddp_parser.add_argument("--model", default="wide_mlp", help="a name from dtlib.models.MODELS")
+    ddp_parser.add_argument("--global-batch", type=int, default=2048)
+    ddp_parser.add_argument("--steps", type=int, default=12)
+    ddp_parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ddp_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
 
     if options.what == "launch":
@@ -38,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(launch.as_records(timings, options.world_size), indent=2))
         else:
             print(launch.format_table(timings, options.world_size))
+    elif options.what == "ddp":
+        ddp_rows = ddp.measure(options.world_size, model=options.model, global_batch=options.global_batch,
+                               steps=options.steps, threads=options.threads)
+        print(json.dumps(ddp.as_records(ddp_rows), indent=2) if options.json else ddp.format_table(ddp_rows))
     else:
         rows = collective.sweep(options.what, options.world_size, options.min_bytes, options.max_bytes,
                                 iters=options.iters, warmup=options.warmup, algo=options.algo)
