@@ -97,8 +97,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {config.wrapper!r}")
     if config.comm_hook not in COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {config.comm_hook!r}")
-    if world_size < 1 or config.steps < 1 or config.grad_accum < 1:
-        raise ValueError("world_size, steps and grad_accum must all be >= 1")
+    if world_size < 1 or config.steps < 1 or config.grad_accum < 1 or config.global_batch < 1:
+        raise ValueError(f"world_size, steps, grad_accum and global_batch must all be >= 1, got {world_size}, "
+                         f"{config.steps}, {config.grad_accum} and {config.global_batch}")
     if world_size > config.num_samples:
         raise ValueError(f"world_size={world_size} is larger than the data set ({config.num_samples} samples): "
                          "some ranks would get no data; use fewer ranks or a larger num_samples")
@@ -235,6 +236,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
             optimizer.step()
             result.grads = _flat([p.grad for p in base.parameters() if p.grad is not None])
             result.grad_bytes_separate = _grad_bytes_outside(base, set(bucket_buffers))
+            result.model_state_bytes = _state_bytes(base, optimizer)  # before zero_grad frees the gradients
             optimizer.zero_grad(set_to_none=not config.gradient_as_bucket_view)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -242,7 +244,6 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
             if config.save_after_step == step + 1:
                 _save(base, optimizer, step + 1, config.checkpoint_path, rank)
     result.bucket_bytes = list(bucket_buffers.values())
-    result.model_state_bytes = _state_bytes(base, optimizer)
     result.peak_memory_bytes = _peak_memory(device)
     result.params = _flat(list(base.parameters()))
     result.buffers = _flat(list(base.buffers()))

@@ -84,9 +84,9 @@ class BucketedDDP(_Replicated):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
-        super().__init__(module)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        super().__init__(module)
         cap_bytes = bucket_cap_mb * 2**20
         self.buckets: list[list[nn.Parameter]] = [[]]
         for param in reversed(self.params):
@@ -108,10 +108,12 @@ class BucketedDDP(_Replicated):
         self._pending = [len(bucket) for bucket in self.buckets]
         self._next_to_launch = 0
         self._works: list[Any] = []
+        self._gradients_seen = 0  # since the last sync: hooks that fired outside no_sync
 
     def _ready(self, param: torch.Tensor) -> None:
         if not self.require_sync:
             return
+        self._gradients_seen += 1
         index, offset = self._where[param]
         self.flat[index][offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         self._pending[index] -= 1
@@ -123,14 +125,16 @@ class BucketedDDP(_Replicated):
 
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket, then write the averaged gradients back into ``.grad``."""
-        if self._next_to_launch == 0 and not self._works:
+        if self._gradients_seen == 0:
             return  # inside no_sync, or no backward since the last call
-        if self._next_to_launch < len(self.buckets):
-            raise RuntimeError(f"only {self._next_to_launch} of {len(self.buckets)} buckets got all their "
-                               "gradients: a parameter was unused in this step (torch's DDP needs "
-                               "find_unused_parameters=True for that)")
         for work in self._works:
-            work.wait()
+            work.wait()  # nothing stays in flight, whatever happens next
+        if self._next_to_launch < len(self.buckets):
+            launched = self._next_to_launch
+            self._reset()
+            raise RuntimeError(f"only {launched} of {len(self.buckets)} buckets got all their gradients: a "
+                               "parameter was unused in this step (torch's DDP needs find_unused_parameters=True "
+                               "for that)")
         for index, bucket in enumerate(self.buckets):
             for param in bucket:
                 _, offset = self._where[param]

@@ -1,0 +1,121 @@
+"""dtlib.commlog: interval arithmetic against brute force, and the recorder against what dist.all_reduce did."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dtlib
+from dtlib.commlog import CommEvent, CommLog, busy_seconds, hidden_share
+
+
+@pytest.mark.parametrize("intervals, expected", [
+    ([], 0.0),
+    ([(1.0, 3.0)], 2.0),
+    ([(0, 2), (1, 3), (5, 6)], 4.0),  # overlap, then a gap
+    ([(5, 6), (1, 3), (0, 2)], 4.0),  # any order
+    ([(0, 10), (2, 3), (4, 9)], 10.0),  # nested
+    ([(0, 1), (1, 2)], 2.0),  # touching
+    ([(0, 1), (0, 1), (0, 1)], 1.0),  # repeated
+    ([(2, 2)], 0.0),  # empty interval
+])
+def test_busy_seconds_on_hand_made_intervals(intervals, expected):
+    assert busy_seconds(intervals) == pytest.approx(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 10)), max_size=12))
+def test_busy_seconds_is_the_length_of_the_union(starts_and_lengths):
+    intervals = [(start, start + length) for start, length in starts_and_lengths]
+    covered = {cell for start, end in intervals for cell in range(start, end)}  # unit cells [k, k + 1)
+    assert busy_seconds(intervals) == pytest.approx(len(covered))
+
+
+def _event(launched_s: float, done_s: float, blocking: bool = False) -> CommEvent:
+    return CommEvent(step=0, numel=1, nbytes=4, launched_s=launched_s, done_s=done_s, blocking=blocking)
+
+
+def test_hidden_share_cases():
+    all_before = [_event(0.0, 1.0), _event(0.5, 2.0)]
+    assert hidden_share(all_before, compute_end_s=3.0) == 1.0
+    all_after = [_event(3.0, 4.0), _event(3.5, 5.0)]
+    assert hidden_share(all_after, compute_end_s=3.0) == 0.0
+    half = [_event(0.0, 2.0)]
+    assert hidden_share(half, compute_end_s=1.0) == pytest.approx(0.5)
+    blocking = [_event(0.0, 1.0, blocking=True)]  # the caller waited: nothing computed meanwhile
+    assert hidden_share(blocking, compute_end_s=3.0) == 0.0
+    mixed = [_event(0.0, 1.0), _event(2.0, 3.0, blocking=True)]  # 1 s hidden of 2 s busy
+    assert hidden_share(mixed, compute_end_s=5.0) == pytest.approx(0.5)
+    assert hidden_share([], compute_end_s=1.0) == 0.0
+
+
+def _record_all_reduces(rank, world_size):
+    original = dist.all_reduce
+    log = CommLog()
+    dist.all_reduce(torch.ones(2))  # before the block: not recorded
+    with log.recording():
+        wrapped_inside = dist.all_reduce is not original
+        sync = torch.full((4,), float(rank + 1))  # float32: 16 bytes
+        dist.all_reduce(sync)
+        log.step = 1
+        biggest = torch.tensor([float(rank)], dtype=torch.float64)  # 8 bytes
+        dist.all_reduce(biggest, dist.ReduceOp.MAX)  # op passed positionally
+        pending = torch.arange(6, dtype=torch.float64) * (rank + 1)  # 48 bytes
+        work = dist.all_reduce(pending, async_op=True)
+        work.wait()
+        async_done_s = log.events[-1].done_s
+    restored = dist.all_reduce is original
+    try:
+        with log.recording():
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    restored_after_error = dist.all_reduce is original
+    dist.all_reduce(torch.ones(2))  # after the block: not recorded
+    return {"wrapped_inside": wrapped_inside, "restored": restored, "restored_after_error": restored_after_error,
+            "events": [(e.step, e.numel, e.nbytes, e.launched_s, e.done_s, e.blocking) for e in log.events],
+            "steps": [len(log.in_step(0)), len(log.in_step(1))], "async_done_s": async_done_s,
+            "sync": sync.tolist(), "biggest": biggest.item(), "pending": pending.tolist()}
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return dtlib.spawn(_record_all_reduces, 2, output="none")
+
+
+@pytest.mark.timeout(90)
+def test_recording_counts_calls_and_bytes(recorded):
+    for report in recorded:
+        events = report["events"]
+        assert [(step, numel, nbytes) for step, numel, nbytes, *_ in events] == [(0, 4, 16), (1, 1, 8), (1, 6, 48)]
+        assert [blocking for *_, blocking in events] == [True, True, False]
+        assert report["steps"] == [1, 2]
+
+
+@pytest.mark.timeout(90)
+def test_recorded_calls_still_reduce(recorded):
+    for report in recorded:  # the wrapper passes op and async_op through to dist.all_reduce
+        assert report["sync"] == [3.0] * 4
+        assert report["biggest"] == 1.0
+        assert report["pending"] == [3.0 * i for i in range(6)]
+
+
+@pytest.mark.timeout(90)
+def test_every_event_gets_its_finish_time(recorded):
+    for report in recorded:
+        assert not math.isnan(report["async_done_s"]), "async all-reduce: done_s still NaN after wait()"
+        times = [(launched, done) for _, _, _, launched, done, _ in report["events"]]
+        assert all(0 <= launched <= done for launched, done in times)
+        assert [launched for launched, _ in times] == sorted(launched for launched, _ in times)
+
+
+@pytest.mark.timeout(90)
+def test_recording_wraps_only_inside_the_block(recorded):
+    for report in recorded:
+        assert report["wrapped_inside"]
+        assert report["restored"] and report["restored_after_error"]

@@ -1,0 +1,185 @@
+"""dtlib.ddp: DDP on N ranks reaches what one process reaches with the whole global batch."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from dtlib import ddp, models
+from dtlib.ddp_scratch import BucketedDDP, NaiveDDP, _trainable
+
+QUIET = {"output": "none"}
+CONFIG = ddp.TrainConfig(steps=6)
+
+
+def _num_params(name: str) -> int:
+    return sum(p.numel() for p in models.build(name).parameters())
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return ddp.run(CONFIG, 2, **QUIET)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return ddp.train_single(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def accumulated():
+    """grad_accum=4: under no_sync (one all-reduce per step), and without it (one per micro-batch)."""
+    return {no_sync: ddp.run(replace(CONFIG, grad_accum=4, no_sync=no_sync), 2, **QUIET) for no_sync in (True, False)}
+
+
+def _assert_matches_single(results, reference, what):
+    assert reference.params is not None and reference.params.numel() > 0
+    for result in results:
+        torch.testing.assert_close(result.params, reference.params, rtol=0, atol=1e-5,
+                                   msg=lambda m, r=result.rank: f"{what}, rank {r}: {m}")
+    mean_losses = np.mean([result.losses for result in results], axis=0)  # equal batch sizes: mean of means
+    np.testing.assert_allclose(mean_losses, reference.losses, rtol=0, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_reach_the_single_process_parameters(plain, single):
+    _assert_matches_single(plain, single, "DDP x2")
+    assert torch.equal(plain[0].params, plain[1].params)  # replicas stay bit-identical
+    assert plain[0].losses != plain[1].losses  # the ranks saw different samples
+    assert not torch.allclose(plain[0].params, ddp.train_single(replace(CONFIG, steps=1)).params)  # it trained
+
+
+@pytest.mark.timeout(180)
+def test_gradient_accumulation_gives_the_same_parameters(accumulated, plain, single):
+    for no_sync, results in accumulated.items():
+        _assert_matches_single(results, single, f"grad_accum=4, no_sync={no_sync}")
+        for result, reference in zip(results, plain, strict=True):
+            torch.testing.assert_close(result.params, reference.params, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(result.losses, reference.losses, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_no_sync_communicates_once_per_step_and_without_it_once_per_micro_batch(accumulated, plain):
+    for with_no_sync, without, reference in zip(accumulated[True], accumulated[False], plain, strict=True):
+        assert with_no_sync.comm_calls == reference.comm_calls == [1] * CONFIG.steps
+        assert with_no_sync.comm_bytes == reference.comm_bytes
+        assert without.comm_calls == [4 * calls for calls in reference.comm_calls]
+        assert without.comm_bytes == [4 * nbytes for nbytes in reference.comm_bytes]
+
+
+@pytest.mark.timeout(180)
+def test_transformer_on_four_ranks_matches_one_process():
+    """Four ranks, the transformer, and ``gradient_as_bucket_view`` (gradients live in DDP's buckets and are
+    zeroed, not freed): one run for three claims, to keep the suite fast."""
+    config = ddp.TrainConfig(model="transformer", steps=3, global_batch=16, gradient_as_bucket_view=True)
+    results = ddp.run(config, 4, **QUIET)
+    assert [r.rank for r in results] == [0, 1, 2, 3] and {r.world_size for r in results} == {4}
+    reference = ddp.train_single(config, world_size=4)
+    _assert_matches_single(results, reference, "transformer, DDP x4")
+    assert reference.losses[0] == pytest.approx(math.log(models.VOCAB), rel=0.1)  # near uniform at the start
+    params = _num_params("transformer")
+    for result in results:
+        assert result.comm_bytes == [4 * params] * config.steps
+        assert result.grad_bytes_separate == 0
+        assert result.model_state_bytes == 3 * 4 * params  # parameters, gradients kept, momentum
+
+
+@pytest.mark.timeout(120)
+def test_rank_result_sanity(plain):
+    params = _num_params("mlp")
+    for rank, result in enumerate(plain):
+        assert (result.rank, result.world_size, result.backend, result.first_step) == (rank, 2, "gloo", 0)
+        for name in ("losses", "step_times_s", "comm_calls", "comm_bytes", "comm_sizes", "comm_seconds",
+                     "hidden_share"):
+            assert len(getattr(result, name)) == CONFIG.steps, name
+        assert all(math.isfinite(loss) for loss in result.losses)
+        assert result.comm_bytes[-1] == 4 * params  # float32 gradients, once, with the default allreduce hook
+        assert result.comm_sizes == [[4 * params]] * CONFIG.steps  # the mlp fits one bucket
+        assert result.bucket_bytes == [4 * params]
+        assert result.grad_bytes_separate == 4 * params  # without gradient_as_bucket_view: a copy outside
+        assert all(t > 0 for t in result.step_times_s)
+        assert all(s >= 0 for s in result.comm_seconds) and all(0 <= h <= 1 for h in result.hidden_share)
+        assert result.peak_memory_bytes > 0
+        assert result.model_state_bytes == 3 * 4 * params  # parameters, gradients, SGD momentum (all float32)
+        assert result.params.shape == result.grads.shape == (params,)
+        assert result.buffers.numel() == 0  # the mlp has no buffers
+        assert "params" not in ddp.as_dict(result) and ddp.as_dict(result)["losses"] == result.losses
+
+
+def _refused_before_any_process(monkeypatch, config, world_size, pattern):
+    def no_processes(*args, **kwargs):
+        raise AssertionError("ddp.run started processes for a config it should refuse")
+
+    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=pattern) as info:
+        ddp.run(config, world_size, **QUIET)
+    assert time.perf_counter() - started < 1.0
+    return str(info.value)
+
+
+@pytest.mark.parametrize("config, world_size, pattern", [
+    (ddp.TrainConfig(model="resnet"), 2, r"unknown model 'resnet'; choose one of mlp, wide_mlp, transformer"),
+    (ddp.TrainConfig(wrapper="apex"), 2, r"wrapper must be one of .*'ddp'.*got 'apex'"),
+    (ddp.TrainConfig(comm_hook="int8"), 2, r"comm_hook must be one of .*'powersgd'.*got 'int8'"),
+    (ddp.TrainConfig(steps=0), 2, r"grad_accum and global_batch must all be >= 1"),
+    (ddp.TrainConfig(num_samples=4, global_batch=4), 8, r"world_size=8 is larger than the data set \(4 samples\)"),
+    (ddp.TrainConfig(global_batch=1024), 2, r"global_batch=1024 exceeds the 512 samples"),
+    (ddp.TrainConfig(resume=True), 2, r"saving or resuming needs checkpoint_path"),
+    (ddp.TrainConfig(save_after_step=2), 2, r"saving or resuming needs checkpoint_path"),
+])
+def test_bad_settings_are_refused_before_any_process_starts(monkeypatch, config, world_size, pattern):
+    _refused_before_any_process(monkeypatch, config, world_size, pattern)
+
+
+@pytest.mark.parametrize("global_batch, world_size, grad_accum, suggestion", [(30, 4, 1, 28), (36, 2, 4, 32),
+                                                                              (3, 4, 1, 4)])
+def test_indivisible_global_batch_is_refused_with_a_value_that_works(monkeypatch, global_batch, world_size,
+                                                                     grad_accum, suggestion):
+    config = ddp.TrainConfig(global_batch=global_batch, grad_accum=grad_accum)
+    message = _refused_before_any_process(monkeypatch, config, world_size, rf"global_batch={global_batch} must "
+                                          rf"divide evenly into world_size={world_size}")
+    assert re.search(rf"try global_batch={suggestion}$", message)
+    ddp.validate(replace(config, global_batch=suggestion), world_size)  # the suggestion is accepted
+
+
+@pytest.mark.parametrize("global_batch", [0, -4])
+def test_non_positive_global_batch_is_refused_before_any_process_starts(monkeypatch, global_batch):
+    _refused_before_any_process(monkeypatch, ddp.TrainConfig(global_batch=global_batch), 2, "global_batch")
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    frozen = models.build("mlp")
+    for param in frozen.parameters():
+        param.requires_grad_(False)
+    pattern = "no trainable parameters"
+    with pytest.raises(ValueError, match=pattern):
+        _trainable(frozen)
+    with pytest.raises(ValueError, match=pattern):  # before the constructor's broadcast: no process group needed
+        NaiveDDP(frozen)
+    with pytest.raises(ValueError, match=pattern):
+        BucketedDDP(frozen)
+    frozen.net[0].weight.requires_grad_(True)
+    assert [p is frozen.net[0].weight for p in _trainable(frozen)] == [True]
+
+
+@pytest.mark.timeout(120)
+def test_command_line_prints_the_losses(plain):
+    completed = subprocess.run([sys.executable, "-m", "dtlib.ddp", "--world-size", "2", "--steps", "3"],
+                               capture_output=True, text=True, timeout=100)
+    assert completed.returncode == 0, completed.stderr
+    match = re.search(r"DDP on 2 rank\(s\), gloo: losses ((?:[-\d.]+ ?){3})$", completed.stdout, re.MULTILINE)
+    assert match, completed.stdout
+    printed = [float(v) for v in match.group(1).split()]
+    np.testing.assert_allclose(printed, plain[0].losses[:3], atol=1e-4)  # rank 0's first steps, to 4 decimals
+    params = _num_params("mlp")
+    assert f"all-reduce calls per step: 1, bytes per step: {4 * params}" in completed.stdout
