@@ -1,10 +1,14 @@
-"""Count and time every ``dist.all_reduce`` a rank makes: calls, bytes, launch and finish times.
+"""Count and time the collectives a rank makes: kind, calls, bytes, launch and finish times.
 
-DDP's communication hooks, PowerSGD and dtlib's DDP-from-scratch all call
-``torch.distributed.all_reduce``; inside :meth:`CommLog.recording` that name is
-wrapped, so the log sees every call whoever makes it. Torch DDP's built-in C++
-all-reduce bypasses Python: the runner registers ``allreduce_hook``, the hook
-that does the same thing in Python, so that it is counted too.
+DDP's communication hooks, PowerSGD, dtlib's DDP-from-scratch, FSDP2 and FSDP1 all
+call the collectives as ``torch.distributed.<name>`` at call time; inside
+:meth:`CommLog.recording` those names are wrapped, so the log sees every call
+whoever makes it. Torch DDP's built-in C++ all-reduce bypasses Python: the DDP
+runner registers ``allreduce_hook``, the hook that does the same thing in Python,
+so that it is counted too.
+
+``nbytes`` is the size of the whole buffer S, as nccl-tests counts it: the tensor of
+an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter.
 
 Example (inside a rank)::
 
@@ -17,18 +21,32 @@ Example (inside a rank)::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+#: Collectives the log can wrap, and which argument holds the whole buffer S (by position).
+SIZED_BY = {
+    "all_reduce": 0,
+    "all_gather_single": 0,  # (output, input): the gathered output
+    "all_gather_into_tensor": 0,
+    "all_gather": 0,  # (tensor_list, tensor): the list of every rank's piece
+    "reduce_scatter_single": 1,  # (output, input): the input being reduced
+    "reduce_scatter_tensor": 1,
+    "broadcast": 0,
+}
+KIND = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+        "all_gather": "all_gather", "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
 
 
 @dataclass
 class CommEvent:
-    """One all-reduce: its step, size, and when it was launched and finished (s since the log began)."""
+    """One collective: its step, kind, size, and when it was launched and finished (s since the log began)."""
 
     step: int
     numel: int
@@ -36,6 +54,7 @@ class CommEvent:
     launched_s: float
     done_s: float = float("nan")
     blocking: bool = False  # async_op=False: the caller waited, so nothing else ran meanwhile
+    kind: str = "all_reduce"  # all_reduce, all_gather, reduce_scatter or broadcast
 
 
 @dataclass
@@ -51,27 +70,46 @@ class CommLog:
         return time.perf_counter() - self.origin
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[CommLog]:
-        """Wrap ``torch.distributed.all_reduce`` for the duration of the block."""
-        original = dist.all_reduce
+    def recording(self, names: tuple[str, ...] = ("all_reduce",)) -> Iterator[CommLog]:
+        """Wrap ``torch.distributed.<name>`` for each of ``names`` (keys of :data:`SIZED_BY`) in the block."""
+        originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+        for name, original in originals.items():
+            setattr(dist, name, self._wrapped(name, original))
+        try:
+            yield self
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
 
-        def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
-                       async_op: bool = False) -> Any:
-            event = CommEvent(self.step, tensor.numel(), tensor.numel() * tensor.element_size(), self.now(),
-                              blocking=not async_op)
+    def _wrapped(self, name: str, original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            buffer = list(bound.arguments.values())[SIZED_BY[name]]
+            pieces = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+            numel = sum(t.numel() for t in pieces)
+            async_op = bool(bound.arguments.get("async_op", False))
+            event = CommEvent(self.step, numel, sum(t.numel() * t.element_size() for t in pieces), self.now(),
+                              blocking=not async_op, kind=KIND[name])
             self.events.append(event)
-            work = original(tensor, op=op, group=group, async_op=async_op)
-            if not async_op:
+            work = original(*args, **kwargs)
+            if not async_op or work is None:
                 event.done_s = self.now()
             else:
                 work.get_future().then(lambda _: setattr(event, "done_s", self.now()))
             return work
 
-        dist.all_reduce = all_reduce
-        try:
-            yield self
-        finally:
-            dist.all_reduce = original
+        return collective
+
+    def totals(self, step: int) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls": n, "bytes": S summed}}`` for one step."""
+        out: dict[str, dict[str, int]] = {}
+        for event in self.in_step(step):
+            entry = out.setdefault(event.kind, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += event.nbytes
+        return out
 
     def in_step(self, step: int) -> list[CommEvent]:
         """The events of one step, in launch order."""

@@ -9,8 +9,11 @@ Example::
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dtlib.models import IN_FEATURES, SEQ_LEN, VOCAB
 
@@ -61,3 +64,26 @@ def sampler_indices(dataset_len: int, world_size: int, epochs: int = 1, *, set_e
                 sampler.set_epoch(epoch)
         order.append([list(sampler) for sampler in samplers])
     return order
+
+
+def batches(dataset: TensorDataset, world_size: int, rank: int, batch_size: int, *, seed: int = 0,
+            first_step: int = 0, set_epoch: bool = True) -> Iterator[list[torch.Tensor]]:
+    """This rank's batches from step ``first_step`` on, epoch after epoch, for ever.
+
+    A ``DistributedSampler`` (shuffled with ``seed``, tail dropped so every rank gets as
+    many) feeds a ``DataLoader``; ``set_epoch`` reshuffles each epoch unless told not to.
+    Resuming at ``first_step`` skips exactly the batches already seen, so a resumed run
+    sees the same data as one that never stopped.
+    Example: ``x, y = next(batches(dataset, 2, 0, batch_size=16))``.
+    """
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    per_epoch = len(loader)
+    if per_epoch == 0:
+        raise ValueError(f"{len(dataset)} samples over {world_size} ranks give no full batch of {batch_size}")
+    for epoch in itertools.count(first_step // per_epoch):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        skip = first_step - epoch * per_epoch if epoch == first_step // per_epoch else 0
+        yield from itertools.islice(loader, skip, None)

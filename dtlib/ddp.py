@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import resource
 import sys
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
 from dtlib import compat, data, models
 from dtlib.commlog import CommLog, busy_seconds, hidden_share
@@ -205,17 +203,15 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
         base.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         start = checkpoint["step"]
-    dataset = data.for_model(config.model, config.num_samples, seed=config.seed)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed,
-                                 drop_last=True)
     micro_batch = config.global_batch // world_size // config.grad_accum
-    loader = DataLoader(dataset, batch_size=micro_batch * config.grad_accum, sampler=sampler, drop_last=True)
+    batches = data.batches(data.for_model(config.model, config.num_samples, seed=config.seed), world_size, rank,
+                           micro_batch * config.grad_accum, seed=config.seed, first_step=start,
+                           set_epoch=config.set_epoch)
     result = RankResult(rank, world_size, dist.get_backend() if dist.is_initialized() else "none", start)
     steps = range(start, config.steps)
     if config.progress and rank == 0:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc=f"DDP x{world_size}", file=sys.stderr, ascii=True, ncols=70)
-    batches = _batches(loader, sampler, config, first_step=start)
     with log.recording():
         for step in steps:
             log.step = step
@@ -248,16 +244,6 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     result.params = _flat(list(base.parameters()))
     result.buffers = _flat(list(base.buffers()))
     return result
-
-
-def _batches(loader: DataLoader, sampler: DistributedSampler, config: TrainConfig, first_step: int) -> Any:
-    """Batches from ``first_step`` on, epoch after epoch; ``set_epoch`` reshuffles unless told not to."""
-    per_epoch = len(loader)
-    for epoch in itertools.count(first_step // per_epoch):
-        if config.set_epoch:
-            sampler.set_epoch(epoch)
-        skip = first_step - epoch * per_epoch if epoch == first_step // per_epoch else 0
-        yield from itertools.islice(loader, skip, None)
 
 
 def _record_step(result: RankResult, log: CommLog, step: int, step_start: float, loss_value: float) -> None:
