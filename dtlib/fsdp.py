@@ -1,0 +1,343 @@
+"""The FSDP runner: the same tiny transformer under FSDP2 (``fully_shard``), FSDP1 or DDP.
+
+:func:`train` runs inside each rank (``dtlib.spawn`` or torchrun); :func:`run` starts it.
+It returns, per rank, the losses, the collectives issued per step (kind, calls, bytes),
+the model-state bytes this rank holds, and the ZeRO formula's estimate beside them::
+
+    results = dtlib.fsdp.run(dtlib.fsdp.FSDPConfig(api="fsdp2", strategy="full_shard"), world_size=2)
+    results[0].memory_at_rest        # {"parameters": ..., "gradients": ..., "optimizer_state": ...}
+
+Under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.fsdp --api fsdp2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtlib import data, memory, models
+from dtlib.commlog import SIZED_BY, CommLog
+
+APIS = ("fsdp2", "fsdp1", "ddp")
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+@dataclass
+class FSDPConfig:
+    """One run's settings; the same object goes to every rank. FSDP1 names map onto FSDP2 (see README)."""
+
+    api: str = "fsdp2"  # "fsdp2" (fully_shard), "fsdp1" (FullyShardedDataParallel) or "ddp"
+    model: str = "transformer"  # a dtlib.models name with identical .blocks (the sharding units)
+    strategy: str = "full_shard"  # FSDP1's ShardingStrategy, lower case; FSDP2 maps it (module docstring)
+    reshard_after_forward: bool | int | None = None  # FSDP2 only: overrides what strategy implies
+    shard_group_size: int = 2  # hybrid_shard: ranks per shard group (the rest replicate)
+    mixed_precision: bool = False  # bf16 parameters in compute, fp32 gradient reduction
+    cpu_offload: bool = False
+    auto_wrap: str = "transformer"  # FSDP1: "transformer" (one unit per Block) or "size"
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    meta_init: bool = False  # FSDP2: build on the meta device; only rank 0 ever holds full weights
+    steps: int = 4
+    global_batch: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-2  # Adam
+    num_samples: int = 256
+    seed: int = 0
+    threads: int = 1
+    save_after_step: int | None = None
+    resume: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_kind: str = "sharded"  # "sharded" (DCP, one file per rank) or "full" (one file from rank 0)
+
+
+@dataclass
+class FSDPResult:
+    """What one rank measured. Bytes are this rank's; comm has one dict per step."""
+
+    rank: int
+    world_size: int
+    api: str
+    num_params: int
+    first_step: int = 0
+    losses: list[float] = field(default_factory=list)  # mean over all ranks, per step
+    step_times_s: list[float] = field(default_factory=list)
+    comm: list[dict[str, dict[str, int]]] = field(default_factory=list)  # {kind: {"calls", "bytes"}} per step
+    memory_at_rest: dict[str, int] = field(default_factory=dict)  # after optimizer.step(), before zero_grad
+    # Parameter bytes the module holds between forward and backward (FSDP2 and DDP; FSDP1 keeps the
+    # gathered weights in internal buffers that its parameters do not show, so None there).
+    parameters_after_forward: int | None = None
+    estimate: dict[str, float] = field(default_factory=dict)  # dtlib.memory.breakdown for this setting
+    peak_memory_bytes: int = 0  # CUDA allocator peak (0 on the CPU)
+    shard_example: dict[str, Any] = field(default_factory=dict)
+    block_forward_calls: int = 0  # per step; twice the blocks with activation checkpointing
+    notes: list[str] = field(default_factory=list)
+
+
+def validate(config: FSDPConfig, world_size: int) -> None:
+    """Refuse settings that cannot work, before any process starts, saying what to change."""
+    if config.api not in APIS:
+        raise ValueError(f"api must be one of {APIS}, got {config.api!r}")
+    if config.model != "transformer":
+        raise ValueError(f"FSDP shards the transformer's blocks: model must be 'transformer', got {config.model!r}")
+    if config.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if config.api == "fsdp2" and config.strategy == "no_shard":
+        raise ValueError("FSDP2 has no no_shard: replicating everything is DDP (api='ddp')")
+    if config.strategy == "hybrid_shard" and config.api != "ddp":
+        group = config.shard_group_size
+        if group < 1 or world_size % group:
+            raise ValueError(f"hybrid_shard needs world_size divisible by shard_group_size: {world_size} ranks "
+                             f"cannot form groups of {group}; try shard_group_size=2 with an even world_size")
+    if config.cpu_offload and config.api == "fsdp1" and not torch.cuda.is_available():
+        raise ValueError("FSDP1's CPUOffload needs an accelerator: it moves each parameter between pinned host "
+                         "memory and the GPU, and this machine has no GPU (torch.cuda.is_available() is False)")
+    if config.auto_wrap not in ("transformer", "size"):
+        raise ValueError(f"auto_wrap must be 'transformer' or 'size', got {config.auto_wrap!r}")
+    if config.checkpoint_kind not in ("sharded", "full"):
+        raise ValueError(f"checkpoint_kind must be 'sharded' or 'full', got {config.checkpoint_kind!r}")
+    if (config.save_after_step is not None or config.resume) and not config.checkpoint_dir:
+        raise ValueError("saving or resuming needs checkpoint_dir")
+    if (config.meta_init or config.activation_checkpointing) and config.api != "fsdp2":
+        raise ValueError("meta_init and activation_checkpointing are shown with FSDP2 only (api='fsdp2')")
+    if config.global_batch < 1 or config.global_batch % (world_size * config.grad_accum):
+        raise ValueError(f"global_batch={config.global_batch} must be a positive multiple of world_size x "
+                         f"grad_accum = {world_size * config.grad_accum}")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
+    """A 2-D (replicate, shard) mesh for hybrid sharding, else None (FSDP's default 1-D mesh)."""
+    if config.strategy != "hybrid_shard":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world_size // config.shard_group_size, config.shard_group_size)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _instrument_blocks(model: nn.Module, checkpointing: bool) -> list[int]:
+    """Count the blocks' forward calls in a one-element list; with ``checkpointing``, each block's
+    forward runs under ``torch.utils.checkpoint`` and so runs again in backward (the count doubles)."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = [0]
+    for block in model.blocks:
+        original = block.forward
+
+        def counted(*args: Any, _original: Any = original) -> Any:
+            calls[0] += 1
+            return _original(*args)
+
+        block.forward = functools.partial(checkpoint, counted, use_reentrant=False) if checkpointing else counted
+    return calls
+
+
+def _wrap_fsdp2(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
+                notes: list[str]) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    reshard = config.reshard_after_forward
+    if reshard is None:
+        reshard = config.strategy != "shard_grad_op"
+    options: dict[str, Any] = {"reshard_after_forward": reshard, "mesh": _mesh(config, world_size, device)}
+    if config.mixed_precision:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        pin = torch.cuda.is_available()  # pinning needs an accelerator
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
+        if not pin:
+            notes.append("CPUOffloadPolicy(pin_memory=False): on a CPU-only machine the parameters already live in "
+                         "host memory, so offloading changes nothing here")
+    for block in model.blocks:
+        fully_shard(block, **options)
+    if config.mixed_precision:  # the root hands fp32 logits to the loss; blocks must not (their LayerNorm is bf16)
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    output_dtype=torch.float32)
+    # The head's output on a 3-D input is a view; FSDP2 warns that in-place ops on a view skip its hooks.
+    model.register_forward_hook(lambda module, inputs, output: output.clone())
+    return fully_shard(model, **options)
+
+
+def _wrap_fsdp1(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
+                notes: list[str]) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if config.auto_wrap == "transformer":
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
+    else:
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=5_000)
+    options: dict[str, Any] = {"sharding_strategy": ShardingStrategy[config.strategy.upper()],
+                               "auto_wrap_policy": policy, "device_id": device}
+    if config.strategy == "hybrid_shard":  # without a mesh FSDP1 sizes the shard group by local GPUs (0 here)
+        options["device_mesh"] = _mesh(config, world_size, device)
+    if config.mixed_precision:
+        options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    buffer_dtype=torch.float32)
+    if config.cpu_offload:
+        options["cpu_offload"] = CPUOffload(offload_params=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
+        wrapped = FSDP(model, **options)
+    said = {f"torch {torch.__version__} says: {w.message}" for w in caught if w.category is FutureWarning}
+    notes.extend(sorted(said))  # one line per message, not one per FSDP unit
+    return wrapped
+
+
+def _wrap(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
+          notes: list[str]) -> nn.Module:
+    if config.api == "fsdp2":
+        return _wrap_fsdp2(model, config, world_size, device, notes)
+    if config.api == "fsdp1":
+        return _wrap_fsdp1(model, config, world_size, device, notes)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped.register_comm_hook(None, default_hooks.allreduce_hook)  # so that CommLog sees the all-reduce
+    return wrapped
+
+
+def _build(config: FSDPConfig, world_size: int, device: torch.device, notes: list[str]) -> nn.Module:
+    if not config.meta_init:
+        return _wrap(models.build(config.model, seed=config.seed).to(device), config, world_size, device, notes)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):  # shapes only: no rank allocates the full model here
+        model = models.build(config.model, seed=config.seed)
+    model = _wrap(model, config, world_size, device, notes)
+    model.to_empty(device=device)  # allocates this rank's shards only
+    # Rank 0 stands for "the checkpoint on disk": it alone materialises full weights and sends each rank its
+    # shard. (reset_parameters on a CPU mesh would give every rank the same random shard.)
+    full = models.build(config.model, seed=config.seed).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    notes.append("meta init: the model was built on the meta device, sharded, then filled from rank 0's weights")
+    return model
+
+
+def _gradient_sync(model: nn.Module, config: FSDPConfig, enabled: bool) -> Any:
+    """FSDP2: set_requires_gradient_sync; FSDP1 and DDP: the no_sync() context."""
+    if config.api == "fsdp2":
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if enabled else model.no_sync()
+
+
+def _shard_example(model: nn.Module) -> dict[str, Any]:
+    name, param = next(iter(model.named_parameters()))
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return {"name": name, "full_shape": tuple(param.shape), "local_shape": tuple(local.shape),
+            "placements": str(getattr(param, "placements", "flat parameter" if local.dim() == 1 else "replicated"))}
+
+
+def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
+    """Train on this rank inside an initialised process group."""
+    import time
+
+    from dtlib import fsdp_checkpoint
+
+    validate(config, world_size)
+    torch.set_num_threads(config.threads)
+    device = _device()
+    notes: list[str] = []
+    num_params = sum(p.numel() for p in models.build(config.model, seed=config.seed).parameters())
+    model = _build(config, world_size, device, notes)
+    # After fully_shard: FSDP2's hooks on each block stay outside the recomputed part.
+    calls = _instrument_blocks(model, config.activation_checkpointing) if config.api == "fsdp2" else [0]
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    start = fsdp_checkpoint.load(model, optimizer, config.checkpoint_dir, config.checkpoint_kind, notes) \
+        if config.resume else 0
+    result = FSDPResult(rank, world_size, config.api, num_params, first_step=start, shard_example=_shard_example(model),
+                        notes=notes)
+    micro = config.global_batch // world_size // config.grad_accum
+    batches = data.batches(data.for_model(config.model, config.num_samples, seed=config.seed), world_size, rank,
+                           micro * config.grad_accum, seed=config.seed, first_step=start)
+    log = CommLog()
+    with log.recording(tuple(SIZED_BY)):
+        for step in range(start, config.steps):
+            log.step, calls[0] = step, 0
+            began = time.perf_counter()
+            x, y = next(batches)
+            loss_sum = torch.zeros((), device=device)
+            for index, (xs, ys) in enumerate(zip(x.split(micro), y.split(micro), strict=True)):
+                last = index == config.grad_accum - 1
+                with _gradient_sync(model, config, last):
+                    output = model(xs.to(device))
+                    if last and config.api != "fsdp1":
+                        result.parameters_after_forward = memory.measured(model)["parameters"]
+                    loss = models.loss_fn(config.model, output, ys.to(device)) / config.grad_accum
+                    loss.backward()
+                loss_sum += loss.detach()
+            optimizer.step()
+            result.memory_at_rest = memory.measured(model, optimizer)
+            optimizer.zero_grad()
+            result.step_times_s.append(time.perf_counter() - began)
+            result.comm.append(log.totals(step))
+            result.block_forward_calls = calls[0]
+            log.step = -1  # the loss all-reduce below is bookkeeping, not training traffic
+            dist.all_reduce(loss_sum)
+            result.losses.append(loss_sum.item() / world_size)
+            if config.save_after_step == step + 1:
+                fsdp_checkpoint.save(model, optimizer, step + 1, config.checkpoint_dir, config.checkpoint_kind,
+                                     notes)
+    result.estimate = _estimate(config, world_size, num_params)
+    if device.type == "cuda":
+        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+    return result
+
+
+def _estimate(config: FSDPConfig, world_size: int, num_params: int) -> dict[str, float]:
+    """The ZeRO formula for this run: fp32 parameters and gradients (FSDP keeps its shards in fp32 even
+    with mixed precision), Adam's two fp32 moments."""
+    stage = "ddp" if config.api == "ddp" else config.strategy
+    ranks = config.shard_group_size if config.strategy == "hybrid_shard" else world_size
+    return memory.breakdown(num_params, ranks, stage, param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
+
+
+def run(config: FSDPConfig, world_size: int = 2, **spawn_options: Any) -> list[FSDPResult]:
+    """Train on ``world_size`` ranks (``dtlib.run``: a notebook, a script or torchrun); results by rank.
+
+    Example: ``run(FSDPConfig(api="fsdp1", strategy="shard_grad_op"), 2)[0].losses``.
+    """
+    validate(config, world_size)
+    from dtlib.run import run as run_everywhere
+
+    return run_everywhere(train, world_size, args=(config,), **spawn_options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dtlib.fsdp`` (spawns) or ``torchrun ... -m dtlib.fsdp``: train, print rank 0's view."""
+    parser = argparse.ArgumentParser(description="Train a tiny transformer with FSDP2, FSDP1 or DDP.")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    parser.add_argument("--api", default="fsdp2", choices=APIS)
+    parser.add_argument("--strategy", default="full_shard", choices=STRATEGIES)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--mixed-precision", action="store_true")
+    options = parser.parse_args(argv)
+    config = FSDPConfig(api=options.api, strategy=options.strategy, steps=options.steps,
+                        mixed_precision=options.mixed_precision)
+    results = run(config, options.world_size)
+    if int(os.environ.get("RANK", 0)) == 0:
+        first = results[0]
+        print(f"{first.api} {options.strategy} on {first.world_size} ranks: losses "
+              f"{' '.join(f'{v:.4f}' for v in first.losses)}")
+        print(f"model state on rank 0: {sum(first.memory_at_rest.values())} bytes "
+              f"(formula {sum(first.estimate.values()):.0f}); collectives per step: {first.comm[-1]}")
+
+
+if __name__ == "__main__":
+    main()
