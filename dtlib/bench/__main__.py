@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dtlib.bench import collective, ddp, launch
+from dtlib.bench import collective, ddp, fsdp, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     ddp_parser.add_argument("--steps", type=int, default=12)
     ddp_parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ddp_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    fsdp_parser = commands.add_parser("fsdp", help="DDP against FSDP strategies: memory, traffic, time")
+    fsdp_parser.add_argument("--world-size", type=int, default=2)
+    fsdp_parser.add_argument("--steps", type=int, default=6)
+    fsdp_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
 
     if options.what == "launch":
@@ -45,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(launch.as_records(timings, options.world_size), indent=2))
         else:
             print(launch.format_table(timings, options.world_size))
+    elif options.what == "fsdp":
+        fsdp_rows = fsdp.measure(options.world_size, options.steps)
+        print(json.dumps(fsdp.as_records(fsdp_rows), indent=2) if options.json else fsdp.format_table(fsdp_rows))
     elif options.what == "ddp":
         ddp_rows = ddp.measure(options.world_size, model=options.model, global_batch=options.global_batch,
                                steps=options.steps, threads=options.threads)

@@ -1,0 +1,161 @@
+"""FSDP side by side: FSDP1 against FSDP2, each sharding strategy against DDP, resuming from checkpoints.
+
+Every function runs ranks through :func:`dtlib.fsdp.run` and returns plain rows::
+
+    for row in dtlib.fsdp_compare.MIGRATION:
+        print(row.fsdp1, "->", row.fsdp2)
+    dtlib.fsdp_compare.strategies(world_size=2)      # memory, traffic, time and loss per strategy
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from dtlib.fsdp import FSDPConfig, FSDPResult, run
+
+QUIET: dict[str, Any] = {"output": "none"}
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One row of the FSDP1-to-FSDP2 table, with a config on each side that must train alike."""
+
+    fsdp1: str
+    fsdp2: str
+    world_size: int
+    fsdp1_config: FSDPConfig
+    fsdp2_config: FSDPConfig
+    needs_gpu: bool = False
+
+
+def _pair(world_size: int, **changes: Any) -> tuple[FSDPConfig, FSDPConfig]:
+    return FSDPConfig(api="fsdp1", **changes), FSDPConfig(api="fsdp2", **changes)
+
+
+MIGRATION = [
+    Migration("ShardingStrategy.FULL_SHARD", "fully_shard(reshard_after_forward=True)", 2, *_pair(2)),
+    Migration("ShardingStrategy.SHARD_GRAD_OP", "fully_shard(reshard_after_forward=False)", 2,
+              *_pair(2, strategy="shard_grad_op")),
+    Migration("ShardingStrategy.HYBRID_SHARD", "fully_shard(mesh=2-D (replicate, shard) mesh)", 4,
+              *_pair(4, strategy="hybrid_shard")),
+    Migration("ShardingStrategy.NO_SHARD", "DistributedDataParallel (FSDP2 has no NO_SHARD)", 2,
+              FSDPConfig(api="fsdp1", strategy="no_shard"), FSDPConfig(api="ddp")),
+    Migration("auto_wrap_policy=transformer_auto_wrap_policy", "fully_shard(block) for each block, then the root",
+              2, *_pair(2)),
+    Migration("MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)",
+              "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)", 2, *_pair(2, mixed_precision=True)),
+    Migration("CPUOffload(offload_params=True)", "CPUOffloadPolicy()", 2, *_pair(2, cpu_offload=True),
+              needs_gpu=True),
+    Migration("with model.no_sync(): ...", "model.set_requires_gradient_sync(False)", 2, *_pair(2, grad_accum=2)),
+    Migration("StateDictType.FULL_STATE_DICT", "get_state_dict(..., StateDictOptions(full_state_dict=True))", 2,
+              *_pair(2, checkpoint_kind="full")),
+    Migration("StateDictType.SHARDED_STATE_DICT", "get_state_dict(...) + torch.distributed.checkpoint.save", 2,
+              *_pair(2, checkpoint_kind="sharded")),
+]
+
+
+def resume(config: FSDPConfig, world_size: int = 2, steps: int = 6, stop_after: int = 3,
+           **spawn_options: Any) -> dict[str, list[float]]:
+    """Losses straight through, and stopped after ``stop_after`` steps, saved (``config.checkpoint_kind``),
+    and resumed by a new job. The two lists must be equal."""
+    if not 0 < stop_after < steps:
+        raise ValueError(f"need 0 < stop_after < steps, got {stop_after} and {steps}")
+    spawn_options = {**QUIET, **spawn_options}
+    straight = run(replace(config, steps=steps), world_size, **spawn_options)[0].losses
+    with tempfile.TemporaryDirectory() as folder:
+        first = run(replace(config, steps=stop_after, save_after_step=stop_after, checkpoint_dir=folder),
+                    world_size, **spawn_options)[0].losses
+        second = run(replace(config, steps=steps, resume=True, checkpoint_dir=folder), world_size,
+                     **spawn_options)[0].losses
+    return {"straight": straight, "resumed": first + second}
+
+
+def compare(row: Migration, **spawn_options: Any) -> dict[str, list[float]]:
+    """Both sides of one migration row: their losses (after resuming, for the state-dict rows)."""
+    spawn_options = {**QUIET, **spawn_options}
+    if "STATE_DICT" in row.fsdp1:
+        return {"fsdp1": resume(row.fsdp1_config, row.world_size, **spawn_options)["resumed"],
+                "fsdp2": resume(row.fsdp2_config, row.world_size, **spawn_options)["resumed"]}
+    return {"fsdp1": run(row.fsdp1_config, row.world_size, **spawn_options)[0].losses,
+            "fsdp2": run(row.fsdp2_config, row.world_size, **spawn_options)[0].losses}
+
+
+@dataclass
+class StrategyRow:
+    """One strategy measured on rank 0: model-state bytes, collectives per step, time and loss."""
+
+    label: str
+    world_size: int
+    shard_group: int  # ranks that split the parameters among them (1 for DDP)
+    at_rest: int  # bytes of parameters + gradients + optimizer state held between steps
+    peak: int | None  # at rest plus the parameters gathered between forward and backward (None: FSDP1 hides them)
+    estimate: float  # the ZeRO formula for the same setting (fp32 weights and gradients, Adam)
+    comm: dict[str, dict[str, int]]  # {kind: {"calls", "bytes"}} in the last step
+    step_ms: float
+    final_loss: float
+    notes: list[str]
+
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "DDP": {"api": "ddp"},
+    "FSDP2 full shard": {"api": "fsdp2", "strategy": "full_shard"},
+    "FSDP2 no reshard after forward": {"api": "fsdp2", "strategy": "shard_grad_op"},
+    "FSDP2 HSDP (2 x 2 mesh)": {"api": "fsdp2", "strategy": "hybrid_shard"},
+    "FSDP1 FULL_SHARD": {"api": "fsdp1", "strategy": "full_shard"},
+    "FSDP1 SHARD_GRAD_OP": {"api": "fsdp1", "strategy": "shard_grad_op"},
+}
+
+
+def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
+    first = results[0]
+    at_rest = sum(first.memory_at_rest.values())
+    gathered = first.parameters_after_forward
+    peak = None if gathered is None else at_rest + max(0, gathered - first.memory_at_rest["parameters"])
+    step_s = max(statistics.median(r.step_times_s[1:] or r.step_times_s) for r in results)
+    shard_group = 1 if first.api == "ddp" else 2 if "HSDP" in label else first.world_size
+    return StrategyRow(label, first.world_size, shard_group, at_rest, peak, sum(first.estimate.values()),
+                       first.comm[-1], step_s * 1e3, first.losses[-1], first.notes)
+
+
+def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, steps: int = 6,
+               **spawn_options: Any) -> list[StrategyRow]:
+    """The same model and data under each setting of :data:`SETTINGS` (HSDP only where
+    ``world_size`` is a multiple of 4): one row each.
+
+    Example: ``[(r.label, r.at_rest) for r in strategies(2)]``.
+    """
+    spawn_options = {**QUIET, **spawn_options}
+    chosen = labels or tuple(label for label in SETTINGS if "HSDP" not in label or world_size % 4 == 0)
+    rows = []
+    for label in chosen:
+        config = FSDPConfig(steps=steps, **SETTINGS[label])
+        rows.append(_row(label, run(config, world_size, **spawn_options)))
+    return rows
+
+
+def bytes_sent_per_rank(row: StrategyRow) -> float:
+    """Bytes one rank sends per step if every collective is a ring (notebook 03): all-gather and
+    reduce-scatter move (g-1)/g of their buffer over a group of g ranks, all-reduce 2(r-1)/r.
+
+    DDP all-reduces S over all n ranks; FSDP all-gathers and reduce-scatters over the shard group
+    g; HSDP also all-reduces each shard (S/g) over the r = n/g replicas.
+    """
+    g = row.shard_group
+    r = row.world_size // g
+    sent = 0.0
+    for kind, totals in row.comm.items():
+        if kind == "all_reduce":
+            sent += totals["bytes"] * 2 * (r - 1) / r
+        else:
+            sent += totals["bytes"] * (g - 1) / g
+    return sent
+
+
+def gpu_needed(row: Migration) -> bool:
+    """True where the row cannot run here (CPU offload in FSDP1 needs an accelerator)."""
+    return row.needs_gpu and not torch.cuda.is_available()
