@@ -250,3 +250,40 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
                                f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
     return Feedback(True, f"On all {world_size} ranks your gradients equal DistributedDataParallel's: "
                           "all-reduce (SUM) and divide by world_size is what DDP does, bucket by bucket.")
+
+
+def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, strategy: str = "full_shard") -> Feedback:
+    """Notebook 05: bytes of model state per rank for ``num_params`` fp32 parameters trained with Adam
+    (4 bytes of weights, 4 of gradients, 8 of Adam's two moments per parameter) under ``strategy``.
+
+    Example: ``fsdp_memory(16 * 28_064)`` says that is DDP's figure, not FULL_SHARD's.
+    """
+    from dtlib import memory
+
+    fp32_adam = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": 8}
+    expected = memory.estimate(num_params, world_size, strategy, **fp32_adam)
+    if answer is None:
+        return Feedback(False, "No answer yet: set `answer` to a number of bytes.")
+    if not isinstance(answer, (int, float)) or isinstance(answer, bool):
+        return Feedback(False, f"Answer with a number of bytes, not {type(answer).__name__}.")
+    if abs(answer - expected) <= 0.01 * expected:
+        return Feedback(True, f"Right: {expected:,.0f} bytes per rank; the measured figure above is within 0.1% "
+                              "(Adam's step counters are the difference).")
+    p, n = num_params, world_size
+    known = {
+        16 * p: "that is every rank holding everything, as DDP does: FULL_SHARD divides all three by world_size.",
+        4 * p / n: "that counts the parameters only: each rank also holds its shard of the gradients and of "
+                   "Adam's two moments.",
+        8 * p / n: "that misses Adam's state: exp_avg and exp_avg_sq, 8 bytes per parameter in fp32.",
+        12 * p / n: "that misses the gradients: 4 bytes per parameter, sharded like the rest.",
+        memory.estimate(p, n, "zero2", **fp32_adam): "that is ZeRO-2 (shard_grad_op): parameters whole, the rest "
+                                                     "sharded. FULL_SHARD shards the parameters too.",
+    }
+    for value, hint in known.items():
+        if hint and abs(answer - value) <= 0.01 * max(value, 1):
+            return Feedback(False, f"{answer:,.0f} bytes: {hint}")
+    if abs(answer * 1e9 - expected) <= 0.01 * expected or abs(answer * 2**20 - expected) <= 0.01 * expected:
+        return Feedback(False, "Give the answer in bytes, not GB or MiB.")
+    return Feedback(False, f"{answer:,.0f} bytes is off by a factor of {answer / expected:.2f}: count 16 bytes "
+                           f"per parameter (4 weights + 4 gradients + 8 Adam), then apply {strategy}'s sharding "
+                           f"over {world_size} ranks.")

@@ -75,14 +75,24 @@ def resume(config: FSDPConfig, world_size: int = 2, steps: int = 6, stop_after: 
     return {"straight": straight, "resumed": first + second}
 
 
-def compare(row: Migration, **spawn_options: Any) -> dict[str, list[float]]:
-    """Both sides of one migration row: their losses (after resuming, for the state-dict rows)."""
+def max_difference(first: list[float], second: list[float]) -> float:
+    """The largest difference between two loss curves of equal length."""
+    return max(abs(a - b) for a, b in zip(first, second, strict=True))
+
+
+def compare(row: Migration, **spawn_options: Any) -> dict[str, Any]:
+    """Both sides of one migration row: their losses (after resuming, for the state-dict rows), the
+    largest difference, and whether it is within tolerance (1e-5; bf16 rounding, 0.05, for mixed precision)."""
     spawn_options = {**QUIET, **spawn_options}
     if "STATE_DICT" in row.fsdp1:
-        return {"fsdp1": resume(row.fsdp1_config, row.world_size, **spawn_options)["resumed"],
-                "fsdp2": resume(row.fsdp2_config, row.world_size, **spawn_options)["resumed"]}
-    return {"fsdp1": run(row.fsdp1_config, row.world_size, **spawn_options)[0].losses,
-            "fsdp2": run(row.fsdp2_config, row.world_size, **spawn_options)[0].losses}
+        losses = [resume(config, row.world_size, **spawn_options)["resumed"]
+                  for config in (row.fsdp1_config, row.fsdp2_config)]
+    else:
+        losses = [run(config, row.world_size, **spawn_options)[0].losses
+                  for config in (row.fsdp1_config, row.fsdp2_config)]
+    difference = max_difference(*losses)
+    tolerance = 0.05 if row.fsdp1_config.mixed_precision else 1e-5
+    return {"fsdp1": losses[0], "fsdp2": losses[1], "max_difference": difference, "same": difference < tolerance}
 
 
 @dataclass
@@ -93,6 +103,7 @@ class StrategyRow:
     world_size: int
     shard_group: int  # ranks that split the parameters among them (1 for DDP)
     at_rest: int  # bytes of parameters + gradients + optimizer state held between steps
+    at_rest_parts: dict[str, int]  # the same, split as dtlib.memory.measured splits it
     peak: int | None  # at rest plus the parameters gathered between forward and backward (None: FSDP1 hides them)
     estimate: float  # the ZeRO formula for the same setting (fp32 weights and gradients, Adam)
     comm: dict[str, dict[str, int]]  # {kind: {"calls", "bytes"}} in the last step
@@ -118,8 +129,8 @@ def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
     peak = None if gathered is None else at_rest + max(0, gathered - first.memory_at_rest["parameters"])
     step_s = max(statistics.median(r.step_times_s[1:] or r.step_times_s) for r in results)
     shard_group = 1 if first.api == "ddp" else 2 if "HSDP" in label else first.world_size
-    return StrategyRow(label, first.world_size, shard_group, at_rest, peak, sum(first.estimate.values()),
-                       first.comm[-1], step_s * 1e3, first.losses[-1], first.notes)
+    return StrategyRow(label, first.world_size, shard_group, at_rest, first.memory_at_rest, peak,
+                       sum(first.estimate.values()), first.comm[-1], step_s * 1e3, first.losses[-1], first.notes)
 
 
 def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, steps: int = 6,
@@ -159,3 +170,28 @@ def bytes_sent_per_rank(row: StrategyRow) -> float:
 def gpu_needed(row: Migration) -> bool:
     """True where the row cannot run here (CPU offload in FSDP1 needs an accelerator)."""
     return row.needs_gpu and not torch.cuda.is_available()
+
+
+def _documented_route(rank: int, world_size: int) -> str:
+    from dtlib import fsdp, fsdp_checkpoint, models
+
+    model = fsdp._wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, fsdp._device(), [])
+    optimizer = torch.optim.Adam(model.parameters())
+    models.loss_fn("transformer", model(torch.zeros(2, 16, dtype=torch.long)), torch.zeros(2, 16, dtype=torch.long)
+                   ).backward()
+    optimizer.step()
+    state = fsdp_checkpoint.documented_fsdp1_full_state_dict(model, optimizer)
+    return f"worked: {len(state['model'])} tensors on rank {rank}"
+
+
+def documented_fsdp1_full_state_dict_route(world_size: int = 2) -> str:
+    """Try FSDP1's documented FULL_STATE_DICT route (offload_to_cpu=True, rank0_only=True) on this
+    machine's backend; return what happened: rank 0's error on the CPU, "worked" on GPUs."""
+    from dtlib.errors import WorkerError, WorkerTimeout
+    from dtlib.launch import spawn
+
+    try:
+        return spawn(_documented_route, world_size, timeout=30, output="none")[0]
+    except (WorkerError, WorkerTimeout) as err:
+        failure = err.failures[0] if isinstance(err, WorkerError) else None
+        return failure.headline() if failure else str(err).splitlines()[0]

@@ -1,0 +1,107 @@
+"""Drawings for FSDP: who holds which rows of a parameter, model-state bytes per strategy, traffic.
+
+Example::
+
+    rows = dtlib.fsdp_compare.strategies(world_size=2)
+    dtlib.plots.memory_bars(rows)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+
+PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
+RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+
+def shard(full_shape: Sequence[int], world_size: int, name: str = "a parameter") -> Figure:
+    """A (rows, columns) parameter cut into ``world_size`` blocks of rows: FSDP2's ``Shard(0)``.
+
+    Rank r holds rows ceil(R/N)*r up to ceil(R/N)*(r+1); the last shard is padded where R does not divide.
+    """
+    rows = full_shape[0]
+    cols = full_shape[1] if len(full_shape) > 1 else 1
+    per_rank = -(-rows // world_size)  # ceil: torch.chunk's split
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for rank in range(world_size):
+        start, stop = rank * per_rank, min(rows, (rank + 1) * per_rank)
+        if start >= stop:
+            continue
+        ax.add_patch(plt.Rectangle((0, start), cols, stop - start, color=RANK_COLORS[rank % len(RANK_COLORS)],
+                                   alpha=0.85))
+        ax.text(cols / 2, (start + stop) / 2, f"rank {rank}: rows {start}..{stop - 1}", ha="center", va="center",
+                color="white", fontsize=10)
+    ax.set_xlim(0, cols)
+    ax.set_ylim(rows, 0)
+    ax.set_xlabel(f"columns ({cols})")
+    ax.set_ylabel(f"rows ({rows})")
+    ax.set_title(f"{name} {tuple(full_shape)} sharded over {world_size} ranks: each keeps only its rows")
+    fig.tight_layout()
+    return fig
+
+
+def memory_bars(rows: Sequence[Any], title: str = "") -> Figure:
+    """Model-state bytes per rank for each strategy (``dtlib.fsdp_compare.StrategyRow`` s): measured at
+    rest (stacked: parameters, gradients, optimizer state), the weights gathered between forward and
+    backward on top (grey), and the ZeRO formula as a black tick."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.2))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for part in ("parameters", "gradients", "optimizer_state"):
+        values = np.array([r.at_rest_parts[part] for r in rows]) / 1e3
+        ax.bar(x, values, bottom=bottom, color=PART_COLORS[part], label=part.replace("_", " "))
+        bottom += values
+    gathered = np.array([(r.peak - r.at_rest) if r.peak is not None else 0 for r in rows]) / 1e3
+    ax.bar(x, gathered, bottom=bottom, color=PART_COLORS["gathered"], hatch="//",
+           label="weights gathered between forward and backward")
+    ax.scatter(x, [r.estimate / 1e3 for r in rows], marker="_", s=900, color="black", zorder=3,
+               label="ZeRO formula (peak)")
+    ax.set_xticks(x, [r.label.replace(" ", "\n", 2) for r in rows], fontsize=8)
+    ax.set_ylabel("kB per rank (1 kB = 1000 bytes)")
+    ax.set_ylim(0, 1.4 * max(max(bottom + gathered), max(r.estimate / 1e3 for r in rows)))
+    ax.set_title(title or f"Model state per rank, {rows[0].world_size} ranks, fp32 + Adam")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def comm_bars(rows: Sequence[Any], sent_per_rank: Mapping[str, float] | None = None, title: str = "") -> Figure:
+    """Bytes per step by collective (buffer size S, as nccl-tests counts it) for each strategy, and, if
+    given, the bytes one rank sends on a ring as a line."""
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.0))
+    x = np.arange(len(rows))
+    width = 0.25
+    for i, kind in enumerate(kinds):
+        values = [r.comm.get(kind, {"bytes": 0})["bytes"] / 1e3 for r in rows]
+        ax.bar(x + (i - 1) * width, values, width, label=kind.replace("_", "-"))
+    if sent_per_rank is not None:
+        ax.plot(x, [sent_per_rank[r.label] / 1e3 for r in rows], "ko-", label="bytes one rank sends (ring)")
+    ax.set_xticks(x, [r.label.replace(" ", "\n", 2) for r in rows], fontsize=8)
+    ax.set_ylabel("kB per training step (1 kB = 1000 bytes)")
+    ax.set_title(title or "Collectives per step, measured by counting the calls")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def zero_stages(num_params: float, world_size: int, **bytes_per_param: float) -> Figure:
+    """The ZeRO formula's bytes per rank for each stage, in GB (1e9 bytes), as bars."""
+    from dtlib import memory
+
+    stages = memory.STRATEGIES
+    gb = [memory.estimate(num_params, world_size, s, **bytes_per_param) / 1e9 for s in stages]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    bars = ax.bar(["DDP", "ZeRO-1\n(optimizer)", "ZeRO-2\n(+ gradients)", "ZeRO-3 / FULL_SHARD\n(+ parameters)"], gb,
+                  color=["#8C8C8C", "#DD8452", "#55A868", "#4C72B0"])
+    for bar, value in zip(bars, gb, strict=True):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{value:.1f} GB", ha="center", va="bottom")
+    ax.set_ylabel("model state per rank (GB)")
+    ax.set_title(f"{num_params / 1e9:g}B parameters on {world_size} ranks, mixed-precision Adam")
+    fig.tight_layout()
+    return fig
