@@ -195,3 +195,36 @@ def documented_fsdp1_full_state_dict_route(world_size: int = 2) -> str:
     except (WorkerError, WorkerTimeout) as err:
         failure = err.failures[0] if isinstance(err, WorkerError) else None
         return failure.headline() if failure else str(err).splitlines()[0]
+
+
+def comparison_table(rows: list[StrategyRow], gpu_memory_gb: float = 80, num_gpus: int = 8) -> list[str]:
+    """The usual DDP-against-FSDP table as text lines, numeric rows measured (``rows`` from
+    :func:`strategies`) or computed (largest model, from ``dtlib.guide.largest_model``)."""
+    from dtlib.guide import largest_model
+
+    stage = {"DDP": "ddp", "FSDP2 full shard": "zero3", "FSDP2 no reshard after forward": "zero2",
+             "FSDP2 HSDP (2 x 2 mesh)": "zero3", "FSDP1 FULL_SHARD": "zero3", "FSDP1 SHARD_GRAD_OP": "zero2"}
+    ddp = next(r for r in rows if r.label == "DDP")
+
+    def shards(row: StrategyRow) -> int:  # HSDP: shard over half the GPUs, two replicas
+        return num_gpus // 2 if "HSDP" in row.label else num_gpus
+
+    cells = {
+        "memory per rank (measured, kB)": [f"{r.at_rest / 1e3:.1f}" for r in rows],
+        "peak, forward to backward (kB)": ["-" if r.peak is None else f"{r.peak / 1e3:.1f}" for r in rows],
+        "communication pattern": ["all-reduce" if r.label == "DDP" else
+                                  "AG + RS" + (" + AR" if "all_reduce" in r.comm else "") for r in rows],
+        "bytes sent per rank per step": [f"{bytes_sent_per_rank(r) / 1e3:.1f} kB" for r in rows],
+        "traffic vs DDP": [f"{bytes_sent_per_rank(r) / bytes_sent_per_rank(ddp):.2f}x" for r in rows],
+        f"largest model, {num_gpus} x {gpu_memory_gb:g} GB": [
+            f"{largest_model(stage[r.label], gpu_memory_gb, shards(r)) / 1e9:.1f}B" for r in rows],
+        "step time here (ms)": [f"{r.step_ms:.1f}" for r in rows],
+        "final loss": [f"{r.final_loss:.4f}" for r in rows],
+        "set-up": ["DDP(model)" if r.label == "DDP" else "fully_shard per block + root" for r in rows],
+        "checkpointing": ["torch.save on rank 0" if r.label == "DDP" else "DCP or gathered full state" for r in rows],
+    }
+    width = max(len(r.label) for r in rows) + 2
+    lines = [f"{'':32}" + "".join(f"{r.label:>{width}}" for r in rows)]
+    for aspect, values in cells.items():
+        lines.append(f"{aspect:32}" + "".join(f"{v:>{width}}" for v in values))
+    return lines

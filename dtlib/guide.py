@@ -112,3 +112,54 @@ def table(sizes_b: tuple[float, ...] = (0.5, 1, 3, 7, 13, 30, 70), gpu_memory_gb
     """Recommendations for common model sizes (billions of parameters) on one node of ``num_gpus``."""
     return [{"params_b": size, "gpu_gb": mem, "choice": recommend(size * 1e9, mem, num_gpus).choice}
             for size in sizes_b for mem in gpu_memory_gb]
+
+
+def calculator() -> object:
+    """An ipywidgets calculator: sliders for model size, GPU memory, GPU count and nodes; the callback
+    draws :func:`dtlib.plots.guide_bars` for the current setting. Show it as a notebook cell's value."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from dtlib import plots
+
+    def draw(params_b: float, gpu_memory_gb: int, num_gpus: int, nodes: int) -> None:
+        if num_gpus % nodes:
+            num_gpus = max(nodes, num_gpus // nodes * nodes)  # keep GPUs evenly split over nodes
+        plots.guide_bars(recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes),
+                         title=f"{params_b:g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on {nodes} node(s)")
+        plt.show()
+
+    return widgets.interactive(
+        draw,
+        params_b=widgets.FloatLogSlider(value=7, base=10, min=-1, max=3, step=0.05, description="params (B)"),
+        gpu_memory_gb=widgets.SelectionSlider(options=[16, 24, 40, 48, 80, 96, 141, 192], value=80,
+                                              description="GPU GB"),
+        num_gpus=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=8, description="GPUs"),
+        nodes=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=1, description="nodes"),
+    )
+
+
+def largest_model(strategy: str, gpu_memory_gb: float = 80, num_gpus: int = 8, *, mixed_precision: bool = True,
+                  optimizer: str = "adamw") -> float:
+    """The most parameters whose model state fits the budget under ``strategy`` (a ``dtlib.memory``
+    name: "ddp", "zero2", "zero3", ...). Example: ``largest_model("ddp") / 1e9`` is 3.5 (billion)."""
+    per_param = memory.estimate(1, num_gpus, strategy, **bytes_per_param(mixed_precision, optimizer))
+    return gpu_memory_gb * (1 - ACTIVATION_RESERVE) * 1e9 / per_param
+
+
+def check_choice(answer: object, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> object:
+    """Notebook 06's exercise: is ``answer`` (one of :data:`CHOICES`) what :func:`recommend` picks?"""
+    from dtlib.checks import Feedback
+
+    advice = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes)
+    if answer not in CHOICES:
+        return Feedback(False, f"Answer with one of: {', '.join(CHOICES)}.")
+    if answer == advice.choice:
+        return Feedback(True, f"Right: {advice}")
+    mine, theirs = CHOICES.index(answer), CHOICES.index(advice.choice)
+    gb = advice.gb_per_gpu.get(answer, advice.gb_per_gpu.get("DDP"))
+    if mine < theirs:
+        return Feedback(False, f"{answer} needs {gb:.1f} GB of model state per GPU, more than the "
+                               f"{advice.budget_gb:.0f} GB budget (the GPU minus {ACTIVATION_RESERVE:.0%} for "
+                               "activations).")
+    return Feedback(False, f"{answer} would fit, but a simpler strategy fits too: {advice}")

@@ -296,9 +296,9 @@ def collective(result: Any) -> Figure:
 
 
 # -- training runs (dtlib.ddp, dtlib.fsdp) ---------------------------------------------------------
-from dtlib.plots.sharding import comm_bars, memory_bars, shard, zero_stages  # noqa: E402
+from dtlib.plots.sharding import comm_bars, guide_bars, guide_grid, memory_bars, shard, zero_stages  # noqa: E402
 from dtlib.plots.training import bars, ddp_timeline, loss_curves, sampler_grid  # noqa: E402
 
-__all__ = ["bars", "busbw", "collective", "comm_bars", "ddp_timeline", "dp_vs_ddp", "launch_times", "loss_curves",
-           "machine", "memory_bars", "ranks", "ring_grid", "ring_step", "sampler_grid", "shard", "traffic",
-           "zero_stages"]
+__all__ = ["bars", "busbw", "collective", "comm_bars", "ddp_timeline", "dp_vs_ddp", "guide_bars", "guide_grid",
+           "launch_times", "loss_curves", "machine", "memory_bars", "ranks", "ring_grid", "ring_step", "sampler_grid",
+           "shard", "traffic", "zero_stages"]

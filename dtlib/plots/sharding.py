@@ -105,3 +105,46 @@ def zero_stages(num_params: float, world_size: int, **bytes_per_param: float) ->
     ax.set_title(f"{num_params / 1e9:g}B parameters on {world_size} ranks, mixed-precision Adam")
     fig.tight_layout()
     return fig
+
+
+def guide_bars(advice: Any, title: str = "") -> Figure:
+    """Model state per GPU under each candidate strategy (a ``dtlib.guide.Recommendation``), the
+    budget left after the activation reserve as a line, the chosen strategy highlighted."""
+    names = list(advice.gb_per_gpu)
+    values = [advice.gb_per_gpu[name] for name in names]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    colors = ["#55A868" if name == advice.choice else ("#4C72B0" if v <= advice.budget_gb else "#BBBBBB")
+              for name, v in zip(names, values, strict=True)]
+    ax.barh(names, values, color=colors)
+    ax.axvline(advice.budget_gb, color="#C44E52", ls="--",
+               label=f"budget {advice.budget_gb:.0f} GB (after activations)")
+    for i, value in enumerate(values):
+        ax.text(value, i, f" {value:.1f} GB", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("model state per GPU (GB, log scale)")
+    ax.set_title(title or f"Recommended: {advice.choice}")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def guide_grid(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
+    """``dtlib.guide.table()`` as a grid: model size down, GPU memory across, the choice in each cell."""
+    from dtlib.guide import CHOICES
+
+    sizes = sorted({r["params_b"] for r in rows})
+    mems = sorted({r["gpu_gb"] for r in rows})
+    fig, ax = plt.subplots(figsize=(2.2 + 2.6 * len(mems), 0.6 + 0.45 * len(sizes)))
+    grid = np.zeros((len(sizes), len(mems)))
+    for r in rows:
+        grid[sizes.index(r["params_b"]), mems.index(r["gpu_gb"])] = CHOICES.index(r["choice"])
+    ax.imshow(grid, cmap="YlGnBu", vmin=0, vmax=len(CHOICES), aspect="auto", alpha=0.7)
+    for r in rows:
+        ax.text(mems.index(r["gpu_gb"]), sizes.index(r["params_b"]), r["choice"], ha="center", va="center",
+                fontsize=8, color="black")
+    ax.set_xticks(range(len(mems)), [f"{m:g} GB GPUs" for m in mems])
+    ax.set_yticks(range(len(sizes)), [f"{s:g}B params" for s in sizes])
+    ax.set_title(title or "Strategy by model size, one node of 8 GPUs, mixed-precision AdamW")
+    fig.tight_layout()
+    return fig
