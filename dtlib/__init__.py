@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {"bench", "checks", "collectives", "commlog", "compat", "data", "ddp", "ddp_options", "ddp_scratch",
                "examples", "fsdp", "fsdp_checkpoint", "fsdp_compare", "guide", "launch", "memory", "models", "plots",
+               "torchrun", "train",
                "ring", "sysinfo"}
 
 

@@ -297,8 +297,8 @@ def collective(result: Any) -> Figure:
 
 # -- training runs (dtlib.ddp, dtlib.fsdp) ---------------------------------------------------------
 from dtlib.plots.sharding import comm_bars, guide_bars, guide_grid, memory_bars, shard, zero_stages  # noqa: E402
-from dtlib.plots.training import bars, ddp_timeline, loss_curves, sampler_grid  # noqa: E402
+from dtlib.plots.training import bars, ddp_timeline, loss_curves, nodes, sampler_grid  # noqa: E402
 
 __all__ = ["bars", "busbw", "collective", "comm_bars", "ddp_timeline", "dp_vs_ddp", "guide_bars", "guide_grid",
-           "launch_times", "loss_curves", "machine", "memory_bars", "ranks", "ring_grid", "ring_step", "sampler_grid",
-           "shard", "traffic", "zero_stages"]
+           "launch_times", "loss_curves", "machine", "memory_bars", "nodes", "ranks", "ring_grid", "ring_step",
+           "sampler_grid", "shard", "traffic", "zero_stages"]

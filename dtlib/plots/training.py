@@ -101,3 +101,29 @@ def bars(values: Mapping[str, float], title: str, ylabel: str, fmt: str = "{:.3g
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     return fig
+
+
+def nodes(records: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
+    """The ranks of a torchrun job grouped by node (``GROUP_RANK``), each box with its RANK and
+    LOCAL_RANK: records as ``dtlib.torchrun.env_records`` parses them."""
+    by_node: dict[int, list[Mapping[str, Any]]] = {}
+    for record in records:
+        by_node.setdefault(int(record["GROUP_RANK"]), []).append(record)
+    per_node = max(len(ranks) for ranks in by_node.values())
+    fig, ax = plt.subplots(figsize=(2.0 + 2.2 * per_node, 0.8 + 1.5 * len(by_node)))
+    for row, (node, ranks) in enumerate(sorted(by_node.items())):
+        y = (len(by_node) - 1 - row) * 1.5
+        ax.add_patch(plt.Rectangle((0, y), 0.4 + 2.2 * per_node, 1.2, fc="#EEEEEE", ec="black"))
+        ax.text(0.1, y + 1.05, f"node {node} (GROUP_RANK={node})", fontsize=9, va="top")
+        for i, record in enumerate(sorted(ranks, key=lambda r: int(r["LOCAL_RANK"]))):
+            ax.add_patch(plt.Rectangle((0.2 + 2.2 * i, y + 0.1), 2.0, 0.6, fc=COLORS["rank"], ec="black"))
+            ax.text(1.2 + 2.2 * i, y + 0.4, f"RANK {record['RANK']}, LOCAL_RANK {record['LOCAL_RANK']}",
+                    ha="center", va="center", color="white", fontsize=8)
+    first = records[0]
+    ax.set_xlim(-0.1, 0.5 + 2.2 * per_node)
+    ax.set_ylim(-0.2, 1.5 * len(by_node))
+    ax.axis("off")
+    ax.set_title(title or f"WORLD_SIZE={first['WORLD_SIZE']}: {len(by_node)} node(s) x {per_node} rank(s); "
+                          f"store at {first['MASTER_ADDR']}:{first['MASTER_PORT']}")
+    fig.tight_layout()
+    return fig
