@@ -16,9 +16,8 @@ __all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "run", "spawn", "under
 __version__ = "0.1.0"
 
 _SUBMODULES = {"bench", "checks", "collectives", "commlog", "compat", "data", "ddp", "ddp_options", "ddp_scratch",
-               "examples", "fsdp", "fsdp_checkpoint", "fsdp_compare", "guide", "launch", "memory", "models", "plots",
-               "torchrun", "train",
-               "ring", "sysinfo"}
+               "examples", "fsdp", "fsdp_checkpoint", "fsdp_compare", "guide", "launch", "memory", "models", "pitfalls",
+               "plots", "ring", "sysinfo", "torchrun", "train"}
 
 
 def __getattr__(name: str) -> Any:

@@ -287,3 +287,26 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
     return Feedback(False, f"{answer:,.0f} bytes is off by a factor of {answer / expected:.2f}: count 16 bytes "
                            f"per parameter (4 weights + 4 gradients + 8 Adam), then apply {strategy}'s sharding "
                            f"over {world_size} ranks.")
+
+
+# The checkers below live beside the code they check; these names gather every exercise under dtlib.checks.
+
+def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> Feedback:
+    """Notebook 06: the strategy :func:`dtlib.guide.recommend` picks (see :func:`dtlib.guide.check_choice`)."""
+    from dtlib.guide import check_choice
+
+    return check_choice(answer, num_params, gpu_memory_gb, num_gpus, nodes)
+
+
+def torchrun_command(command: Any, **job: Any) -> Feedback:
+    """Notebook 07: a node's torchrun line (see :func:`dtlib.torchrun.check_command`)."""
+    from dtlib.torchrun import check_command
+
+    return check_command(command, **job)
+
+
+def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
+    """Notebook 08: every rank must reach the same collectives (see :func:`dtlib.pitfalls.check_fixed_barrier`)."""
+    from dtlib.pitfalls import check_fixed_barrier
+
+    return check_fixed_barrier(fn, world_size, timeout)

@@ -107,9 +107,21 @@ def validate(config: FSDPConfig, world_size: int) -> None:
         raise ValueError("saving or resuming needs checkpoint_dir")
     if (config.meta_init or config.activation_checkpointing) and config.api != "fsdp2":
         raise ValueError("meta_init and activation_checkpointing are shown with FSDP2 only (api='fsdp2')")
+    if config.steps < 1 or config.grad_accum < 1:
+        raise ValueError(f"steps and grad_accum must be >= 1, got {config.steps} and {config.grad_accum}")
     if config.global_batch < 1 or config.global_batch % (world_size * config.grad_accum):
         raise ValueError(f"global_batch={config.global_batch} must be a positive multiple of world_size x "
                          f"grad_accum = {world_size * config.grad_accum}")
+    if config.global_batch > config.num_samples:
+        raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
+    reshard = config.reshard_after_forward
+    if reshard is not None and config.api != "fsdp2":
+        raise ValueError("reshard_after_forward is FSDP2's; for FSDP1 choose strategy='full_shard' or 'shard_grad_op'")
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
+        group = config.shard_group_size if config.strategy == "hybrid_shard" else world_size
+        if reshard < 1 or group % reshard:
+            raise ValueError(f"reshard_after_forward={reshard}: an integer must divide the {group} ranks that shard "
+                             f"each parameter, e.g. {[d for d in range(1, group + 1) if group % d == 0]}")
 
 
 def _device() -> torch.device:

@@ -40,14 +40,30 @@ def free_port() -> int:
 
 
 def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *options, f"--nproc_per_node={nproc_per_node}", *target]
+    # --tee=3: torchrun relays each rank's stdout and stderr line by line, prefixed [default<LOCAL_RANK>]:
+    return [sys.executable, "-m", "torch.distributed.run", *options, f"--nproc_per_node={nproc_per_node}", "--tee=3",
+            *target]
 
 
 def _start(command: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # set: torchrun then prints no banner about it
     env.pop("DTLIB_SPAWN", None)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # its own process group: a timeout kills every rank
+
+
+def _stop(processes: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM first: torchrun's agent then stops its ranks, which run in sessions of their own;
+    SIGKILL to whatever is left after a grace period."""
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float) -> list[Finished]:
@@ -57,10 +73,12 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
         try:
             out, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for other in processes:
-                if other.poll() is None:
-                    os.killpg(other.pid, signal.SIGKILL)
-            out, _ = process.communicate()
+            _stop(processes)
+            try:
+                out, _ = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a rank outlived its agent and holds the pipe: stop reading
+                process.stdout.close()
+                out = ""
             out += f"\n[dtlib.torchrun] stopped after {timeout:.0f} s"
         outputs.append(out)
     shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) for c in commands]

@@ -39,7 +39,7 @@ def test_runners_start_under_torchrun(runner):
     finished = torchrun.launch(["-m", "dtlib.train", *runner], nproc_per_node=2, timeout=90)
     assert finished.returncode == 0, finished.output[-2000:]
     assert "on 2 rank" in finished.output and "losses" in finished.output
-    assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 -m dtlib.train")
+    assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
 
 
 @pytest.mark.timeout(60)

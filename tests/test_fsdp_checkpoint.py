@@ -1,0 +1,174 @@
+"""dtlib.fsdp_checkpoint: a stopped and resumed job trains exactly like one that never stopped, and the full
+checkpoint is a plain file a single process can load."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import types
+
+import pytest
+import torch
+
+import dtlib
+from dtlib import data, fsdp, fsdp_checkpoint, fsdp_compare, models
+from dtlib.fsdp import FSDPConfig
+
+SAVED_AT = 3
+CASES = [(api, kind) for api in ("fsdp2", "fsdp1") for kind in ("sharded", "full")]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """``{(api, kind): (directory, losses, printed)}``: ``fsdp_compare.resume`` on 2 ranks, 6 steps, stopped
+    after SAVED_AT; its checkpoint directory is kept to look at, and the ranks' output relayed and caught."""
+    out = {}
+    for api, kind in CASES:
+        directory = tmp_path_factory.mktemp(f"{api}-{kind}")
+        kept = types.SimpleNamespace(TemporaryDirectory=lambda d=directory: contextlib.nullcontext(str(d)))
+        printed = io.StringIO()
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed), \
+                contextlib.redirect_stderr(printed):
+            patch.setattr(fsdp_compare, "tempfile", kept)  # only resume() sees it
+            losses = fsdp_compare.resume(FSDPConfig(api=api, checkpoint_kind=kind), steps=6, stop_after=SAVED_AT,
+                                         output="all")
+        out[api, kind] = directory, losses, printed.getvalue()
+    return out
+
+
+def single_process(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The oracle: one process, the whole global batch per step, plain Adam, no wrapper."""
+    config = FSDPConfig()
+    model = models.build("transformer", seed=config.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    batches = data.batches(data.for_model("transformer", config.num_samples, seed=config.seed), world_size=1, rank=0,
+                           batch_size=config.global_batch, seed=config.seed)
+    for _ in range(steps):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        models.loss_fn("transformer", model(x), y).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("api, kind", CASES)
+def test_resumed_training_equals_uninterrupted_training(api, kind, resumed):
+    losses = resumed[api, kind][1]
+    assert len(losses["straight"]) == 6
+    assert losses["resumed"] == losses["straight"]  # exactly: same data, same weights, same Adam moments
+    assert losses["straight"][-1] < losses["straight"][0] - 0.5  # it trained (a fresh start would not match)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("api, kind", CASES)
+def test_checkpoint_directory_holds_the_expected_files(api, kind, resumed):
+    directory = resumed[api, kind][0]
+    files = set(os.listdir(directory))
+    if kind == "sharded":  # DCP: its metadata, and one file per rank
+        assert files == {".metadata", "__0_0.distcp", "__1_0.distcp", fsdp_checkpoint.STEP_FILE}
+    else:  # one file, written by rank 0
+        assert files == {fsdp_checkpoint.FULL_FILE, fsdp_checkpoint.STEP_FILE}
+    assert json.loads((directory / fsdp_checkpoint.STEP_FILE).read_text()) == {"step": SAVED_AT}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_full_checkpoint_loads_into_a_plain_model(api, resumed):
+    directory = resumed[api, "full"][0]
+    state = torch.load(directory / fsdp_checkpoint.FULL_FILE, weights_only=True)
+    assert set(state) == {"model", "optim"}
+    model = models.build("transformer")
+    model.load_state_dict(state["model"], strict=True)  # plain names, plain tensors, nothing missing
+    reference, reference_optimizer = single_process(SAVED_AT)
+    fresh = dict(models.build("transformer").named_parameters())
+    for (name, param), (same_name, expected) in zip(model.named_parameters(), reference.named_parameters(),
+                                                    strict=True):
+        assert name == same_name
+        assert (fresh[name] - expected).abs().max() > 0.02  # Adam moved every tensor by ~lr per step
+        if name.endswith("qkv.bias"):
+            # The key bias adds the same number to every score of a query; softmax ignores it, so its gradient
+            # is rounding noise, which Adam scales up to lr-sized steps. It changes no output: compare loosely.
+            dim = param.numel() // 3
+            torch.testing.assert_close(param[dim:2 * dim], expected[dim:2 * dim], rtol=0, atol=1e-3)
+            param, expected = torch.cat([param[:dim], param[2 * dim:]]), torch.cat([expected[:dim],
+                                                                                    expected[2 * dim:]])
+        torch.testing.assert_close(param, expected, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    batches = data.batches(data.for_model("transformer", 256), world_size=1, rank=0, batch_size=16,
+                           first_step=SAVED_AT)
+    x, y = next(batches)  # the batch of the step after the checkpoint
+    with torch.no_grad():
+        assert models.loss_fn("transformer", model(x), y).item() == pytest.approx(
+            models.loss_fn("transformer", reference(x), y).item(), abs=1e-5)
+    optim = state["optim"]
+    assert set(optim["state"]) == {name for name, _ in model.named_parameters()}  # keyed by parameter name
+    assert optim["param_groups"][0]["lr"] == FSDPConfig().lr
+    for index, (name, param) in enumerate(model.named_parameters()):
+        entry, expected = optim["state"][name], reference_optimizer.state_dict()["state"][index]
+        assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}
+        assert float(entry["step"]) == SAVED_AT
+        assert entry["exp_avg"].shape == entry["exp_avg_sq"].shape == param.shape
+        torch.testing.assert_close(entry["exp_avg"], expected["exp_avg"], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(entry["exp_avg_sq"], expected["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.timeout(180)
+def test_torch_warnings_become_notes_instead_of_output(resumed, capsys):
+    for api, kind in CASES:
+        printed = resumed[api, kind][2]
+        assert "Warning" not in printed and "ShardedTensor" not in printed, f"{api} {kind} printed:\n{printed}"
+    # Load FSDP1's sharded checkpoint again: torch 2.13 goes through the deprecated ShardedTensor.
+    directory, losses, _ = resumed["fsdp1", "sharded"]
+    results = fsdp.run(FSDPConfig(api="fsdp1", checkpoint_kind="sharded", steps=SAVED_AT + 1, resume=True,
+                                  checkpoint_dir=str(directory)), 2, output="all")
+    printed = capsys.readouterr()
+    assert "Warning" not in printed.out + printed.err and "ShardedTensor" not in printed.out + printed.err
+    for result in results:
+        assert result.first_step == SAVED_AT and result.losses == losses["straight"][SAVED_AT:SAVED_AT + 1]
+        sharded_tensor = [note for note in result.notes if "ShardedTensor" in note]
+        assert len(sharded_tensor) == 1, result.notes
+        assert len(result.notes) == len(set(result.notes))  # once each, not once per FSDP unit
+
+
+def _documented_route(rank: int, world_size: int) -> dict[str, object]:
+    """One Adam step of the FSDP1-wrapped transformer on the CPU, then FSDP1's documented full state dict."""
+    torch.set_num_threads(1)
+    config = FSDPConfig(api="fsdp1")
+    model = fsdp._wrap_fsdp1(models.build("transformer", seed=0), config, world_size, torch.device("cpu"), [])
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    tokens = torch.randint(models.VOCAB, (4, models.SEQ_LEN), generator=torch.Generator().manual_seed(rank))
+    models.loss_fn("transformer", model(tokens), tokens).backward()
+    optimizer.step()
+    return fsdp_checkpoint.documented_fsdp1_full_state_dict(model, optimizer)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the documented route works")
+@pytest.mark.timeout(90)
+def test_documented_fsdp1_full_state_dict_fails_on_the_cpu(leftovers):
+    with pytest.raises(dtlib.WorkerError, match=r"setStorage|out of bounds") as info:
+        dtlib.spawn(_documented_route, 2, timeout=30, output="none")
+    assert not isinstance(info.value, dtlib.WorkerTimeout)
+    assert any(failure.exc_type == "RuntimeError" for failure in info.value.failures)
+    leftovers.assert_clean()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(120)
+def test_documented_fsdp1_full_state_dict_works_on_gpus():
+    def route(rank: int, world_size: int) -> list[str]:
+        torch.cuda.set_device(rank)
+        config = FSDPConfig(api="fsdp1")
+        device = torch.device("cuda", rank)
+        model = fsdp._wrap_fsdp1(models.build("transformer", seed=0).to(device), config, world_size, device, [])
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+        tokens = torch.randint(models.VOCAB, (4, models.SEQ_LEN), device=device)
+        models.loss_fn("transformer", model(tokens), tokens).backward()
+        optimizer.step()
+        state = fsdp_checkpoint.documented_fsdp1_full_state_dict(model, optimizer)["model"]
+        return sorted(name.replace("_fsdp_wrapped_module.", "") for name in state)
+
+    names = dtlib.spawn(route, 2, backend="nccl", timeout=90, output="none")[0]
+    assert names == sorted(models.build("transformer").state_dict())

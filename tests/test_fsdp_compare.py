@@ -1,0 +1,184 @@
+"""dtlib.fsdp_compare: both sides of each migration row train alike; the strategies hold and send what the
+ZeRO arithmetic and the ring formulas say."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dtlib import fsdp_compare, models
+from dtlib.fsdp import FSDPConfig, validate
+from dtlib.fsdp_compare import MIGRATION, StrategyRow, bytes_sent_per_rank
+
+S = 4 * sum(p.numel() for p in models.build("transformer").parameters())  # fp32 bytes of the whole model
+STEPS = 3
+
+
+def _row_id(row: fsdp_compare.Migration) -> str:
+    return row.fsdp1.split("(")[0].replace("ShardingStrategy.", "").replace("StateDictType.", "").replace(" ", "_")
+
+
+# --- the migration table ------------------------------------------------------------------------------------
+
+
+def test_migration_rows_cover_the_fsdp1_names():
+    names = " ".join(row.fsdp1 for row in MIGRATION)
+    for name in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD", "MixedPrecision", "CPUOffload",
+                 "no_sync", "FULL_STATE_DICT", "SHARDED_STATE_DICT", "auto_wrap_policy"):
+        assert name in names, name
+    for row in MIGRATION:
+        assert row.fsdp1_config.api == "fsdp1" and row.fsdp2_config.api in ("fsdp2", "ddp"), row.fsdp1
+        if not fsdp_compare.gpu_needed(row):
+            validate(row.fsdp1_config, row.world_size)
+            validate(row.fsdp2_config, row.world_size)
+    assert [fsdp_compare.gpu_needed(row) for row in MIGRATION] == [
+        row.fsdp1_config.cpu_offload and not torch.cuda.is_available() for row in MIGRATION]
+
+
+def _needs_gpus(row: fsdp_compare.Migration) -> list[pytest.MarkDecorator]:
+    """The rows gpu_needed() names run only with one GPU per rank (NCCL); they skip here."""
+    if not row.needs_gpu:
+        return []
+    return [pytest.mark.gpu, pytest.mark.skipif(fsdp_compare.gpu_needed(row) or
+                                                torch.cuda.device_count() < row.world_size,
+                                                reason=f"needs {row.world_size} CUDA GPUs")]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("row", [pytest.param(row, marks=_needs_gpus(row), id=_row_id(row)) for row in MIGRATION])
+def test_both_sides_of_a_migration_row_train_alike(row):
+    losses = fsdp_compare.compare(row)
+    steps = 6 if "STATE_DICT" in row.fsdp1 else row.fsdp1_config.steps  # the state-dict rows stop and resume
+    assert len(losses["fsdp1"]) == len(losses["fsdp2"]) == steps
+    atol = 0.05 if row.fsdp1_config.mixed_precision else 1e-5  # bf16 rounds differently in each wrapper
+    np.testing.assert_allclose(losses["fsdp1"], losses["fsdp2"], rtol=0, atol=atol, err_msg=row.fsdp1)
+    assert losses["max_difference"] == max(abs(a - b) for a, b in zip(losses["fsdp1"], losses["fsdp2"], strict=True))
+    assert losses["same"] is True
+    assert losses["fsdp2"][-1] < losses["fsdp2"][0] - 0.5  # it trained
+
+
+@pytest.mark.parametrize("stop_after, steps", [(0, 6), (6, 6), (7, 6), (-1, 6), (1, 1)])
+def test_resume_rejects_a_bad_stop_after(monkeypatch, stop_after, steps):
+    def no_processes(*args, **kwargs):
+        raise AssertionError("resume started processes for a stop_after it should refuse")
+
+    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"need 0 < stop_after < steps, got {stop_after} and {steps}"):
+        fsdp_compare.resume(FSDPConfig(), steps=steps, stop_after=stop_after)
+    assert time.perf_counter() - started < 1.0
+
+
+# --- strategies side by side --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two():
+    return {row.label: row for row in fsdp_compare.strategies(2, steps=STEPS)}
+
+
+@pytest.fixture(scope="module")
+def four():
+    return {row.label: row for row in fsdp_compare.strategies(4, steps=STEPS)}
+
+
+@pytest.fixture(params=[2, 4])
+def rows(request):
+    return request.getfixturevalue({2: "two", 4: "four"}[request.param])
+
+
+@pytest.mark.timeout(180)
+def test_strategies_run_the_settings_that_fit(two, four):
+    hsdp = "FSDP2 HSDP (2 x 2 mesh)"
+    assert list(two) == [label for label in fsdp_compare.SETTINGS if label != hsdp]  # 2 ranks: no 2 x 2 mesh
+    assert list(four) == list(fsdp_compare.SETTINGS)
+    for world_size, rows in ((2, two), (4, four)):
+        for row in rows.values():
+            assert row.world_size == world_size and row.step_ms > 0
+        assert rows["DDP"].shard_group == 1 and rows["FSDP2 full shard"].shard_group == world_size
+    assert four[hsdp].shard_group == 2
+
+
+@pytest.mark.timeout(180)
+def test_every_strategy_reaches_the_same_loss(rows):
+    losses = [row.final_loss for row in rows.values()]
+    np.testing.assert_allclose(losses, losses[0], rtol=0, atol=1e-5)
+    assert losses[0] < np.log(models.VOCAB) - 0.5  # it trained
+
+
+@pytest.mark.timeout(180)
+def test_ddp_holds_the_most_and_full_shard_a_world_size_th(rows):
+    ddp = rows["DDP"]
+    world_size = ddp.world_size
+    assert all(ddp.at_rest > row.at_rest for label, row in rows.items() if label != "DDP")
+    for label in ("FSDP2 full shard", "FSDP1 FULL_SHARD"):
+        assert rows[label].at_rest == pytest.approx(ddp.at_rest / world_size, rel=0.05), label
+    assert ddp.estimate == 16 * S / 4  # 4 + 4 + 8 bytes per parameter, all replicated
+    assert 1 <= ddp.at_rest / ddp.estimate <= 1.05
+    for row in rows.values():
+        assert sum(row.at_rest_parts.values()) == row.at_rest and set(row.at_rest_parts) == {
+            "parameters", "gradients", "optimizer_state"}
+    assert ddp.at_rest_parts["parameters"] == ddp.at_rest_parts["gradients"] == S
+
+
+@pytest.mark.timeout(180)
+def test_peak_without_reshard_is_the_zero2_formula(rows):
+    n = rows["DDP"].world_size
+    no_reshard = rows["FSDP2 no reshard after forward"]
+    assert no_reshard.estimate == pytest.approx(S + S / n + 2 * S / n)  # whole weights, gradients and Adam sharded
+    assert 1 <= no_reshard.peak / no_reshard.estimate <= 1.05
+    assert no_reshard.peak > no_reshard.at_rest  # the weights stay gathered between forward and backward
+    full = rows["FSDP2 full shard"]
+    assert full.peak == full.at_rest and full.estimate == pytest.approx(4 * S / n)
+    for label, row in rows.items():
+        assert (row.peak is None) == label.startswith("FSDP1"), label  # FSDP1's gathered weights are hidden
+
+
+@pytest.mark.timeout(180)
+def test_bytes_sent_per_rank_relative_to_ddp(two, four):
+    # Ring traffic per rank, with S the fp32 model size. DDP all-reduces S over n ranks: 2(n-1)/n S.
+    # FSDP all-gathers 2S (forward and backward) and reduce-scatters S over n ranks: 3(n-1)/n S, so 1.5x DDP
+    # for any n. Without reshard it gathers once: 2(n-1)/n S, exactly DDP.
+    for rows in (two, four):
+        ddp = bytes_sent_per_rank(rows["DDP"])
+        assert ddp == 2 * (rows["DDP"].world_size - 1) / rows["DDP"].world_size * S
+        assert bytes_sent_per_rank(rows["FSDP2 full shard"]) / ddp == 1.5
+        assert bytes_sent_per_rank(rows["FSDP2 no reshard after forward"]) / ddp == 1.0
+    # HSDP on 4 ranks, shard groups of g=2, r=2 replicas: all-gather 2S and reduce-scatter S within the group,
+    # (g-1)/g each: 1.5 S; then all-reduce of each S/2 shard over 2 replicas, 2(r-1)/r: S/2. Total 2S,
+    # against DDP's 2 * 3/4 S = 1.5 S: 4/3.
+    assert bytes_sent_per_rank(four["FSDP2 HSDP (2 x 2 mesh)"]) == 2 * S
+    assert bytes_sent_per_rank(four["FSDP2 HSDP (2 x 2 mesh)"]) / bytes_sent_per_rank(four["DDP"]) == \
+        pytest.approx(4 / 3, rel=1e-12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the documented route works")
+@pytest.mark.timeout(90)
+def test_documented_route_reports_rank_0s_error_on_the_cpu():
+    said = fsdp_compare.documented_fsdp1_full_state_dict_route()
+    assert said.startswith("rank 0 raised RuntimeError: setStorage") and "out of bounds" in said, said
+
+
+def _made_up(world_size: int, shard_group: int, comm: dict[str, dict[str, int]]) -> StrategyRow:
+    return StrategyRow("made up", world_size, shard_group, at_rest=1, at_rest_parts={}, peak=None, estimate=1.0,
+                       comm=comm, step_ms=1.0, final_loss=0.0, notes=[])
+
+
+def test_bytes_sent_per_rank_by_hand():
+    # 8 ranks in shard groups of 4 (2 replicas): gather and reduce-scatter move 3/4 of their buffer,
+    # the all-reduce over 2 replicas 2 * 1/2 of it.
+    comm = {"all_gather": {"calls": 6, "bytes": 1000}, "reduce_scatter": {"calls": 3, "bytes": 400},
+            "all_reduce": {"calls": 3, "bytes": 100}}
+    assert bytes_sent_per_rank(_made_up(8, 4, comm)) == 750 + 300 + 100
+    # DDP on 4 ranks: shard group 1, all-reduce over 4 replicas: 2 * 3/4.
+    assert bytes_sent_per_rank(_made_up(4, 1, {"all_reduce": {"calls": 1, "bytes": 1000}})) == 1500
+    # Full sharding on 5 ranks (one group, one replica): 4/5 of each buffer.
+    assert bytes_sent_per_rank(_made_up(5, 5, {"all_gather": {"calls": 1, "bytes": 1000},
+                                               "reduce_scatter": {"calls": 1, "bytes": 500}})) == 1200
+    assert bytes_sent_per_rank(_made_up(1, 1, {"all_reduce": {"calls": 1, "bytes": 1000}})) == 0  # nobody to send to
+    assert bytes_sent_per_rank(_made_up(4, 4, {})) == 0
