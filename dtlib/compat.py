@@ -168,3 +168,12 @@ def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": enabled}
     return {"broadcast_buffers": enabled}
+
+
+#: FSDP2 on CPU tensors needs torch 2.7: 2.6's CPU Stream has no record_event (added by pytorch#145935).
+FSDP2_ON_CPU = (2, 7)
+
+
+def fsdp2_runs_on_cpu() -> bool:
+    """True where ``fully_shard`` can train on the CPU with gloo (torch >= 2.7); GPUs need only 2.6."""
+    return torch_version() >= FSDP2_ON_CPU

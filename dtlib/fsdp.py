@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib import data, memory, models
+from dtlib import compat, data, memory, models
 from dtlib.commlog import SIZED_BY, CommLog
 
 APIS = ("fsdp2", "fsdp1", "ddp")
@@ -89,6 +89,10 @@ def validate(config: FSDPConfig, world_size: int) -> None:
         raise ValueError(f"FSDP shards the transformer's blocks: model must be 'transformer', got {config.model!r}")
     if config.strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if config.api == "fsdp2" and torch.cuda.device_count() < world_size and not compat.fsdp2_runs_on_cpu():
+        raise ValueError(f"FSDP2 on the CPU needs torch >= {compat.FSDP2_ON_CPU[0]}.{compat.FSDP2_ON_CPU[1]} (its CPU "
+                         f"streams lack record_event before that); this is torch {torch.__version__}. Use "
+                         "api='fsdp1', one GPU per rank, or a newer torch")
     if config.api == "fsdp2" and config.strategy == "no_shard":
         raise ValueError("FSDP2 has no no_shard: replicating everything is DDP (api='ddp')")
     if config.strategy == "hybrid_shard" and config.api != "ddp":
