@@ -177,3 +177,17 @@ FSDP2_ON_CPU = (2, 7)
 def fsdp2_runs_on_cpu() -> bool:
     """True where ``fully_shard`` can train on the CPU with gloo (torch >= 2.7); GPUs need only 2.6."""
     return torch_version() >= FSDP2_ON_CPU
+
+
+def gloo_has_avg() -> bool:
+    """Whether the default group's backend accepts ``ReduceOp.AVG`` (gloo gained it after 2.7).
+
+    A collective: every rank must call it. FSDP2's HSDP averages across replicas with AVG.
+    """
+    try:
+        dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.AVG)
+        return True
+    except (RuntimeError, ValueError) as err:
+        if "AVG" not in str(err):
+            raise
+        return False

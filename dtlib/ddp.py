@@ -87,6 +87,11 @@ class RankResult:
     buffers: torch.Tensor | None = None  # all buffers (BatchNorm statistics), flattened
 
 
+def checksum(result: RankResult) -> float:
+    """One number for the final parameters: their sum in float64 (equal replicas give equal sums)."""
+    return float(result.params.double().sum()) if result.params is not None else float("nan")
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     """Refuse settings that cannot work, saying what to change."""
     if config.model not in models.MODELS:

@@ -269,6 +269,10 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     validate(config, world_size)
     torch.set_num_threads(config.threads)
     device = _device()
+    hsdp_on_gloo = config.api == "fsdp2" and config.strategy == "hybrid_shard" and device.type == "cpu"
+    if hsdp_on_gloo and not compat.gloo_has_avg():
+        raise ValueError(f"FSDP2's HSDP averages gradients across replicas with ReduceOp.AVG, which gloo in torch "
+                         f"{torch.__version__} lacks; use a newer torch, GPUs (NCCL), or api='fsdp1'")
     notes: list[str] = []
     num_params = sum(p.numel() for p in models.build(config.model, seed=config.seed).parameters())
     model = _build(config, world_size, device, notes)

@@ -107,3 +107,30 @@ def test_destroy_pauses_only_where_torch_needs_it(monkeypatch, version, pauses):
     monkeypatch.setattr(compat.dist, "destroy_process_group", lambda group=None: calls.append(("destroy", group)))
     compat.destroy_process_group()
     assert calls == ([("sleep", 0.05)] if pauses else []) + [("destroy", None)]
+
+
+def _gloo_has_avg(rank, world_size):
+    return compat.gloo_has_avg()
+
+
+@pytest.mark.timeout(60)
+def test_gloo_avg_probe_matches_the_torch_version():
+    # Measured: gloo refuses ReduceOp.AVG in torch 2.6 and 2.7.1 and accepts it in 2.13; between, unmeasured.
+    import dtlib
+
+    answers = dtlib.spawn(_gloo_has_avg, 2, output="none")
+    assert answers[0] == answers[1] and isinstance(answers[0], bool)
+    if compat.torch_version() <= (2, 7):
+        assert answers == [False, False]
+    if compat.torch_version() >= (2, 13):
+        assert answers == [True, True]
+
+
+def test_fsdp2_on_the_cpu_is_refused_where_torch_cannot_run_it(monkeypatch):
+    from dtlib import fsdp
+
+    monkeypatch.setattr(compat, "fsdp2_runs_on_cpu", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="FSDP2 on the CPU needs torch >= 2.7"):
+        fsdp.validate(fsdp.FSDPConfig(api="fsdp2"), 2)
+    fsdp.validate(fsdp.FSDPConfig(api="fsdp1"), 2)  # FSDP1 runs on the CPU from 2.6
