@@ -52,19 +52,23 @@ def bucket_layout(bucket_caps_mb: Sequence[float | None] = (None, 0.5, 2, 25), m
     return rows
 
 
+def unused_branch_error(world_size: int = 2, steps: int = 3) -> str:
+    """The error DDP raises when a branch goes unused without ``find_unused_parameters`` ("" if none)."""
+    try:
+        run(TrainConfig(model="branchy", steps=steps), world_size, **QUIET)
+    except WorkerError as err:
+        return err.failures[0].message
+    return ""
+
+
 def unused_parameters(world_size: int = 2, steps: int = 6) -> dict[str, Any]:
     """A model with an unused branch, without and with ``find_unused_parameters``, and the flag's cost.
 
     Returns the error DDP raises without the flag, the losses with it, and the median step
     times of a model that uses every parameter, trained with the flag needlessly on and off.
     """
-    branchy = TrainConfig(model="branchy", steps=steps)
-    try:
-        run(branchy, world_size, **QUIET)
-        error = ""
-    except WorkerError as err:
-        error = err.failures[0].message
-    fixed = run(replace(branchy, find_unused_parameters=True), world_size, **QUIET)
+    error = unused_branch_error(world_size, steps)
+    fixed = run(TrainConfig(model="branchy", steps=steps, find_unused_parameters=True), world_size, **QUIET)
     base = TrainConfig(model="wide_mlp", steps=steps, global_batch=64)
     times = {flag: _median_step(run(replace(base, find_unused_parameters=flag), world_size, **QUIET))
              for flag in (False, True)}

@@ -156,13 +156,10 @@ def unused_parameters(world_size: int = 2, steps: int = 3) -> dict[str, Any]:
     Example: ``"find_unused_parameters" in unused_parameters()["error"]``.
     """
     from dtlib.ddp import TrainConfig, run, train_single
+    from dtlib.ddp_options import unused_branch_error
 
     config = TrainConfig(model="branchy", steps=steps)
-    try:
-        run(config, world_size, **QUIET)
-        error = ""
-    except WorkerError as err:
-        error = err.failures[0].message
+    error = unused_branch_error(world_size, steps)
     fixed = run(replace(config, find_unused_parameters=True), world_size, **QUIET)
     single = train_single(config)
     return {"error": error, "losses_with_flag": fixed[0].losses,
