@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtlib import compat, data, models
 from dtlib.commlog import CommLog, busy_seconds, hidden_share
 from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
+from dtlib.run import rank_device
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
@@ -117,14 +118,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError("saving or resuming needs checkpoint_path")
 
 
-def _device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, log: CommLog,
-          bucket_buffers: dict[int, int]) -> nn.Module:
+def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, bucket_buffers: dict[int, int]) -> nn.Module:
     if config.wrapper == "none":
         return model
     if config.wrapper == "naive":
@@ -197,10 +191,10 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     """Train on this rank (the process group exists unless world_size is 1 with ``wrapper="none"``)."""
     validate(config, world_size)
     torch.set_num_threads(config.threads)
-    device = _device()
+    device = rank_device()
     base = models.build(config.model, seed=config.seed).to(device)
     log, bucket_buffers = CommLog(), {}
-    model = _wrap(base, config, device, log, bucket_buffers)
+    model = _wrap(base, config, device, bucket_buffers)
     optimizer = torch.optim.SGD(base.parameters(), lr=config.lr, momentum=config.momentum)
     start = 0
     if config.resume:  # every rank reads the file; map_location puts tensors on this rank's device

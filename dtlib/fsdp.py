@@ -26,6 +26,7 @@ from torch import nn
 
 from dtlib import compat, data, memory, models
 from dtlib.commlog import SIZED_BY, CommLog
+from dtlib.run import rank_device
 
 APIS = ("fsdp2", "fsdp1", "ddp")
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
@@ -126,12 +127,6 @@ def validate(config: FSDPConfig, world_size: int) -> None:
         if reshard < 1 or group % reshard:
             raise ValueError(f"reshard_after_forward={reshard}: an integer must divide the {group} ranks that shard "
                              f"each parameter, e.g. {[d for d in range(1, group + 1) if group % d == 0]}")
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
@@ -268,7 +263,7 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
 
     validate(config, world_size)
     torch.set_num_threads(config.threads)
-    device = _device()
+    device = rank_device()
     hsdp_on_gloo = config.api == "fsdp2" and config.strategy == "hybrid_shard" and device.type == "cpu"
     if hsdp_on_gloo and not compat.gloo_has_avg():
         raise ValueError(f"FSDP2's HSDP averages gradients across replicas with ReduceOp.AVG, which gloo in torch "

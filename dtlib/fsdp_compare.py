@@ -174,8 +174,9 @@ def gpu_needed(row: Migration) -> bool:
 
 def _documented_route(rank: int, world_size: int) -> str:
     from dtlib import fsdp, fsdp_checkpoint, models
+    from dtlib.run import rank_device
 
-    model = fsdp._wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, fsdp._device(), [])
+    model = fsdp._wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, rank_device(), [])
     optimizer = torch.optim.Adam(model.parameters())
     models.loss_fn("transformer", model(torch.zeros(2, 16, dtype=torch.long)), torch.zeros(2, 16, dtype=torch.long)
                    ).backward()

@@ -31,16 +31,12 @@ from dtlib import data
 from dtlib.checks import Feedback
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import spawn
+from dtlib.run import rank_device
 
 QUIET: dict[str, Any] = {"output": "none"}
 FORK_EXPLANATION = ("fork copies this process, CUDA's driver state included, but a child cannot use a CUDA "
                     "context its parent created: its first CUDA call fails. forkserver and spawn start clean "
                     "processes; dtlib.spawn uses forkserver by default and refuses fork once CUDA is initialised.")
-
-
-def _device() -> torch.device:
-    """This rank's device: its own GPU under NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def sampler_epochs(dataset_len: int = 12, world_size: int = 2, epochs: int = 3) -> dict[str, Any]:
@@ -67,7 +63,7 @@ def _save_and_load(rank: int, world_size: int, folder: str, numel: int, rank0_on
     if rank0_only:
         dist.barrier()  # nobody reads before rank 0 has finished writing
     try:
-        loaded = torch.load(path, map_location=_device(), weights_only=True)
+        loaded = torch.load(path, map_location=rank_device(), weights_only=True)
         return {"loaded_equal": torch.equal(loaded["weight"].cpu(), state["weight"]), "error": "", "save_s": save_s}
     except Exception as exc:  # noqa: BLE001 - a torn read is the evidence, not a bug here
         return {"loaded_equal": False, "error": f"{type(exc).__name__}: {str(exc)[:100]}", "save_s": save_s}
@@ -119,7 +115,7 @@ def _parameter_bytes_around_sharding(rank: int, world_size: int, meta: bool) -> 
 
     from dtlib import memory, models
 
-    device, source_bytes = _device(), 0
+    device, source_bytes = rank_device(), 0
     with torch.device("meta" if meta else device):  # meta: shapes only, no storage
         model = models.build("transformer", seed=0)
     before = memory.measured(model)["parameters"]

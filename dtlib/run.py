@@ -23,6 +23,17 @@ from dtlib import compat
 from dtlib.launch import resolve_backend, spawn
 
 
+def rank_device() -> torch.device:
+    """The device this rank computes on: its own GPU (``cuda:LOCAL_RANK``, set by the launcher) under
+    NCCL, else the CPU; the CPU too outside a process group (a one-process reference run).
+
+    Example: ``model.to(dtlib.run.rank_device())`` inside a rank.
+    """
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def under_torchrun() -> bool:
     """True inside a process that torchrun (torch.distributed.run) started.
 

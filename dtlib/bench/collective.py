@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dtlib import collectives, compat, ring
 from dtlib.launch import spawn
+from dtlib.run import rank_device
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 
@@ -127,7 +128,7 @@ def _operation(op: str, algo: str, size_bytes: int, world_size: int, device: tor
 def _sweep_rank(rank: int, world_size: int, op: str, algo: str, sizes: list[int], iters: int,
                 warmup: int) -> list[float]:
     """Median seconds per size on this rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     timed = _clock(device)
     medians = []
     for size in sizes:
@@ -178,7 +179,7 @@ def _reference_rank(rank: int, world_size: int, size: int, iters: int, rounds: i
     as a whole. The order alternates from round to round so that drift and noise on a
     busy machine hit all three alike; the median over rounds throws out the unlucky ones.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     timed = _clock(device)
     library = _operation("allreduce", "library", size, world_size, device)
     by_ring = _operation("allreduce", "ring", size, world_size, device)
