@@ -7,6 +7,7 @@ Nothing here launches processes; call a dtlib function first, then draw its resu
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,12 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from dtlib.sysinfo import MachineInfo
 
 COLORS = {"cpu": "#4C72B0", "gpu": "#55A868", "off": "#BBBBBB", "store": "#DD8452", "rank": "#8172B3"}
+
+
+def tick_names(names: Sequence[str], width: int = 14) -> list[str]:
+    """Category names wrapped onto lines of at most ``width`` characters, so that neighbouring tick labels
+    do not run into each other ("FSDP2 no reshard after forward" becomes three lines)."""
+    return [name if "\n" in name else textwrap.fill(name, width) for name in names]
 
 
 def _box(ax: Any, x: float, y: float, w: float, h: float, text: str, color: str, **text_kw: Any) -> None:

@@ -15,6 +15,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from dtlib.plots import tick_names
+
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
@@ -40,7 +42,7 @@ def shard(full_shape: Sequence[int], world_size: int, name: str = "a parameter")
     ax.set_ylim(rows, 0)
     ax.set_xlabel(f"columns ({cols})")
     ax.set_ylabel(f"rows ({rows})")
-    ax.set_title(f"{name} {tuple(full_shape)} sharded over {world_size} ranks: each keeps only its rows")
+    ax.set_title(f"{name} {tuple(full_shape)} sharded over {world_size} ranks:\neach keeps only its rows")
     fig.tight_layout()
     return fig
 
@@ -61,7 +63,7 @@ def memory_bars(rows: Sequence[Any], title: str = "") -> Figure:
            label="weights gathered between forward and backward")
     ax.scatter(x, [r.estimate / 1e3 for r in rows], marker="_", s=900, color="black", zorder=3,
                label="ZeRO formula (peak)")
-    ax.set_xticks(x, [r.label.replace(" ", "\n", 2) for r in rows], fontsize=8)
+    ax.set_xticks(x, tick_names([r.label for r in rows]), fontsize=8)
     ax.set_ylabel("kB per rank (1 kB = 1000 bytes)")
     ax.set_ylim(0, 1.4 * max(max(bottom + gathered), max(r.estimate / 1e3 for r in rows)))
     ax.set_title(title or f"Model state per rank, {rows[0].world_size} ranks, fp32 + Adam")
@@ -82,7 +84,7 @@ def comm_bars(rows: Sequence[Any], sent_per_rank: Mapping[str, float] | None = N
         ax.bar(x + (i - 1) * width, values, width, label=kind.replace("_", "-"))
     if sent_per_rank is not None:
         ax.plot(x, [sent_per_rank[r.label] / 1e3 for r in rows], "ko-", label="bytes one rank sends (ring)")
-    ax.set_xticks(x, [r.label.replace(" ", "\n", 2) for r in rows], fontsize=8)
+    ax.set_xticks(x, tick_names([r.label for r in rows]), fontsize=8)
     ax.set_ylabel("kB per training step (1 kB = 1000 bytes)")
     ax.set_title(title or "Collectives per step, measured by counting the calls")
     ax.legend(fontsize=8)

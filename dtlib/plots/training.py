@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dtlib.plots import COLORS
+from dtlib.plots import COLORS, tick_names
 
 
 def loss_curves(results: Sequence[Any], reference: Any = None, title: str = "Loss per step, every rank") -> Figure:
@@ -76,7 +76,8 @@ def sampler_grid(order: Sequence[Sequence[Sequence[int]]], title: str = "") -> F
     grid = np.full((len(rows), width), np.nan)
     for i, (_, _, indices) in enumerate(rows):
         grid[i, : len(indices)] = indices
-    fig, ax = plt.subplots(figsize=(min(12, 1.5 + 0.5 * width), 0.6 + 0.35 * len(rows)))
+    figure_width = min(12, max(6.0, 1.5 + 0.5 * width))  # inches; 6 or more leaves room for the title
+    fig, ax = plt.subplots(figsize=(figure_width, 0.6 + 0.35 * len(rows)))
     ax.imshow(grid, cmap="viridis", aspect="auto")
     for (i, j), value in np.ndenumerate(grid):
         if not np.isnan(value):
@@ -92,7 +93,7 @@ def sampler_grid(order: Sequence[Sequence[Sequence[int]]], title: str = "") -> F
 def bars(values: Mapping[str, float], title: str, ylabel: str, fmt: str = "{:.3g}") -> Figure:
     """A labelled bar chart: one bar per key, its value written on it."""
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(values)), 3.6))
-    bars_ = ax.bar(list(values), list(values.values()), color=COLORS["cpu"])
+    bars_ = ax.bar(tick_names(list(values)), list(values.values()), color=COLORS["cpu"])
     for bar, value in zip(bars_, values.values(), strict=True):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), fmt.format(value), ha="center", va="bottom",
                 fontsize=9)

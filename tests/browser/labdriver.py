@@ -1,0 +1,348 @@
+"""Drive JupyterLab in a real browser, as a learner does: start a server, open a notebook, Run All, look.
+
+Used by the browser tests in this folder (``make test-browser``). Two parts:
+
+- :class:`LabServer` starts ``jupyter lab`` on 127.0.0.1 with a random free port and token, in a
+  temporary copy of ``notebooks/``, with its own settings (every cell kept in the page, no news
+  pop-ups), and stops the whole process group afterwards, whatever happened.
+- :class:`NotebookPage` wraps a Playwright page showing one notebook: run every cell through the
+  Run menu, wait until the kernel is idle, read each cell's prompt, outputs and images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from playwright.sync_api import Browser, Locator, Page
+from screenshots import record
+
+# JupyterLab user settings, written into a private settings folder so the learner's own are untouched.
+LAB_SETTINGS = {
+    # "full" windowing (the default for long notebooks) removes cells scrolled out of view from the
+    # page; the tests look at every cell, so keep them all in the DOM.
+    # A notebook opens with its own kernel at once instead of asking in a "Select Kernel" dialog.
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none",
+                                                                    "autoStartDefaultKernel": True},
+    # No "Would you like to receive Jupyter news?" toast: the machine has no internet anyway.
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
+                                                                         "checkForUpdates": False},
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LabServer:
+    """``jupyter lab`` serving a copy of ``notebooks`` from a temporary folder.
+
+    Example::
+
+        with LabServer(Path("notebooks"), tmp_path) as lab:
+            page.goto(lab.url("00_setup_check.ipynb"))
+    """
+
+    def __init__(self, notebooks: Path, workdir: Path, start_timeout_s: float = 60.0) -> None:
+        self.root = workdir / "notebooks"
+        self.log_path = workdir / "jupyterlab.log"
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        self._notebooks = notebooks
+        self._workdir = workdir
+        self._start_timeout_s = start_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def url(self, notebook: str) -> str:
+        """The address that opens ``notebook`` alone in JupyterLab, token included. Each notebook gets a
+        workspace of its own, reset, so that a page does not reopen the notebooks of earlier pages (and
+        start their kernels again)."""
+        workspace = Path(notebook).stem
+        return f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={self.token}"
+
+    def __enter__(self) -> LabServer:
+        shutil.copytree(self._notebooks, self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        settings = self._workdir / "lab-settings"
+        for name, values in LAB_SETTINGS.items():
+            path = settings / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings),
+                   JUPYTERLAB_WORKSPACES_DIR=str(self._workdir / "lab-workspaces"),
+                   JUPYTER_RUNTIME_DIR=str(self._workdir / "runtime"))
+        command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+                   f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+                   f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+                   "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                   "--LabApp.extension_manager=readonly"]  # no PyPI queries from a closed network
+        if os.geteuid() == 0:
+            command.append("--allow-root")  # containers and CI machines often run as root
+        with open(self.log_path, "wb") as log:
+            # A session of its own, so that stopping it also stops the kernels it started.
+            self._process = subprocess.Popen(command, cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self._start_timeout_s
+        status = f"http://127.0.0.1:{self.port}/api/status?token={self.token}"
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {self._process.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(status, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"jupyter lab did not answer within {self._start_timeout_s:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        """The server's output so far (the last 4000 characters)."""
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def shutdown_kernels(self, notebook: str) -> None:
+        """End the sessions (and so the kernels) of ``notebook`` through the REST API."""
+        api = f"http://127.0.0.1:{self.port}/api/sessions"
+        headers = {"Authorization": f"token {self.token}"}
+        with urllib.request.urlopen(urllib.request.Request(api, headers=headers), timeout=10) as response:
+            sessions = json.load(response)
+        for session in sessions:
+            if session.get("path") == notebook:
+                request = urllib.request.Request(f"{api}/{session['id']}", headers=headers, method="DELETE")
+                urllib.request.urlopen(request, timeout=30).close()
+
+    def stop(self) -> None:
+        """Stop the server and every process it started (kernels, dtlib ranks); SIGKILL after 10 s."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+@dataclass
+class CellView:
+    """What the page shows for one code cell after a run."""
+
+    index: int  # position among all cells, markdown included
+    prompt: str  # "[3]:", "[*]:" or "[ ]:"
+    images: int  # rendered, loaded <img> outside widgets
+
+
+# Images that have loaded (naturalWidth > 0), outside ipywidgets views, in one cell's outputs.
+_COUNT_IMAGES = """cell => [...cell.querySelectorAll('.jp-OutputArea-output img')]
+    .filter(img => !img.closest('.jupyter-widgets') && img.complete && img.naturalWidth > 0).length"""
+
+
+class NotebookPage:
+    """One notebook open in JupyterLab in ``page``."""
+
+    def __init__(self, page: Page, lab: LabServer, notebook: str) -> None:
+        self.page = page
+        self.lab = lab
+        self.notebook = notebook
+        page.goto(lab.url(notebook))
+        self.panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+        self.cells = self.panel.locator(".jp-Notebook .jp-Cell")
+        self.cells.first.wait_for(timeout=60_000)
+        self.wait_idle(timeout_s=60)  # the kernel has started
+
+    def kernel_status(self) -> str:
+        """The status bar's kernel state: "Idle", "Busy", "Connecting", ...; "" while no kernel is attached.
+        (The toolbar's execution indicator says "idle" before the kernel exists, so it cannot be used.)"""
+        for text in self.page.locator(".jp-StatusBar-TextItem").all_inner_texts():
+            name, sep, state = text.rpartition(" | ")
+            if sep and name.strip() != "No Kernel":
+                return state.strip()
+        return ""
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Wait until the kernel is attached and idle and no code cell is queued or running."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.kernel_status() == "Idle" and not self.panel.locator(".jp-InputPrompt", has_text="[*]").count():
+                return
+            self.page.wait_for_timeout(250)
+        raise TimeoutError(f"{self.notebook}: the kernel was not idle after {timeout_s:.0f} s "
+                           f"(status: {self.kernel_status() or 'no kernel'})")
+
+    def menu(self, menu: str, item: str) -> None:
+        """Click ``item`` in the menu bar's ``menu``, e.g. ``menu("Run", "Run All Cells")``."""
+        self.panel.click(position={"x": 5, "y": 5})  # focus the notebook, so the menu acts on it
+        self.page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(f"^{menu}$")).click()
+        self.page.get_by_role("menuitem", name=item, exact=True).click()
+
+    def run_all(self, timeout_s: float) -> float:
+        """Edit > Clear Outputs of All Cells, then Run > Run All Cells, as a learner would; wait until every
+        code cell has run and the kernel is idle; return the seconds it took."""
+        self.menu("Edit", "Clear Outputs of All Cells")
+        prompts = self.panel.locator(".jp-CodeCell .jp-InputPrompt")
+        started = time.monotonic()
+        self.menu("Run", "Run All Cells")
+        deadline = started + timeout_s
+        while time.monotonic() < deadline:
+            texts = prompts.all_inner_texts()
+            if all(re.fullmatch(r"\[\d+\]:", text.strip()) for text in texts) and self.kernel_status() == "Idle":
+                return time.monotonic() - started
+            self.page.wait_for_timeout(250)
+        raise TimeoutError(f"{self.notebook}: Run All had not finished after {timeout_s:.0f} s "
+                           f"(kernel {self.kernel_status() or 'missing'})")
+
+    def code_cells(self) -> list[CellView]:
+        """What every code cell shows now, in notebook order."""
+        views = []
+        for index in range(self.cells.count()):
+            cell = self.cells.nth(index)
+            if "jp-CodeCell" in (cell.get_attribute("class") or ""):
+                views.append(CellView(index, cell.locator(".jp-InputPrompt").inner_text().strip(),
+                                      cell.evaluate(_COUNT_IMAGES)))
+        return views
+
+    def save(self) -> nbformat.NotebookNode:
+        """Save through the UI (Ctrl+S) and read back what JupyterLab wrote: the outputs as the kernel sent
+        them, errors included."""
+        path = self.lab.root / self.notebook
+        before = path.stat().st_mtime_ns
+        self.panel.click()
+        self.page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 20
+        while path.stat().st_mtime_ns == before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.notebook}: JupyterLab did not save within 20 s")
+            self.page.wait_for_timeout(100)
+        self.page.wait_for_timeout(200)  # let the write finish
+        return nbformat.read(path, as_version=4)
+
+    def sliders(self, cell_index: int) -> list[Locator]:
+        """Every ipywidgets slider handle in cell ``cell_index`` (noUiSlider handles carry role="slider")."""
+        return self.cells.nth(cell_index).locator(".jupyter-widgets").get_by_role("slider").all()
+
+    def widget_figure(self, cell_index: int) -> str | None:
+        """The ``src`` (a base64 PNG) of the figure a widget in cell ``cell_index`` draws, or None if none shows."""
+        image = self.cells.nth(cell_index).locator(".jupyter-widgets .widget-output img")
+        return image.first.get_attribute("src") if image.count() else None
+
+    def move_slider(self, slider: Locator, key: str = "ArrowRight", timeout_s: float = 20.0) -> str | None:
+        """Focus ``slider``, press ``key`` once (as a learner using the keyboard would), wait until the kernel is
+        idle again, and return the slider's new aria-valuetext."""
+        slider.focus()
+        slider.press(key)
+        self.page.wait_for_timeout(300)  # the change travels to the kernel and back
+        self.wait_idle(timeout_s)
+        return slider.get_attribute("aria-valuetext")
+
+    def screenshot(self, path: Path) -> None:
+        """A picture of the whole notebook after its run: the window is made as tall as the notebook
+        (up to 30,000 pixels) for the shot, then put back."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        viewport = self.page.viewport_size or {"width": 1280, "height": 900}
+        scroller = self.panel.locator(".jp-WindowedPanel-outer")
+        extra = viewport["height"] - scroller.evaluate("e => e.clientHeight")
+        height = scroller.evaluate("e => e.scrollHeight") + extra
+        self.page.set_viewport_size({"width": viewport["width"], "height": min(height, 30_000)})
+        try:
+            self.page.wait_for_timeout(300)  # let JupyterLab lay the panel out again
+            scroller.evaluate("e => { e.scrollTop = 0; }")  # Run All left it at the last cell
+            self.page.wait_for_timeout(200)
+            self.page.screenshot(path=str(path))
+        finally:
+            self.page.set_viewport_size(viewport)
+
+
+@dataclass
+class NotebookRun:
+    """One notebook after Run All in the browser."""
+
+    notebook: str
+    seconds: float  # Run All Cells, click to idle
+    stored: nbformat.NotebookNode  # the notebook as committed
+    saved: nbformat.NotebookNode  # what JupyterLab saved after the run
+    cells: list[CellView]  # what the page showed, code cells only
+    view: NotebookPage | None  # still open (and its kernel alive) when the notebook has widgets
+    screenshot: Path
+
+
+def widget_cells(notebook: nbformat.NotebookNode) -> list[int]:
+    """Indices of the cells whose stored outputs include an ipywidgets view."""
+    return [index for index, cell in enumerate(notebook.cells) if cell.cell_type == "code" and any(
+        "application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in cell.outputs)]
+
+
+class NotebookRuns:
+    """Runs each notebook at most once per test session and remembers the result.
+
+    Notebooks with widgets stay open so that their sliders can be moved later; the others are closed and
+    their kernels shut down at once, so that nine idle kernels do not pile up.
+    """
+
+    def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, timeout_s: float = 300.0) -> None:
+        self._browser = browser
+        self._lab = lab
+        self._screenshots = screenshots
+        self._timeout_s = timeout_s
+        self._runs: dict[str, NotebookRun] = {}
+        for old in [*screenshots.glob("*.png"), *screenshots.glob("runs.json")]:
+            old.unlink()  # a previous run's pictures would pass for this run's
+
+    def get(self, notebook: str) -> NotebookRun:
+        """The run of ``notebook`` (a file name in notebooks/), running it first if needed."""
+        if notebook not in self._runs:
+            self._runs[notebook] = self._run(notebook)
+        return self._runs[notebook]
+
+    def _run(self, notebook: str) -> NotebookRun:
+        stored = nbformat.read(self._lab.root / notebook, as_version=4)
+        page = self._browser.new_page(viewport={"width": 1280, "height": 900})
+        keep = False
+        try:
+            view = NotebookPage(page, self._lab, notebook)
+            seconds = view.run_all(self._timeout_s)
+            cells = view.code_cells()
+            saved = view.save()
+            screenshot = self._screenshots / f"{Path(notebook).stem}.png"
+            view.screenshot(screenshot)
+            record(self._screenshots, notebook, seconds, stored.metadata["dtlib"]["time_budget_s"], screenshot)
+            keep = bool(widget_cells(stored))
+            return NotebookRun(notebook, seconds, stored, saved, cells, view if keep else None, screenshot)
+        finally:
+            if not keep:
+                page.close()
+                self._lab.shutdown_kernels(notebook)
+
+    def close(self) -> None:
+        """Close every page still open; the server stops with its kernels anyway."""
+        for run in self._runs.values():
+            if run.view is not None:
+                run.view.page.close()

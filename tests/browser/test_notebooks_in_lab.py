@@ -1,0 +1,71 @@
+"""Every notebook opened in JupyterLab in headless Chromium and run with Run > Run All Cells, as a learner does.
+
+nbval proves that the cells execute in a kernel; these tests look at what the page shows: no error output,
+every figure the stored notebook has drawn again as a loaded image, the run inside the notebook's time budget
+(``metadata.dtlib.time_budget_s``), and every ipywidgets slider driving the figure beside it.
+Run them with ``make test-browser``; screenshots land in build/browser/.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _stored(notebook: str) -> nbformat.NotebookNode:
+    return nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
+
+
+def _figures_per_cell(notebook: nbformat.NotebookNode) -> dict[int, int]:
+    """PNG outputs per code cell index (cells without figures left out)."""
+    counts = {index: sum("image/png" in output.get("data", {}) for output in cell.outputs)
+              for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"}
+    return {index: count for index, count in counts.items() if count}
+
+
+def _has_widgets(notebook: str) -> bool:
+    from labdriver import widget_cells
+
+    return bool(widget_cells(_stored(notebook)))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_run_all_shows_no_error_and_every_figure_within_budget(notebook: str, notebook_runs) -> None:
+    run = notebook_runs.get(notebook)
+    counts = [cell.execution_count for cell in run.saved.cells if cell.cell_type == "code"]
+    assert counts == list(range(1, len(counts) + 1)), f"cells not run once each, in order: {counts}"
+    errors = [f"cell {index}: {output.ename}: {output.evalue}" for index, cell in enumerate(run.saved.cells)
+              if cell.cell_type == "code" for output in cell.outputs if output.output_type == "error"]
+    assert not errors, "error outputs after Run All:\n" + "\n".join(errors)
+    rendered = {cell.index: cell.images for cell in run.cells if cell.images}
+    assert rendered == _figures_per_cell(run.stored), (
+        f"figures per cell: the page shows {rendered}, the notebook stores {_figures_per_cell(run.stored)}")
+    budget_s = run.stored.metadata["dtlib"]["time_budget_s"]
+    assert run.seconds <= budget_s, f"Run All took {run.seconds:.1f} s, over the notebook's budget of {budget_s} s"
+
+
+@pytest.mark.parametrize("notebook", [name for name in NOTEBOOKS if _has_widgets(name)])
+def test_every_slider_drives_its_figure(notebook: str, notebook_runs) -> None:
+    from labdriver import widget_cells
+
+    run = notebook_runs.get(notebook)
+    assert run.view is not None
+    for cell_index in widget_cells(run.stored):
+        sliders = run.view.sliders(cell_index)
+        assert sliders, f"cell {cell_index}: the stored notebook has a widget here, the page shows no slider"
+        for slider in sliders:
+            label = slider.locator("xpath=ancestor::div[contains(@class, 'widget-slider')]//label").inner_text()
+            before_value = slider.get_attribute("aria-valuetext")
+            before = run.view.widget_figure(cell_index)
+            assert before, f"cell {cell_index}: no figure drawn beside the {label!r} slider"
+            after_value = run.view.move_slider(slider)
+            assert after_value != before_value, f"slider {label!r} did not move ({before_value})"
+            after = run.view.widget_figure(cell_index)
+            assert after and after != before, (
+                f"cell {cell_index}: moving {label!r} from {before_value} to {after_value} did not change the figure")
+
