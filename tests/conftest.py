@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import time
 from collections.abc import Iterable
 
 import psutil
@@ -56,3 +57,24 @@ class Leftovers:
 def leftovers() -> Leftovers:
     """Snapshot taken before the test; call ``leftovers.assert_clean(pids)`` after the launch."""
     return Leftovers()
+
+
+
+_SESSION_STARTED = time.time()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say why the browser tests were skipped, or show this session's notebook runs in JupyterLab.
+
+    Here rather than in tests/browser/conftest.py: under pytest-xdist only this conftest reaches the
+    process that prints the summary."""
+    from browser import status
+
+    reason = status.why_skipped()
+    if reason:
+        terminalreporter.write_line(f"browser tests skipped: {reason}", yellow=True, bold=True)
+        return
+    table = status.report(since=_SESSION_STARTED)
+    if not table.startswith("no "):
+        terminalreporter.write_sep("-", "notebooks run in JupyterLab (make browser-screenshots shows this again)")
+        terminalreporter.write_line(table)

@@ -13,7 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name where they differ
+CONDA_NAMES = {"torch": "pytorch", "playwright": "playwright-python"}  # pip name -> conda-forge name where they differ
 
 
 def _requirement(spec: str) -> tuple[str, str]:

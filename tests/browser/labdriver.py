@@ -27,7 +27,7 @@ from pathlib import Path
 
 import nbformat
 from playwright.sync_api import Browser, Locator, Page
-from screenshots import record
+from status import forget, record
 
 # JupyterLab user settings, written into a private settings folder so the learner's own are untouched.
 LAB_SETTINGS = {
@@ -254,14 +254,23 @@ class NotebookPage:
         image = self.cells.nth(cell_index).locator(".jupyter-widgets .widget-output img")
         return image.first.get_attribute("src") if image.count() else None
 
-    def move_slider(self, slider: Locator, key: str = "ArrowRight", timeout_s: float = 20.0) -> str | None:
-        """Focus ``slider``, press ``key`` once (as a learner using the keyboard would), wait until the kernel is
-        idle again, and return the slider's new aria-valuetext."""
+    def move_slider(self, slider: Locator, key: str = "ArrowRight") -> str | None:
+        """Focus ``slider`` and press ``key`` once, as a learner using the keyboard would; return the slider's
+        new aria-valuetext."""
         slider.focus()
         slider.press(key)
-        self.page.wait_for_timeout(300)  # the change travels to the kernel and back
-        self.wait_idle(timeout_s)
         return slider.get_attribute("aria-valuetext")
+
+    def figure_after(self, cell_index: int, before: str | None, timeout_s: float = 15.0) -> str | None:
+        """Wait until the widget figure in cell ``cell_index`` differs from ``before`` and the kernel is idle,
+        and return it; after ``timeout_s`` return whatever is shown (``before`` when nothing changed)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            shown = self.widget_figure(cell_index)
+            if shown is not None and shown != before and self.kernel_status() == "Idle":
+                return self.widget_figure(cell_index)
+            self.page.wait_for_timeout(200)
+        return self.widget_figure(cell_index)
 
     def screenshot(self, path: Path) -> None:
         """A picture of the whole notebook after its run: the window is made as tall as the notebook
@@ -313,8 +322,6 @@ class NotebookRuns:
         self._screenshots = screenshots
         self._timeout_s = timeout_s
         self._runs: dict[str, NotebookRun] = {}
-        for old in [*screenshots.glob("*.png"), *screenshots.glob("runs.json")]:
-            old.unlink()  # a previous run's pictures would pass for this run's
 
     def get(self, notebook: str) -> NotebookRun:
         """The run of ``notebook`` (a file name in notebooks/), running it first if needed."""
@@ -324,6 +331,7 @@ class NotebookRuns:
 
     def _run(self, notebook: str) -> NotebookRun:
         stored = nbformat.read(self._lab.root / notebook, as_version=4)
+        forget(self._screenshots, notebook)
         page = self._browser.new_page(viewport={"width": 1280, "height": 900})
         keep = False
         try:

@@ -65,7 +65,7 @@ def test_every_slider_drives_its_figure(notebook: str, notebook_runs) -> None:
             assert before, f"cell {cell_index}: no figure drawn beside the {label!r} slider"
             after_value = run.view.move_slider(slider)
             assert after_value != before_value, f"slider {label!r} did not move ({before_value})"
-            after = run.view.widget_figure(cell_index)
-            assert after and after != before, (
-                f"cell {cell_index}: moving {label!r} from {before_value} to {after_value} did not change the figure")
-
+            after = run.view.figure_after(cell_index, before)
+            changed = after is not None and after != before  # compared here, so a failure prints no base64
+            assert changed, f"cell {cell_index}: moving {label!r} from {before_value} to {after_value} " + (
+                "left no figure" if after is None else "did not change the figure")
