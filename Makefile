@@ -8,6 +8,7 @@
 #   make bench      set up, then measure the launcher (python -m dtlib.bench launch)
 VENV ?= .venv
 # pytest-xdist workers; whole files go to one worker (--dist loadfile), since a notebook's cells run in order.
+# Tests marked `timing` (a time or a ratio of times against a target) run afterwards, alone.
 PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 export VENV
@@ -23,7 +24,8 @@ lab: setup
 test: setup
 	@scripts/browser_setup.sh --try
 	$(PY) -m ruff check dtlib tests notebooks
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not timing"
+	$(PY) -m pytest -m timing
 
 test-browser: setup
 	@scripts/browser_setup.sh

@@ -42,6 +42,7 @@ def test_command_line_prints_json():
     assert all(r["world_size"] == 2 and r["median_s"] > 0 for r in records)
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 def test_warm_forkserver_launch_meets_the_target():
     """Issue target: a warm forkserver launch of 2 ranks in 0.15 s or less (2-core CPU machine)."""
@@ -49,6 +50,7 @@ def test_warm_forkserver_launch_meets_the_target():
     assert timing.median <= 0.15, timing.seconds
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(120)
 def test_spawn_start_method_is_within_15_percent_of_mp_spawn():
     """Issue target: start_method="spawn" within 1.15x of plain torch.multiprocessing.spawn.

@@ -76,6 +76,7 @@ def test_bad_options_are_refused_before_any_process_starts():
         collective.sweep("allreduce", iters=0)
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(240)
 def test_benchmark_overhead_and_the_send_recv_ring_at_16_mib():
     """Targets: the sweep's busbw within 5% of a bare dist.all_reduce loop; the ring at >= 50% of it.

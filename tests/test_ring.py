@@ -133,6 +133,7 @@ def test_bad_input_gets_a_clear_error(inputs, error, match):
         ring.simulate_all_reduce(inputs)
 
 
+@pytest.mark.timing
 def test_large_ring_is_fast_without_snapshots():
     """N = 64 ranks x 2^20 float32 elements in 2 s or less (the issue's target)."""
     inputs = list(np.ones((64, 2**20), dtype=np.float32))

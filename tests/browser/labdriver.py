@@ -11,12 +11,12 @@ Used by the browser tests in this folder (``make test-browser``). Two parts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+import psutil
 from playwright.sync_api import Browser, Locator, Page
 from status import forget, record
 
@@ -36,7 +37,7 @@ LAB_SETTINGS = {
     # A notebook opens with its own kernel at once instead of asking in a "Select Kernel" dialog.
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none",
                                                                     "autoStartDefaultKernel": True},
-    # No "Would you like to receive Jupyter news?" toast: the machine has no internet anyway.
+    # No "Would you like to receive Jupyter news?" toast over the notebook; the tests need no network.
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                          "checkForUpdates": False},
 }
@@ -93,7 +94,6 @@ class LabServer:
         if os.geteuid() == 0:
             command.append("--allow-root")  # containers and CI machines often run as root
         with open(self.log_path, "wb") as log:
-            # A session of its own, so that stopping it also stops the kernels it started.
             self._process = subprocess.Popen(command, cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -136,20 +136,26 @@ class LabServer:
                 urllib.request.urlopen(request, timeout=30).close()
 
     def stop(self) -> None:
-        """Stop the server and every process it started (kernels, dtlib ranks); SIGKILL after 10 s."""
+        """Stop the server and every process under it: kernels (which jupyter starts in sessions of their
+        own, out of the server's process group) and the ranks they launched. SIGTERM lets the server shut
+        its kernels down; whatever is left after 10 s gets SIGKILL."""
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
             return
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                process.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            descendants = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for leftover in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()
 
 
 @dataclass
@@ -200,7 +206,7 @@ class NotebookPage:
 
     def menu(self, menu: str, item: str) -> None:
         """Click ``item`` in the menu bar's ``menu``, e.g. ``menu("Run", "Run All Cells")``."""
-        self.panel.click(position={"x": 5, "y": 5})  # focus the notebook, so the menu acts on it
+        self.panel.click(position={"x": 5, "y": 5})  # focus the notebook (toolbar edge), so the menu acts on it
         self.page.locator("#jp-MainMenu .lm-MenuBar-itemLabel", has_text=re.compile(f"^{menu}$")).click()
         self.page.get_by_role("menuitem", name=item, exact=True).click()
 
@@ -235,7 +241,7 @@ class NotebookPage:
         them, errors included."""
         path = self.lab.root / self.notebook
         before = path.stat().st_mtime_ns
-        self.panel.click()
+        self.panel.click(position={"x": 5, "y": 5})  # the toolbar's edge: focus without touching a cell or widget
         self.page.keyboard.press("Control+s")
         deadline = time.monotonic() + 20
         while path.stat().st_mtime_ns == before:
@@ -254,12 +260,22 @@ class NotebookPage:
         image = self.cells.nth(cell_index).locator(".jupyter-widgets .widget-output img")
         return image.first.get_attribute("src") if image.count() else None
 
-    def move_slider(self, slider: Locator, key: str = "ArrowRight") -> str | None:
-        """Focus ``slider`` and press ``key`` once, as a learner using the keyboard would; return the slider's
-        new aria-valuetext."""
+    @staticmethod
+    def slider_text(slider: Locator) -> tuple[str, str]:
+        """The slider's description and the value its readout shows, e.g. ("nodes", "2")."""
+        widget = slider.locator("xpath=ancestor::div[contains(@class, 'widget-slider')]")
+        return widget.locator(".widget-label").inner_text(), widget.locator(".widget-readout").inner_text()
+
+    def move_slider(self, slider: Locator, key: str = "ArrowRight") -> str:
+        """Focus ``slider`` and press ``key`` once, as a learner using the keyboard would; return the value
+        its readout shows once it changes (or, after 5 s, the unchanged one)."""
+        before = self.slider_text(slider)[1]
         slider.focus()
         slider.press(key)
-        return slider.get_attribute("aria-valuetext")
+        deadline = time.monotonic() + 5
+        while self.slider_text(slider)[1] == before and time.monotonic() < deadline:
+            self.page.wait_for_timeout(100)
+        return self.slider_text(slider)[1]
 
     def figure_after(self, cell_index: int, before: str | None, timeout_s: float = 15.0) -> str | None:
         """Wait until the widget figure in cell ``cell_index`` differs from ``before`` and the kernel is idle,

@@ -59,8 +59,7 @@ def test_every_slider_drives_its_figure(notebook: str, notebook_runs) -> None:
         sliders = run.view.sliders(cell_index)
         assert sliders, f"cell {cell_index}: the stored notebook has a widget here, the page shows no slider"
         for slider in sliders:
-            label = slider.locator("xpath=ancestor::div[contains(@class, 'widget-slider')]//label").inner_text()
-            before_value = slider.get_attribute("aria-valuetext")
+            label, before_value = run.view.slider_text(slider)
             before = run.view.widget_figure(cell_index)
             assert before, f"cell {cell_index}: no figure drawn beside the {label!r} slider"
             after_value = run.view.move_slider(slider)
