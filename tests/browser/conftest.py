@@ -1,8 +1,8 @@
 """Fixtures for the browser tests: one JupyterLab server and one headless Chromium for the whole run.
 
-The tests skip, each with the reason, when Playwright or a Chromium binary is missing; ``make test-browser``
-(scripts/browser_setup.sh) installs both on Debian or Ubuntu. Set ``CHROMIUM=/path/to/chrome`` to use
-another Chromium-based browser.
+The tests skip, each with the reason, when Playwright or a Chromium binary is missing. Set-up installs
+Playwright (the dev extra); ``make test-browser`` (scripts/browser_setup.sh) installs Chromium on Debian
+or Ubuntu. Set ``CHROMIUM=/path/to/chrome`` to use another Chromium-based browser.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pathlib import Path
 import nbformat
 import psutil
 from playwright.sync_api import Browser, Locator, Page
-from status import forget, record
+from status import forget, record, widget_cells
 
 # JupyterLab user settings, written into a private settings folder so the learner's own are untouched.
 LAB_SETTINGS = {
@@ -317,12 +317,6 @@ class NotebookRun:
     cells: list[CellView]  # what the page showed, code cells only
     view: NotebookPage | None  # still open (and its kernel alive) when the notebook has widgets
     screenshot: Path
-
-
-def widget_cells(notebook: nbformat.NotebookNode) -> list[int]:
-    """Indices of the cells whose stored outputs include an ipywidgets view."""
-    return [index for index, cell in enumerate(notebook.cells) if cell.cell_type == "code" and any(
-        "application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in cell.outputs)]
 
 
 class NotebookRuns:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 FOLDER = Path(__file__).resolve().parents[2] / "build" / "browser"
 
@@ -45,13 +46,19 @@ def why_skipped() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "Playwright for Python is not installed (make test-browser installs it)"
+        return "Playwright for Python is not installed (make setup installs it, with the dev extra)"
     path = chromium_path()
     if path is None:
         return "no Chromium found (apt-get install chromium, or set CHROMIUM=/path/to/chrome)"
     if not _starts(path):
         return f"CHROMIUM={path} does not start ('{path} --version' fails)"
     return None
+
+
+def widget_cells(notebook: Any) -> list[int]:
+    """Indices of the cells whose stored outputs include an ipywidgets view."""
+    return [index for index, cell in enumerate(notebook.cells) if cell.cell_type == "code" and any(
+        "application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in cell.outputs)]
 
 
 def forget(folder: Path, notebook: str) -> None:

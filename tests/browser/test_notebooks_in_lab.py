@@ -12,6 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import status
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -29,9 +30,7 @@ def _figures_per_cell(notebook: nbformat.NotebookNode) -> dict[int, int]:
 
 
 def _has_widgets(notebook: str) -> bool:
-    from labdriver import widget_cells
-
-    return bool(widget_cells(_stored(notebook)))
+    return bool(status.widget_cells(_stored(notebook)))
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
@@ -51,11 +50,9 @@ def test_run_all_shows_no_error_and_every_figure_within_budget(notebook: str, no
 
 @pytest.mark.parametrize("notebook", [name for name in NOTEBOOKS if _has_widgets(name)])
 def test_every_slider_drives_its_figure(notebook: str, notebook_runs) -> None:
-    from labdriver import widget_cells
-
     run = notebook_runs.get(notebook)
     assert run.view is not None
-    for cell_index in widget_cells(run.stored):
+    for cell_index in status.widget_cells(run.stored):
         sliders = run.view.sliders(cell_index)
         assert sliders, f"cell {cell_index}: the stored notebook has a widget here, the page shows no slider"
         for slider in sliders:
