@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import textwrap
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -211,21 +212,28 @@ def comparison_table(rows: list[StrategyRow], gpu_memory_gb: float = 80, num_gpu
         return num_gpus // 2 if "HSDP" in row.label else num_gpus
 
     cells = {
-        "memory per rank (measured, kB)": [f"{r.at_rest / 1e3:.1f}" for r in rows],
-        "peak, forward to backward (kB)": ["-" if r.peak is None else f"{r.peak / 1e3:.1f}" for r in rows],
-        "communication pattern": ["all-reduce" if r.label == "DDP" else
-                                  "AG + RS" + (" + AR" if "all_reduce" in r.comm else "") for r in rows],
-        "bytes sent per rank per step": [f"{bytes_sent_per_rank(r) / 1e3:.1f} kB" for r in rows],
+        "state per rank (kB)": [f"{r.at_rest / 1e3:.1f}" for r in rows],
+        "peak, fwd to bwd (kB)": ["-" if r.peak is None else f"{r.peak / 1e3:.1f}" for r in rows],
+        "communication": ["all-reduce" if r.label == "DDP" else
+                          "AG + RS" + (" + AR" if "all_reduce" in r.comm else "") for r in rows],
+        "sent per rank, step (kB)": [f"{bytes_sent_per_rank(r) / 1e3:.1f}" for r in rows],
         "traffic vs DDP": [f"{bytes_sent_per_rank(r) / bytes_sent_per_rank(ddp):.2f}x" for r in rows],
-        f"largest model, {num_gpus} x {gpu_memory_gb:g} GB": [
-            f"{largest_model(stage[r.label], gpu_memory_gb, shards(r)) / 1e9:.1f}B" for r in rows],
+        f"largest, {num_gpus} x {gpu_memory_gb:g} GB GPUs": [
+            f"{largest_model(stage[r.label], gpu_memory_gb, shards(r)) / 1e9:.1f}B params" for r in rows],
         "step time here (ms)": [f"{r.step_ms:.1f}" for r in rows],
         "final loss": [f"{r.final_loss:.4f}" for r in rows],
-        "set-up": ["DDP(model)" if r.label == "DDP" else "fully_shard per block + root" for r in rows],
-        "checkpointing": ["torch.save on rank 0" if r.label == "DDP" else "DCP or gathered full state" for r in rows],
+        "set-up": ["DDP(model)" if r.label == "DDP" else "fully_shard/block" for r in rows],
+        "checkpointing": ["torch.save, rank 0" if r.label == "DDP" else "DCP or full gather" for r in rows],
     }
-    width = max(len(r.label) for r in rows) + 2
-    lines = [f"{'':32}" + "".join(f"{r.label:>{width}}" for r in rows)]
+    # Columns as narrow as their values; long strategy names wrap over several header lines, so the table
+    # stays about 100 characters wide and keeps its columns in a notebook's output area.
+    widths = [max(len(values[i]) for values in cells.values()) + 2 for i in range(len(rows))]
+    aspect_width = max(map(len, cells))  # the first column's values bring their own gap
+    headers = [textwrap.wrap(r.label, width - 2) for r, width in zip(rows, widths, strict=True)]
+    depth = max(map(len, headers))
+    headers = [[""] * (depth - len(h)) + h for h in headers]  # names end on the line above the first row
+    lines = [" " * aspect_width + "".join(f"{h[line]:>{w}}" for h, w in zip(headers, widths, strict=True))
+             for line in range(depth)]
     for aspect, values in cells.items():
-        lines.append(f"{aspect:32}" + "".join(f"{v:>{width}}" for v in values))
+        lines.append(f"{aspect:{aspect_width}}" + "".join(f"{v:>{w}}" for v, w in zip(values, widths, strict=True)))
     return lines

@@ -126,7 +126,7 @@ def calculator() -> object:
         if num_gpus % nodes:
             num_gpus = max(nodes, num_gpus // nodes * nodes)  # keep GPUs evenly split over nodes
         plots.guide_bars(recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes),
-                         title=f"{params_b:g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on {nodes} node(s)")
+                         title=f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on {nodes} node(s)")
         plt.show()
 
     return widgets.interactive(

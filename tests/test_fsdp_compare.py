@@ -182,3 +182,18 @@ def test_bytes_sent_per_rank_by_hand():
                                                "reduce_scatter": {"calls": 1, "bytes": 500}})) == 1200
     assert bytes_sent_per_rank(_made_up(1, 1, {"all_reduce": {"calls": 1, "bytes": 1000}})) == 0  # nobody to send to
     assert bytes_sent_per_rank(_made_up(4, 4, {})) == 0
+
+
+def test_comparison_table_fits_a_notebook_and_quotes_the_rows(four):
+    """Notebook 06's table: at most 110 characters a line (JupyterLab's output area at 1280 px), so it keeps its
+    columns; the traffic row is bytes_sent_per_rank against DDP's, the memory row each strategy's bytes."""
+    labels = ("DDP", "FSDP2 full shard", "FSDP2 no reshard after forward", "FSDP2 HSDP (2 x 2 mesh)")
+    rows = [four[label] for label in labels]
+    lines = fsdp_compare.comparison_table(rows)
+    assert max(map(len, lines)) <= 110, "\n".join(lines)
+    header = " ".join(line for line in lines if not line[0].strip()).split()  # wrapped strategy names
+    assert all(word in header for label in labels for word in label.split())
+    by_aspect = {line.split("  ")[0].strip(): line.split()[-len(rows):] for line in lines if line[0].strip()}
+    ddp_sent = fsdp_compare.bytes_sent_per_rank(rows[0])
+    assert by_aspect["traffic vs DDP"] == [f"{fsdp_compare.bytes_sent_per_rank(r) / ddp_sent:.2f}x" for r in rows]
+    assert by_aspect["state per rank (kB)"] == [f"{r.at_rest / 1e3:.1f}" for r in rows]

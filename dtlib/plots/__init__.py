@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from matplotlib.ticker import ScalarFormatter
 
 from dtlib.sysinfo import MachineInfo
 
@@ -228,10 +229,16 @@ def traffic(world_sizes: Sequence[int], table: dict[str, list[float]]) -> Figure
     Example: ``dtlib.plots.traffic([2, 4, 8], dtlib.ring.traffic_table([2, 4, 8]))``.
     """
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    for name, values in table.items():
-        ax.plot(world_sizes, values, marker="o", label=name)
-    ax.axhline(2, color="gray", ls=":", lw=1)
-    ax.text(world_sizes[0], 2.1, "2 x S: the ring's limit", fontsize=8, color="gray")
+    # Two algorithms can send exactly as much (naive and reduce + broadcast both load the root with
+    # (N-1) x S): a dashed line over a solid one, and smaller markers on top, keep both visible.
+    styles = [("o", "-", 9), ("s", "--", 7), ("^", "-.", 6), ("D", ":", 5), ("v", (0, (1, 3)), 4)]
+    for (name, values), (marker, line, size) in zip(table.items(), styles * len(table), strict=False):
+        ax.plot(world_sizes, values, marker=marker, ls=line, ms=size, label=name)
+    ax.set_yscale("log", base=2)  # ring and recursive doubling stay readable next to the N-1 growth
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # 1, 2, 4 rather than 2^0, 2^1, 2^2
+    ax.axhline(2, color="gray", ls=":", lw=1, zorder=0)
+    ax.text(world_sizes[-1], 2, "2 x S: the ring's limit", fontsize=8, color="gray", ha="right", va="bottom",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=5)
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel("bytes sent by the busiest rank (x S)")
     ax.set_title("All-reduce traffic per rank as the job grows")
