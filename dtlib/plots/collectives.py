@@ -1,0 +1,185 @@
+"""Drawings of collectives and the ring (notebooks 02 and 03): one ring step, every step, traffic per
+rank as N grows, the benchmark's bus bandwidth, and a collective's values before and after.
+
+Example::
+
+    trace = dtlib.ring.simulate_all_reduce([np.arange(8.0) + r for r in range(4)])
+    dtlib.plots.ring_step(trace, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
+
+from dtlib.plots import COLORS, _arrow, _box
+
+
+def _ring_positions(n: int, radius: float = 2.6, center: tuple[float, float] = (3.4, 3.4)) -> list[tuple[float, float]]:
+    # Rank 0 at the top, the ring running clockwise.
+    return [(center[0] + radius * np.sin(2 * np.pi * r / n), center[1] + radius * np.cos(2 * np.pi * r / n))
+            for r in range(n)]
+
+
+def ring_step(trace: Any, step: int) -> Figure:
+    """One step of a simulated collective: who sends which chunk to whom (left), and after
+    the step how many ranks' inputs each rank's chunks hold (right). ``step`` 0 is the start.
+
+    Example: ``dtlib.plots.ring_step(dtlib.ring.simulate_all_reduce([[1, 2], [3, 4]]), 1)``.
+    """
+    n, last = trace.world_size, len(trace.steps)
+    if not 0 <= step <= last:
+        raise ValueError(f"step must be between 0 (the start) and {last}, got {step}")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
+    left.set_xlim(0, 6.8)
+    left.set_ylim(0, 6.8)
+    left.set_aspect("equal")
+    left.axis("off")
+    where = _ring_positions(n)
+    transfers = trace.steps[step - 1].transfers if step else []
+    for t in transfers:
+        label = "all" if t.chunk is None else f"c{t.chunk}"
+        start, end = np.array(where[t.src]), np.array(where[t.dst])
+        gap = (end - start) / max(np.linalg.norm(end - start), 1e-9) * 0.45
+        _arrow(left, tuple(start + gap), tuple(end - gap), connectionstyle="arc3,rad=0.15")
+        if len(transfers) <= 12:
+            mid = (start + end) / 2
+            left.text(mid[0], mid[1], f"{label}\n{t.bytes} B", fontsize=7, ha="center", va="center",
+                      bbox={"fc": "white", "ec": "none", "alpha": 0.8})
+    for rank, (x, y) in enumerate(where):
+        _box(left, x - 0.5, y - 0.25, 1.0, 0.5, f"rank {rank}", COLORS["rank"])
+    phase = trace.steps[step - 1].phase if step else "start"
+    left.set_title(f"{trace.algorithm}, N = {n}: step {step} of {last} ({phase})")
+    counts = trace.contributions(step)
+    image = right.imshow(counts, cmap="viridis", vmin=0, vmax=n, aspect="auto")
+    right.set_xticks(range(counts.shape[1]), [f"c{c}" for c in range(counts.shape[1])])
+    right.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    if n <= 12:
+        for (r, c), value in np.ndenumerate(counts):
+            right.text(c, r, str(value), ha="center", va="center", color="white" if value < n * 0.6 else "black")
+    right.set_xlabel("chunk of the buffer")
+    right.set_title("ranks' inputs summed into each chunk")
+    fig.colorbar(image, ax=right, label=f"inputs held (N = {n} means done)")
+    fig.tight_layout()
+    return fig
+
+
+def ring_grid(trace: Any) -> Figure:
+    """Every step at once: the (ranks x chunks) contribution grid from the start to the end.
+
+    Example: ``dtlib.plots.ring_grid(dtlib.ring.simulate_all_reduce([[0] * 8] * 4))``.
+    """
+    n, panels = trace.world_size, len(trace.steps) + 1
+    columns = min(panels, 7)
+    rows = -(-panels // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.7 * columns, 1.9 * rows + 0.5), squeeze=False)
+    for index, ax in enumerate(axes.flat):
+        if index >= panels:
+            ax.axis("off")
+            continue
+        ax.imshow(trace.contributions(index), cmap="viridis", vmin=0, vmax=n)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        phase = trace.steps[index - 1].phase if index else "start"
+        ax.set_title(f"{index}: {phase}", fontsize=8)
+        if index % columns == 0:
+            ax.set_ylabel("ranks")
+        if index >= panels - columns:
+            ax.set_xlabel("chunks")
+    fig.suptitle(f"{trace.algorithm}, N = {n}: inputs summed into each chunk (bright = all {n})")
+    fig.tight_layout()
+    return fig
+
+
+def traffic(world_sizes: Sequence[int], table: dict[str, list[float]]) -> Figure:
+    """Bytes the busiest rank sends, in units of the buffer size S, against N (from ``ring.traffic_table``).
+
+    Example: ``dtlib.plots.traffic([2, 4, 8], dtlib.ring.traffic_table([2, 4, 8]))``.
+    """
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    # Two algorithms can send exactly as much (naive and reduce + broadcast both load the root with
+    # (N-1) x S): a dashed line over a solid one, and smaller markers on top, keep both visible.
+    styles = [("o", "-", 9), ("s", "--", 7), ("^", "-.", 6), ("D", ":", 5), ("v", (0, (1, 3)), 4)]
+    for (name, values), (marker, line, size) in zip(table.items(), styles * len(table), strict=False):
+        ax.plot(world_sizes, values, marker=marker, ls=line, ms=size, label=name)
+    ax.set_yscale("log", base=2)  # ring and recursive doubling stay readable next to the N-1 growth
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # 1, 2, 4 rather than 2^0, 2^1, 2^2
+    ax.axhline(2, color="gray", ls=":", lw=1, zorder=0)
+    ax.text(world_sizes[-1], 2, "2 x S: the ring's limit", fontsize=8, color="gray", ha="right", va="bottom",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=5)
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel("bytes sent by the busiest rank (x S)")
+    ax.set_title("All-reduce traffic per rank as the job grows")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def busbw(rows: Sequence[Any], model: Any = None) -> Figure:
+    """Bus bandwidth against message size (a ``dtlib.bench.collective.sweep``), with the fitted
+    alpha-beta model's prediction laid over it.
+
+    Example: ``rows = sweep("allreduce"); dtlib.plots.busbw(rows, fit(rows))``.
+    """
+    from dtlib.bench.collective import BUS_FACTOR, MODEL
+
+    first = rows[0]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    sizes = [r.size_bytes for r in rows]
+    ax.plot(sizes, [r.busbw_gbs for r in rows], marker="o", label=f"measured here ({first.world_size} ranks)")
+    if model is not None:
+        factor = BUS_FACTOR[first.op](first.world_size)
+        grid = np.geomspace(sizes[0], sizes[-1], 100)
+        predicted = [s / model.time(MODEL[first.op], first.world_size, s) / 1e9 * factor for s in grid]
+        ax.plot(grid, predicted, "--", color="black",
+                label=f"alpha-beta fit: alpha = {model.alpha_s * 1e6:.0f} us, "
+                      f"b = {model.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes, log scale)")
+    ax.set_ylabel("bus bandwidth (GB/s, 1 GB = 1e9 B)")
+    ax.set_title(f"{first.op}{' (send/recv ring)' if first.algo == 'ring' else ''}: busbw against size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _value_table(ax: Any, rows: list[list[float]], title: str, vmax: float) -> None:
+    width = max((len(r) for r in rows), default=0) or 1
+    grid = np.full((len(rows), width), np.nan)
+    for rank, values in enumerate(rows):
+        grid[rank, : len(values)] = values
+    ax.imshow(grid, cmap="Blues", vmin=0, vmax=vmax * 1.6, aspect="auto")
+    for (rank, slot), value in np.ndenumerate(grid):
+        text = "" if np.isnan(value) else f"{value:g}"
+        ax.text(slot, rank, text, ha="center", va="center", fontsize=9 if width <= 8 else 7)
+    for rank, values in enumerate(rows):
+        if not values:
+            ax.text((width - 1) / 2, rank, "nothing received", ha="center", va="center", fontsize=8, color="gray")
+    ax.set_xticks(range(width))
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.set_xlabel("position in the tensor")
+    ax.set_title(title)
+
+
+def collective(result: Any) -> Figure:
+    """A collective's tensors on every rank, before and after (a ``dtlib.collectives.demo`` result).
+
+    Example: ``dtlib.plots.collective(dtlib.collectives.demo("all_reduce_sum"))``.
+    """
+    width = max(len(r) for r in result.after + result.before)
+    size = (min(12.0, 2.5 + 0.5 * (len(result.before[0]) + width)), 1.0 + 0.45 * len(result.before))
+    fig, (before, after) = plt.subplots(1, 2, figsize=size,
+                                        gridspec_kw={"width_ratios": [len(result.before[0]), max(width, 1)]})
+    vmax = max([abs(v) for r in result.before + result.after for v in r] or [1.0])
+    _value_table(before, result.before, "before", vmax)
+    _value_table(after, result.after, f"after {result.name} ({result.backend})", vmax)
+    fig.tight_layout()
+    return fig
+
+
+# -- training runs (dtlib.ddp, dtlib.fsdp) ---------------------------------------------------------
