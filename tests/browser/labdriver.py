@@ -6,7 +6,7 @@ Used by the browser tests in this folder (``make test-browser``). Two parts:
   temporary copy of ``notebooks/``, with its own settings (every cell kept in the page, no news
   pop-ups), and stops the whole process group afterwards, whatever happened.
 - :class:`NotebookPage` wraps a Playwright page showing one notebook: run every cell through the
-  Run menu, wait until the kernel is idle, read each cell's prompt, outputs and images.
+  Run menu, wait until the kernel is idle, read each cell's outputs and images.
 """
 
 from __future__ import annotations
@@ -158,15 +158,6 @@ class LabServer:
                 leftover.kill()
 
 
-@dataclass
-class CellView:
-    """What the page shows for one code cell after a run."""
-
-    index: int  # position among all cells, markdown included
-    prompt: str  # "[3]:", "[*]:" or "[ ]:"
-    images: int  # rendered, loaded <img> outside widgets
-
-
 # Images that have loaded (naturalWidth > 0), outside ipywidgets views, in one cell's outputs.
 _COUNT_IMAGES = """cell => [...cell.querySelectorAll('.jp-OutputArea-output img')]
     .filter(img => !img.closest('.jupyter-widgets') && img.complete && img.naturalWidth > 0).length"""
@@ -226,15 +217,15 @@ class NotebookPage:
         raise TimeoutError(f"{self.notebook}: Run All had not finished after {timeout_s:.0f} s "
                            f"(kernel {self.kernel_status() or 'missing'})")
 
-    def code_cells(self) -> list[CellView]:
-        """What every code cell shows now, in notebook order."""
-        views = []
+    def images_per_cell(self) -> dict[int, int]:
+        """Loaded images per code cell now on the page, by cell index (markdown cells counted in the index);
+        cells without images left out."""
+        counts = {}
         for index in range(self.cells.count()):
             cell = self.cells.nth(index)
-            if "jp-CodeCell" in (cell.get_attribute("class") or ""):
-                views.append(CellView(index, cell.locator(".jp-InputPrompt").inner_text().strip(),
-                                      cell.evaluate(_COUNT_IMAGES)))
-        return views
+            if "jp-CodeCell" in (cell.get_attribute("class") or "") and (images := cell.evaluate(_COUNT_IMAGES)):
+                counts[index] = images
+        return counts
 
     def save(self) -> nbformat.NotebookNode:
         """Save through the UI (Ctrl+S) and read back what JupyterLab wrote: the outputs as the kernel sent
@@ -314,9 +305,8 @@ class NotebookRun:
     seconds: float  # Run All Cells, click to idle
     stored: nbformat.NotebookNode  # the notebook as committed
     saved: nbformat.NotebookNode  # what JupyterLab saved after the run
-    cells: list[CellView]  # what the page showed, code cells only
+    images: dict[int, int]  # loaded images the page showed, per code cell index
     view: NotebookPage | None  # still open (and its kernel alive) when the notebook has widgets
-    screenshot: Path
 
 
 class NotebookRuns:
@@ -347,13 +337,13 @@ class NotebookRuns:
         try:
             view = NotebookPage(page, self._lab, notebook)
             seconds = view.run_all(self._timeout_s)
-            cells = view.code_cells()
+            images = view.images_per_cell()
             saved = view.save()
             screenshot = self._screenshots / f"{Path(notebook).stem}.png"
             view.screenshot(screenshot)
             record(self._screenshots, notebook, seconds, stored.metadata["dtlib"]["time_budget_s"], screenshot)
             keep = bool(widget_cells(stored))
-            return NotebookRun(notebook, seconds, stored, saved, cells, view if keep else None, screenshot)
+            return NotebookRun(notebook, seconds, stored, saved, images, view if keep else None)
         finally:
             if not keep:
                 page.close()
