@@ -50,42 +50,143 @@ def backend_choice(answer: Any, world_size: int = 2) -> Feedback:
     return Feedback(False, f"This machine has enough GPUs for {world_size} ranks, so 'auto' picks NCCL.")
 
 
+# -- counting the communication a learner's function makes -------------------------------------
+
+#: c10d operator (``torch.ops.c10d.<name>``) -> the ``torch.distributed`` call that a learner writes.
+CALL_NAMES = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather_into_tensor",
+    "allgather_coalesced_": "all_gather_coalesced", "allgather_into_tensor_coalesced_": "all_gather_into_tensor",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor", "reduce_": "reduce", "gather_": "gather",
+    "scatter_": "scatter", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
+}
+
+
+def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
+    """Inside a rank: call ``fn(*args)`` and count the communication it makes, as ``(value, {call: times})``.
+
+    The counter is torch's own ``CommDebugMode``, a dispatch mode: no function is replaced, and it
+    sees every c10d collective on plain tensors (gloo or NCCL), in ``fn`` and in the autograd hooks
+    its backward runs. It leaves point-to-point calls and barriers out; they are added to its
+    registry so that a ring of ``isend``/``recv`` counts as "send" and "recv".
+
+    Example (inside ``dtlib.spawn``)::
+
+        count_collectives(dist.all_reduce, torch.ones(2))[1]   # {"all_reduce": 1}
+    """
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    c10d = torch.ops.c10d
+    mode = CommDebugMode()
+    # Probed on torch 2.13, gloo, CPU tensors: all_reduce (also async_op=True), broadcast, all_gather,
+    # all_gather_into_tensor, reduce_scatter_tensor and reduce are counted; barrier, isend and recv are not,
+    # though they pass through the dispatcher as c10d.barrier, c10d.send and c10d.recv_. comm_registry is
+    # the set of ops this instance counts: adding those three changes no other CommDebugMode.
+    mode.comm_registry |= {c10d.send, c10d.recv_, c10d.recv_any_source_, c10d.barrier}
+    with mode:
+        value = fn(*args)
+    calls: dict[str, int] = {}
+    for op, times in mode.get_comm_counts().items():
+        name = str(op).rsplit(".", 1)[-1]  # "c10d.allreduce_" -> "allreduce_"
+        name = CALL_NAMES.get(name, name.strip("_"))
+        calls[name] = calls.get(name, 0) + times
+    return value, calls
+
+
+def _counted(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
+    return count_collectives(fn, rank, world_size, *args)
+
+
+def spawn_counting(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
+                   timeout: float = 30.0) -> tuple[list[Any], list[dict[str, int]]]:
+    """``dtlib.spawn(fn, world_size)`` without output, each rank's call counted by :func:`count_collectives`.
+
+    Returns the ranks' values and, per rank, ``{call: times}``; raises as ``dtlib.spawn`` does.
+    Example: ``spawn_counting(fn, 2)`` -> ``([3.0, 3.0], [{"all_reduce": 1}, {"all_reduce": 1}])``.
+    """
+    reports = spawn(_counted, world_size, args=(fn, *args), timeout=timeout, output="none")
+    return [value for value, _ in reports], [calls for _, calls in reports]
+
+
+def rank_without_communication(calls_per_rank: list[dict[str, int]]) -> int | None:
+    """The first rank whose function moved no data between ranks (a barrier moves none), or None.
+
+    Example: ``rank_without_communication([{"all_reduce": 1}, {"barrier": 1}]) == 1``.
+    """
+    for rank, calls in enumerate(calls_per_rank):
+        if not any(times for name, times in calls.items() if name != "barrier"):
+            return rank
+    return None
+
+
+def _divisor(got: Any, total: Any) -> int | None:
+    """The whole number c with got == total / c, if there is one: the constant a learner divided by."""
+    import torch
+
+    got, total = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(total, dtype=torch.float64)
+    overlap = float((got * total).sum())
+    if not 0 < overlap < float("inf"):
+        return None
+    whole = round(float((total * total).sum()) / overlap)  # least squares fit of total = c * got
+    if whole >= 1 and torch.allclose(got, total / whole, rtol=1e-4, atol=1e-6):
+        return whole
+    return None
+
+
+# -- notebooks 01 and 02 ----------------------------------------------------------------------
+
+
 def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: float = 30.0) -> Feedback:
-    """Notebook 01: ``fn(rank, world_size)`` must return, on every rank, 0 + 1 + ... + (world_size - 1).
+    """Notebook 01: ``fn(rank, world_size)`` must return, on every rank, 0 + 1 + ... + (world_size - 1),
+    computed through a collective; it runs with ``world_size`` ranks and with one more.
 
     Example: ``sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
     """
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    expected = world_size * (world_size - 1) // 2
-    try:
-        results = spawn(fn, world_size, timeout=timeout, output="none")
-    except WorkerError as err:
-        if any("still running" in failure.message for failure in err.failures):
-            return Feedback(False, "Your function hung: does every rank call the same collective? "
-                                   f"Details:\n{err}")
-        return Feedback(False, f"Your function raised on a rank:\n{err.failures[0].headline()}")
-    wrong = {}
-    for rank, value in enumerate(results):
-        if _as_number(value) != expected:
-            wrong[rank] = value
-    if not wrong:
-        return Feedback(True, f"Every rank returned {expected}: the all-reduce summed all {world_size} ranks.")
-    rank, value = next(iter(wrong.items()))
-    if value is None:
-        hint = "it returned None: return the tensor (or its .item()) after the all-reduce."
-    elif all(_as_number(v) == r for r, v in enumerate(results)):
-        hint = "each rank returned its own rank: was dist.all_reduce called before returning?"
-    elif _as_number(value) == expected * world_size:
-        hint = "the sum came out world_size times too big: add each rank's number once, not the total."
-    else:
-        hint = f"it returned {value!r}."
-    return Feedback(False, f"Rank {rank} should return {expected}, but {hint}")
+    sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size
+    for size in sizes:
+        expected = size * (size - 1) // 2
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerError as err:
+            if any("still running" in failure.message for failure in err.failures):
+                return Feedback(False, "Your function hung: does every rank call the same collective? "
+                                       f"Details:\n{err}")
+            return Feedback(False, f"Your function raised on a rank:\n{err.failures[0].headline()}")
+        wrong = {rank: value for rank, value in enumerate(results) if _as_number(value) != expected}
+        if wrong:
+            rank, value = next(iter(wrong.items()))
+            if value is None:
+                hint = "it returned None: return the tensor (or its .item()) after the all-reduce."
+            elif all(_as_number(v) == r for r, v in enumerate(results)):
+                hint = "each rank returned its own rank: was dist.all_reduce called before returning?"
+            elif _as_number(value) == expected * size:
+                hint = "the sum came out world_size times too big: add each rank's number once, not the total."
+            elif size != world_size and _as_number(value) == world_size * (world_size - 1) // 2:
+                hint = (f"it returned {_as_number(value)!r}, the answer for {world_size} ranks: let the collective "
+                        "add up the ranks that are there instead of writing the answer for one world size.")
+            else:
+                hint = f"it returned {value!r}."
+            return Feedback(False, f"With {size} ranks, rank {rank} should return {expected}, but {hint}")
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, f"Rank {silent} returned {expected}, but no collective was called: each rank "
+                                   "worked the sum out alone, which no rank can do with numbers only the others "
+                                   "hold. Put the rank's own number in a tensor and use dist.all_reduce to add "
+                                   "them up.")
+    return Feedback(True, f"Every rank returned the sum, with {sizes[0]} ranks and with {sizes[1]}: the all-reduce "
+                          "added every rank's number.")
 
 
 def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout: float = 30.0) -> Feedback:
     """Notebook 02: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
-    ``dtlib.collectives.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``).
+    ``dtlib.collectives.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``),
+    computed through a collective; it runs with ``world_size`` ranks and with one more. A tensor, a
+    list, a tuple or a numpy array of the right numbers is right.
 
     Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
     """
@@ -95,30 +196,49 @@ def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout
 
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    start = torch.stack([starting_values(r, world_size) for r in range(world_size)])  # (ranks, slots)
-    expected, total = start.mean(0), start.sum(0)
-    try:
-        results = spawn(fn, world_size, timeout=timeout, output="none")
-    except WorkerTimeout:
-        return Feedback(False, "Your function hung: every rank must call the same collectives in the same order.")
-    except WorkerError as err:
-        headline = err.failures[0].headline()
-        if "AVG" in headline:
-            return Feedback(False, "This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide.")
-        return Feedback(False, f"Your function raised on a rank:\n{headline}")
-    for rank, value in enumerate(results):
-        if not isinstance(value, torch.Tensor) or value.shape != expected.shape:
-            return Feedback(False, f"Rank {rank} returned {value!r}; return the averaged tensor of "
-                                   f"{world_size} values.")
-        if torch.allclose(value, expected):
-            continue
-        if torch.allclose(value, total):
-            return Feedback(False, f"Rank {rank} holds the sum {value.tolist()}: divide by world_size.")
-        if torch.allclose(value, start[rank]):
-            return Feedback(False, f"Rank {rank} still holds its own values: call dist.all_reduce on them.")
-        return Feedback(False, f"Rank {rank} returned {value.tolist()}, expected {expected.tolist()}.")
-    return Feedback(True, f"Every rank holds the mean {expected.tolist()}. all_reduce(SUM) / world_size "
-                          "works on every backend and torch version; DDP averages gradients that way.")
+    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
+    for size in sizes:
+        start = torch.stack([starting_values(r, size) for r in range(size)]).double()  # (ranks, slots)
+        expected, total = start.mean(0), start.sum(0)
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerTimeout:
+            return Feedback(False, "Your function hung: every rank must call the same collectives in the same "
+                                   "order.")
+        except WorkerError as err:
+            headline = err.failures[0].headline()
+            if "AVG" in headline:
+                return Feedback(False, "This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide.")
+            return Feedback(False, f"Your function raised on a rank:\n{headline}")
+        for rank, value in enumerate(results):
+            try:
+                got = torch.as_tensor(value, dtype=torch.float64)  # a list, tuple or numpy array is fine too
+            except (TypeError, ValueError, RuntimeError):
+                got = None
+            if got is None or got.shape != expected.shape:
+                return Feedback(False, f"Rank {rank} returned {value!r}; return the averaged tensor of "
+                                       f"{size} values.")
+            if torch.allclose(got, expected):
+                continue
+            if torch.allclose(got, total):
+                return Feedback(False, f"Rank {rank} holds the sum {got.tolist()}: divide by world_size.")
+            if torch.allclose(got, start[rank]):
+                return Feedback(False, f"Rank {rank} still holds its own values: call dist.all_reduce on them.")
+            divisor = _divisor(got, total)
+            if divisor is not None:
+                return Feedback(False, f"With {size} ranks, rank {rank} holds the sum divided by {divisor}: "
+                                       "divide by world_size (dist.get_world_size()), not by a fixed number.")
+            return Feedback(False, f"With {size} ranks, rank {rank} returned {got.tolist()}, expected "
+                                   f"{expected.tolist()}.")
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, f"Rank {silent} holds the mean, but no collective was called: it computed "
+                                   "every rank's values itself, which works only because starting_values is a "
+                                   "formula; a real rank holds data no other rank has. Use dist.all_reduce on "
+                                   "the rank's own values, then divide by world_size.")
+    return Feedback(True, f"Every rank holds the mean, with {sizes[0]} ranks and with {sizes[1]}. "
+                          "all_reduce(SUM) / world_size works on every backend and torch version; DDP averages "
+                          "gradients that way.")
 
 
 def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None], which: str,
@@ -132,8 +252,39 @@ def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None]
     expected = data.clone()
     dist.all_reduce(expected)
     ours = data.clone()
-    collectives.ring_all_reduce(ours, **{which: phase})
-    return {"ours": ours.tolist(), "expected": expected.tolist(), "input": data.tolist()}
+    seen: dict[str, Any] = {}
+
+    def watched(chunks: list[Any], rank: int, world_size: int) -> None:
+        views = list(chunks)  # views of the buffer: the list may hold other tensors afterwards
+        seen["before"] = [view.tolist() for view in views]
+        _, seen["calls"] = count_collectives(phase, chunks, rank, world_size)
+        seen["after"] = [view.tolist() for view in views]
+        seen["replaced"] = [i for i, (view, now) in enumerate(zip(views, chunks, strict=False)) if view is not now]
+
+    collectives.ring_all_reduce(ours, **{which: watched})
+    return {"ours": ours.tolist(), "expected": expected.tolist(), "input": data.tolist(), **seen}
+
+
+def _ring_diagnosis(reports: list[dict[str, Any]], which: str, where: str) -> str | None:
+    """What the learner's phase did wrong, read from how it changed the chunks (None: no telling)."""
+    name, write = which.replace("_", "-"), ("chunks[receive].copy_(incoming)" if which == "all_gather"
+                                            else "chunks[receive] += incoming")
+    for rank, report in enumerate(reports):
+        shifts = report["calls"].get("send", 0)
+        if not shifts and not report["calls"].get("recv", 0):
+            return (f"{where}: some ranks' contributions never reached it, because your {name} phase never "
+                    f"called ring_shift on rank {rank}. Each of the {len(reports) - 1} steps sends one chunk to "
+                    "the right and receives one from the left.")
+        if report["replaced"] and report["before"] == report["after"]:
+            return (f"{where}: on rank {rank} your {name} phase put new tensors into the list (chunks[i] = ...), "
+                    "so what arrived never landed in the buffer: the chunks are views of it, and assignment "
+                    f"replaces the view. Write in place: {write}.")
+        if report["before"] == report["after"]:
+            did = ("never landed in chunks: copy it in with copy_" if which == "all_gather"
+                   else "was never added to chunks: add it in place")
+            return (f"{where}: on rank {rank} your {name} phase called ring_shift {shifts} times but left every "
+                    f"chunk as it was, so what arrived {did} after each ring_shift ({write}).")
+    return None
 
 
 def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size: int = 4,
@@ -176,6 +327,9 @@ def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size
             if got == want:
                 continue
             where = f"On rank {rank}, chunk {chunk} holds {got} but should hold {want}"
+            diagnosis = _ring_diagnosis(reports, which, where)
+            if diagnosis:
+                return Feedback(False, diagnosis)
             # Every input is >= 0 (rank r holds 10^r x [0, 1, ...]), so too much or too little is telling.
             if all(g >= w for g, w in zip(got, want, strict=True)):
                 return Feedback(False, f"{where}: more than the sum, so some contribution was added twice. "
@@ -197,28 +351,47 @@ def _as_number(value: Any) -> Any:
         return value
 
 
+SAMPLES_PER_RANK = 8  # gradient_hook: each rank's share of the regression data
+
+
 def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any]) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     from dtlib import data, models
 
-    x, y = data.regression(8 * world_size, seed=1).tensors
-    mine = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]  # each rank its own 8 samples
-    yours, reference = models.build("mlp", seed=0), DistributedDataParallel(models.build("mlp", seed=0))
+    x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors
+    mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
+    yours = models.build("mlp", seed=0)
     for param in yours.parameters():
         param.register_hook(hook)
-    models.loss_fn("mlp", yours(mine[0]), mine[1]).backward()
-    models.loss_fn("mlp", reference(mine[0]), mine[1]).backward()
+    _, calls = count_collectives(lambda: models.loss_fn("mlp", yours(x[mine]), y[mine]).backward())
+    reference = DistributedDataParallel(models.build("mlp", seed=0))
+    models.loss_fn("mlp", reference(x[mine]), y[mine]).backward()
     local = models.build("mlp", seed=0)
-    models.loss_fn("mlp", local(mine[0]), mine[1]).backward()
+    models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
     flat = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]) for m in (yours, reference.module, local)]
-    return {"yours": flat[0], "ddp": flat[1], "local": flat[2]}
+    return {"yours": flat[0], "ddp": flat[1], "local": flat[2], "calls": calls}
+
+
+def _one_process_gradient(world_size: int) -> Any:
+    """The oracle: one model in this process, the loss over every rank's samples at once (a mean, so the
+    gradient is the mean of the ranks' gradients: what averaging them must give)."""
+    import torch
+
+    from dtlib import data, models
+
+    x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors
+    model = models.build("mlp", seed=0)
+    models.loss_fn("mlp", model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
     """Notebook 04: ``hook(grad)`` is registered on every parameter (``param.register_hook``) and must
-    return the gradient averaged over the ranks, as DDP makes it.
+    return the gradient averaged over the ranks, as DDP makes it. It runs with ``world_size`` ranks and
+    with one more; the gradients must equal torch's ``DistributedDataParallel``'s and those of one
+    process training on all ranks' samples at once.
 
     Example: ``gradient_hook(lambda grad: grad)`` says the gradients were never all-reduced.
     """
@@ -226,30 +399,54 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 
     if not callable(hook):
         return Feedback(False, f"Pass your hook function itself, not {type(hook).__name__}.")
-    try:
-        results = spawn(_your_hook_against_ddp, world_size, args=(hook,), timeout=timeout, output="none")
-    except WorkerTimeout:
-        return Feedback(False, "Your hook hung: every rank must all-reduce every gradient, in the same order.")
-    except WorkerError as err:
-        raised = [failure for failure in err.failures if failure.exc_type is not None]
-        if raised and "gloo" not in raised[0].message:
-            return Feedback(False, f"Your hook raised on a rank:\n{raised[0].headline()}")
-        return Feedback(False, "A rank died waiting for an all-reduce that another rank never made: every rank "
-                               f"must all-reduce every gradient, in the same order.\n{err.failures[0].headline()}")
-    for rank, result in enumerate(results):
-        yours, ddp, local = result["yours"], result["ddp"], result["local"]
-        if torch.allclose(yours, ddp, atol=1e-6):
-            continue
-        if torch.allclose(yours, local, atol=1e-6):
-            return Feedback(False, f"Rank {rank} kept its own gradients: call dist.all_reduce(grad) in the hook.")
-        if torch.allclose(yours, ddp * world_size, atol=1e-5):
-            return Feedback(False, f"Rank {rank} holds the sum over ranks: divide by dist.get_world_size().")
-        if torch.allclose(yours, ddp / world_size, atol=1e-6):
-            return Feedback(False, f"Rank {rank}'s gradients are world_size times too small: divide once.")
-        return Feedback(False, f"Rank {rank}'s gradients differ from DDP's by up to "
-                               f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
-    return Feedback(True, f"On all {world_size} ranks your gradients equal DistributedDataParallel's: "
-                          "all-reduce (SUM) and divide by world_size is what DDP does, bucket by bucket.")
+    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
+    for size in sizes:
+        try:
+            results = spawn(_your_hook_against_ddp, size, args=(hook,), timeout=timeout, output="none")
+        except WorkerTimeout:
+            return Feedback(False, "Your hook hung: every rank must all-reduce every gradient, in the same order.")
+        except WorkerError as err:
+            raised = [failure for failure in err.failures if failure.exc_type is not None]
+            if raised and "gloo" not in raised[0].message:
+                return Feedback(False, f"Your hook raised on a rank:\n{raised[0].headline()}")
+            return Feedback(False, "A rank died waiting for an all-reduce that another rank never made: every "
+                                   "rank must all-reduce every gradient, in the same order.\n"
+                                   f"{err.failures[0].headline()}")
+        single = _one_process_gradient(size)
+        for rank, result in enumerate(results):
+            yours, ddp, local = result["yours"], result["ddp"], result["local"]
+            if torch.allclose(yours, ddp, atol=1e-6) and torch.allclose(yours, single, atol=1e-6):
+                continue
+            if torch.allclose(yours, local, atol=1e-6):
+                if rank_without_communication([result["calls"]]) is not None:
+                    return Feedback(False, f"Rank {rank} kept its own gradients: your hook called no collective. "
+                                           "Call dist.all_reduce(grad) in the hook.")
+                return Feedback(False, f"Rank {rank} kept its own gradients although your hook called "
+                                       f"{', '.join(sorted(result['calls']))}: dist.all_reduce sums in place, into "
+                                       "the tensor you pass it, so return that tensor (divided by the world size).")
+            divisor = _divisor(yours, single * size)  # the sum over ranks divided by what?
+            if divisor == 1:
+                return Feedback(False, f"Rank {rank} holds the sum over ranks: divide by dist.get_world_size().")
+            if divisor == size * size:
+                return Feedback(False, f"Rank {rank}'s gradients are world_size times too small: divide once.")
+            if divisor is not None:
+                return Feedback(False, f"With {size} ranks, rank {rank}'s gradients are the sum over ranks divided "
+                                       f"by {divisor}: divide by dist.get_world_size(), not a constant.")
+            return Feedback(False, f"With {size} ranks, rank {rank}'s gradients differ from DDP's by up to "
+                                   f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
+    return Feedback(True, f"With {sizes[0]} ranks and with {sizes[1]}, your gradients equal DistributedDataParallel's "
+                          "and those of one process training on every rank's samples: all-reduce (SUM) and divide "
+                          "by world_size is what DDP does, bucket by bucket.")
+
+
+#: Units an answer in bytes may have been given in by mistake: name, bytes per unit, and how to say it.
+BYTE_UNITS = (("KB", 1e3, "10^3"), ("KiB", 2**10, "2^10"), ("MB", 1e6, "10^6"), ("MiB", 2**20, "2^20"),
+              ("GB", 1e9, "10^9"), ("GiB", 2**30, "2^30"))
+
+
+def _show(number: float) -> str:
+    """A number as a learner reads it: 112,256 or 0.1123, never a small number rounded to 0."""
+    return f"{number:,.0f}" if abs(number) >= 1000 else f"{number:.6g}"
 
 
 def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, strategy: str = "full_shard") -> Feedback:
@@ -280,11 +477,18 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
                                                      "sharded. FULL_SHARD shards the parameters too.",
     }
     for value, hint in known.items():
-        if hint and abs(answer - value) <= 0.01 * max(value, 1):
-            return Feedback(False, f"{answer:,.0f} bytes: {hint}")
-    if abs(answer * 1e9 - expected) <= 0.01 * expected or abs(answer * 2**20 - expected) <= 0.01 * expected:
-        return Feedback(False, "Give the answer in bytes, not GB or MiB.")
-    return Feedback(False, f"{answer:,.0f} bytes is off by a factor of {answer / expected:.2f}: count 16 bytes "
+        if abs(answer - value) <= 0.01 * value:
+            return Feedback(False, f"{_show(answer)} bytes: {hint}")
+    for unit, size, power in BYTE_UNITS:
+        in_bytes = answer * size
+        if abs(in_bytes - expected) <= 0.01 * expected:
+            return Feedback(False, f"{_show(answer)} looks like the answer in {unit} ({power} bytes): that is "
+                                   f"{_show(in_bytes)} bytes, the right amount. Give the answer in bytes.")
+        for value, hint in known.items():
+            if abs(in_bytes - value) <= 0.01 * value:
+                return Feedback(False, f"{_show(answer)} looks like {unit} ({power} bytes), that is "
+                                       f"{_show(in_bytes)} bytes; give the answer in bytes. And {hint}")
+    return Feedback(False, f"{_show(answer)} bytes is off by a factor of {answer / expected:.3g}: count 16 bytes "
                            f"per parameter (4 weights + 4 gradients + 8 Adam), then apply {strategy}'s sharding "
                            f"over {world_size} ranks.")
 
@@ -310,3 +514,102 @@ def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: f
     from dtlib.pitfalls import check_fixed_barrier
 
     return check_fixed_barrier(fn, world_size, timeout)
+
+
+def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any], steps: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlib import data, memory, models
+
+    model = models.build("transformer", seed=0)
+    try:
+        returned = wrap(model)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to the learner, with what was sharded before it
+        returned, error = None, f"{type(exc).__name__}: {exc}"
+    report: dict[str, Any] = {"root": isinstance(model, FSDPModule), "error": error,
+                              "blocks": [isinstance(block, FSDPModule) for block in model.blocks],
+                              "returned_other": returned is not None and returned is not model}
+    if error or report["returned_other"]:
+        return report
+    peak = [0]  # parameter bytes this rank holds while a layer runs its forward
+
+    def record(module: Any, inputs: Any, output: Any) -> None:
+        peak[0] = max(peak[0], memory.measured(model)["parameters"])
+
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            module.register_forward_hook(record)
+    reference = DistributedDataParallel(models.build("transformer", seed=0))
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
+    batches = data.batches(data.tokens(64), world_size, rank, batch_size=4)
+    losses: dict[str, list[float]] = {"yours": [], "ddp": []}
+    for _ in range(steps):
+        x, y = next(batches)  # (B, T)
+        for name, net, optimizer in zip(("yours", "ddp"), (model, reference), optimizers, strict=True):
+            loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            optimizer.step()
+            if name == "yours":
+                report["at_rest"] = sum(memory.measured(model, optimizer).values())
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    return {**report, "peak_parameters": peak[0], **losses}
+
+
+def fsdp_wrap(wrap: Callable[[Any], Any], world_size: int = 2, steps: int = 3, timeout: float = 60.0) -> Feedback:
+    """Notebook 05: ``wrap(model)`` shards ``dtlib.models.build("transformer")`` with ``fully_shard``;
+    every block must be a unit of its own and the root sharded last.
+
+    Each rank measures the parameter bytes it holds while forward runs and its model state after a
+    step, and trains ``steps`` steps beside ``DistributedDataParallel`` on the same samples.
+    Example: ``fsdp_wrap(lambda model: fully_shard(model))`` says the whole model is gathered at once.
+    """
+    from dtlib import models
+
+    if not callable(wrap):
+        return Feedback(False, f"Pass your function itself, not {type(wrap).__name__}.")
+    num_params = sum(p.numel() for p in models.build("transformer").parameters())
+    full_bytes, at_rest_formula = 4 * num_params, 16 * num_params / world_size  # fp32 weights; fp32 Adam
+    try:
+        reports = spawn(_your_wrap_against_ddp, world_size, args=(wrap, steps), timeout=timeout, output="none")
+    except WorkerTimeout:
+        return Feedback(False, "Your wrap hung: every rank must shard the same modules in the same order.")
+    except WorkerError as err:
+        return Feedback(False, f"Training your sharded model failed on a rank:\n{err.failures[0].headline()}")
+    report = reports[0]
+    blocks = sum(report["blocks"])
+    if report["error"]:
+        if report["root"] and blocks < len(report["blocks"]):
+            return Feedback(False, "fully_shard(model) came before the blocks: the root's call already took every "
+                                   "parameter, blocks included, so a block cannot become a unit afterwards "
+                                   f"({report['error'][:120]}). Shard each block first, the root last.")
+        return Feedback(False, f"Your wrap raised on rank 0: {report['error'][:300]}")
+    if report["returned_other"]:
+        return Feedback(False, "Return the model you were given: fully_shard changes it in place (and returns it).")
+    if not report["root"] and not blocks:
+        return Feedback(False, "Nothing was sharded: every rank still holds the whole model. Call fully_shard on "
+                               "each block, then on the model.")
+    if not report["root"]:
+        gap = max(abs(a - b) for a, b in zip(report["yours"], report["ddp"], strict=True))
+        return Feedback(False, "The blocks are units but the root is not: the embedding, positions, final norm and "
+                               "head stay whole on every rank, and their gradients are never averaged over ranks "
+                               f"(your losses drift from DDP's by up to {gap:.2g}). Call fully_shard(model) last.")
+    if blocks < len(report["blocks"]):
+        return Feedback(False, f"Only {'the root is a unit' if not blocks else 'some blocks are units'}: forward "
+                               f"gathers {report['peak_parameters']:,} bytes of parameters at once on each rank "
+                               f"(the whole model is {full_bytes:,}), so sharding saves nothing at the peak. "
+                               "Call fully_shard(block) for every block before the root.")
+    gap = max(abs(a - b) for a, b in zip(report["yours"], report["ddp"], strict=True))
+    if gap > 1e-5:
+        return Feedback(False, f"Every unit is in place, but your losses differ from DDP's by up to {gap:.2g}: "
+                               "shard the model as it is, with fully_shard's defaults.")
+    kept = (" Forward kept every unit gathered (reshard_after_forward=False): ZeRO-2's peak, for one all-gather "
+            "less per block." if report["peak_parameters"] >= full_bytes else "")
+    return Feedback(True, f"Each block is a unit and the root comes last. A rank holds {report['at_rest']:,} bytes "
+                          f"of model state after a step (16P/N = {at_rest_formula:,.0f}) and at most "
+                          f"{report['peak_parameters']:,} bytes of parameters during forward (the whole model: "
+                          f"{full_bytes:,}); the losses equal DDP's.{kept}")

@@ -147,19 +147,47 @@ def largest_model(strategy: str, gpu_memory_gb: float = 80, num_gpus: int = 8, *
     return gpu_memory_gb * (1 - ACTIVATION_RESERVE) * 1e9 / per_param
 
 
+def _two_gb(needed: float, budget: float) -> tuple[str, str]:
+    """Both in GB with enough decimals that two different numbers never print the same."""
+    decimals = 1
+    while f"{needed:.{decimals}f}" == f"{budget:.{decimals}f}" and decimals < 6:
+        decimals += 1
+    return f"{needed:.{decimals}f}", f"{budget:.{decimals}f}"
+
+
+def _why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: int) -> str | None:
+    """Why ``answer`` fails its own rule of :func:`recommend` on this job, or None where it would work."""
+    if answer == "HSDP" and nodes == 1:
+        return ("HSDP shards the model within each node and replicates it across nodes; this job has one node, "
+                "so there is nothing to replicate across (on one node HSDP is just full sharding).")
+    if answer == "tensor / pipeline parallelism":
+        return None  # splitting layers always fits; the guide keeps it for when nothing simpler does
+    checkpointing = answer == "DDP + activation checkpointing"
+    needed = advice.gb_per_gpu["DDP" if checkpointing else answer]
+    reserve = CHECKPOINTING_RESERVE if checkpointing else ACTIVATION_RESERVE
+    budget = gpu_memory_gb * (1 - reserve)
+    if needed <= budget:
+        return None
+    shown_needed, shown_budget = _two_gb(needed, budget)
+    activations = "activations: checkpointing keeps few, recomputing the rest" if checkpointing else "activations"
+    return (f"{answer} needs {shown_needed} GB of model state per GPU, more than the {shown_budget} GB budget "
+            f"(the GPU minus {reserve:.0%} for {activations}).")
+
+
 def check_choice(answer: object, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> object:
-    """Notebook 06's exercise: is ``answer`` (one of :data:`CHOICES`) what :func:`recommend` picks?"""
+    """Notebook 06's exercise: is ``answer`` (one of :data:`CHOICES`) what :func:`recommend` picks?
+
+    A wrong answer gets the reason it fails (it does not fit its budget, or HSDP on one node), or, where it
+    would work, the simpler choice that works too. Example: ``check_choice("HSDP", 20e9, 80, 8)`` says one node.
+    """
     from dtlib.checks import Feedback
 
     advice = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes)
     if answer not in CHOICES:
-        return Feedback(False, f"Answer with one of: {', '.join(CHOICES)}.")
+        return Feedback(False, f"Answer with one of: {', '.join(repr(choice) for choice in CHOICES)}.")
     if answer == advice.choice:
         return Feedback(True, f"Right: {advice}")
-    mine, theirs = CHOICES.index(answer), CHOICES.index(advice.choice)
-    gb = advice.gb_per_gpu.get(answer, advice.gb_per_gpu.get("DDP"))
-    if mine < theirs:
-        return Feedback(False, f"{answer} needs {gb:.1f} GB of model state per GPU, more than the "
-                               f"{advice.budget_gb:.0f} GB budget (the GPU minus {ACTIVATION_RESERVE:.0%} for "
-                               "activations).")
+    why = _why_not(str(answer), advice, gpu_memory_gb, nodes)
+    if why:
+        return Feedback(False, why)
     return Feedback(False, f"{answer} would fit, but a simpler strategy fits too: {advice}")

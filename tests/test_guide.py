@@ -83,3 +83,50 @@ def test_common_sizes_table_grows_monotonically():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -- notebook 06's exercise checker --------------------------------------------------------------
+
+
+def test_check_choice_accepts_what_recommend_picks():
+    for params in (1e9, 4e9, 7e9, 20e9, 100e9, 1e12):
+        advice = guide.recommend(params, MEM, 8)
+        assert guide.check_choice(advice.choice, params, MEM, 8).ok
+
+
+@pytest.mark.parametrize("params, answer, nodes, fragments", [
+    # 20e9 on one node of 8: HSDP's 40 GB fits 56 GB; what rules it out is that there is one node
+    (20e9, "HSDP", 1, ["one node", "nothing to replicate across"]),
+    # a replica of 4.6e9 needs 73.6 GB: more than checkpointing's 72 GB (10% reserve), not only than 56 GB
+    (4.6e9, "DDP + activation checkpointing", 1, ["needs 73.6 GB", "72.0 GB budget", "minus 10%"]),
+    (4.6e9, "DDP", 1, ["needs 73.6 GB", "56.0 GB budget", "minus 30%"]),
+    (20e9, "FSDP, no reshard after forward", 1, ["needs 75.0 GB", "56.0 GB budget"]),
+    (1e9, "FSDP full sharding", 1, ["would fit, but a simpler strategy fits too: DDP"]),
+    (20e9, "FSDP", 1, ["'FSDP, no reshard after forward', 'HSDP'"]),  # each choice quoted: one has a comma
+])
+def test_check_choice_gives_the_true_reason(params, answer, nodes, fragments):
+    feedback = guide.check_choice(answer, params, MEM, 8, nodes=nodes)
+    assert not feedback.ok
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message
+    if answer == "HSDP":
+        assert "budget" not in feedback.message, feedback.message
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 8])
+def test_check_choice_says_more_than_the_budget_only_when_it_is_more(nodes):
+    """Every "needs X GB ... more than the Y GB budget" over a sweep of sizes has X > Y, and Y is the budget
+    of that choice: the GPU minus 10% with activation checkpointing, minus 30% otherwise."""
+    import re
+
+    said = 0
+    for params in [10 ** (e / 4) for e in range(32, 50)]:  # 1e8 .. 3e12 parameters
+        for answer in guide.CHOICES:
+            message = guide.check_choice(answer, params, MEM, 8, nodes=nodes).message
+            found = re.search(r"needs ([\d.]+) GB of model state per GPU, more than the ([\d.]+) GB budget", message)
+            if found:
+                said += 1
+                assert float(found[1]) > float(found[2]), message
+                tight = answer == "DDP + activation checkpointing"
+                assert float(found[2]) == pytest.approx(TIGHT if tight else BUDGET), message
+    assert said > 0

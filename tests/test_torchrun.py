@@ -62,12 +62,59 @@ def test_train_without_a_runner_name_says_how():
      False, "count from 0"),
     ("torchrun --nnodes=2 --nproc_per_node=4 --master_addr=10.0.0.1 --master_port=29500 train.py", False,
      "--node_rank is missing"),
-    ("python train.py", False, "--nnodes is missing"),
+    ("python train.py", False, "`python train.py` starts one process and no rendezvous"),
     ("", False, "one string"),
+    # every spelling torchrun's own parser accepts is right
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port 29500 train.py",
+     True, "RANK 4..7"),
+    ("torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py",
+     True, "RANK 4..7"),
+    ("python -m torch.distributed.run --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 "
+     "--master_port=29500 train.py --lr 0.1", True, "RANK 4..7"),
+    ("torchrun --nnodes=2:2 --nproc_per=4 --node_r=1 --master_a=10.0.0.1 --master_p=29500 train.py", True,
+     "RANK 4..7"),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 train.py", True,
+     "--master_port left out"),
+    # what torchrun's parser refuses, in argparse's words
+    ("torchrun --bogus train.py", False, "torchrun would refuse this line: unrecognized arguments: --bogus"),
+    ("torchrun --master_port=abc train.py", False, "invalid int value: 'abc'"),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500", False,
+     "the following arguments are required: training_script"),
+    # the existing diagnoses, whatever the spelling
+    ("torchrun --nnodes 2 --nproc_per_node 4 --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 train.py",
+     False, "--node_rank=0 should be 1 (node ranks count from 0)"),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29501 train.py",
+     False, "--master_port=29501 should be 29500."),
+    ("torchrun --nnodes=1:2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500 train.py",
+     False, "--nnodes=1:2 should be 2."),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --master-addr 10.0.0.1 --master_port=29500 train.py", False,
+     "--node_rank is missing: this job needs 1, and without it torchrun uses 0."),
+    ("torchrun train.py --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500",
+     False, "--nnodes=2 comes after train.py, so it goes to train.py"),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500 main.py",
+     False, "End with the script, train.py"),
 ])
 def test_exercise_checker(command, ok, says):
     verdict = torchrun.check_command(command)
-    assert isinstance(verdict, Feedback) and verdict.ok is ok and says in verdict.message
+    assert isinstance(verdict, Feedback) and verdict.ok is ok and says in verdict.message, verdict.message
+
+
+def test_exercise_checker_agrees_with_torchruns_parser():
+    """The oracle: what torchrun's own parser reads from each accepted spelling is the job's settings."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    spellings = [
+        "--nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500",
+        "--nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500",
+        "--nnodes=2 --nproc_per=4 --node_r=1 --master_a=10.0.0.1 --master_p=29500",
+    ]
+    for options in spellings:
+        args = get_args_parser().parse_args([*shlex.split(options), "train.py"])
+        assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, args.master_port) == (
+            "2", "4", 1, "10.0.0.1", 29500)
+        assert torchrun.check_command(f"torchrun {options} train.py").ok
 
 
 def test_bad_node_settings():
