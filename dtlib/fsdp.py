@@ -177,8 +177,6 @@ def _wrap_fsdp2(model: nn.Module, config: FSDPConfig, world_size: int, device: t
     if config.mixed_precision:  # the root hands fp32 logits to the loss; blocks must not (their LayerNorm is bf16)
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                     output_dtype=torch.float32)
-    # The head's output on a 3-D input is a view; FSDP2 warns that in-place ops on a view skip its hooks.
-    model.register_forward_hook(lambda module, inputs, output: output.clone())
     return fully_shard(model, **options)
 
 

@@ -70,7 +70,9 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens) + self.position[: tokens.shape[1]]  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        # Linear on (B, T, C) returns a view; FSDP2 warns when a sharded root returns one (an in-place op
+        # on it would skip its backward hook), so hand back a tensor of its own. (B, T, vocab)
+        return self.head(self.norm(x)).clone()
 
 
 class BranchyMLP(nn.Module):

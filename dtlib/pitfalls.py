@@ -5,7 +5,7 @@ Every function starts ranks through :func:`dtlib.spawn` with a short timeout and
 Example::
 
     from dtlib import pitfalls
-    pitfalls.mismatched_barrier()["stuck_ranks"]     # [0]: rank 0 waited at a barrier alone
+    pitfalls.sampler_epochs(12, world_size=2)["identical_without_set_epoch"]   # True
     pitfalls.check_fixed_barrier(my_function)         # the exercise's checker
 """
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib import data
-from dtlib.checks import Feedback
+from dtlib.checks import Feedback, rank_without_communication, spawn_counting
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import spawn
 from dtlib.run import rank_device
@@ -88,25 +88,9 @@ def checkpoint_writes(world_size: int = 2, numel: int = 1_000_000, timeout: floa
     return out
 
 
-def _barrier(rank: int, world_size: int, every_rank: bool) -> int:
-    if every_rank or rank == 0:  # the bug: "only rank 0 logs, and logging waits for everyone"
-        dist.barrier()
+def _barrier_everywhere(rank: int, world_size: int) -> int:
+    dist.barrier()
     return rank
-
-
-def mismatched_barrier(timeout: float = 4.0) -> dict[str, Any]:
-    """Pitfall 3: rank 0 calls ``dist.barrier()`` that rank 1 never reaches; the hang is caught as
-    :class:`dtlib.WorkerTimeout` with rank 0's Python stack. The fix calls it on every rank.
-
-    Example: ``mismatched_barrier()["stack"]`` ends in ``barrier``.
-    """
-    try:
-        spawn(_barrier, 2, args=(False,), timeout=timeout, **QUIET)
-        raise AssertionError("the mismatched barrier returned: expected a hang")
-    except WorkerTimeout as err:
-        stuck, finished, stack = err.running_ranks, err.finished_ranks, err.stacks.get(0, "")
-    return {"stuck_ranks": stuck, "finished_ranks": finished, "stack": stack,
-            "fixed": spawn(_barrier, 2, args=(True,), timeout=timeout, **QUIET)}
 
 
 def _parameter_bytes_around_sharding(rank: int, world_size: int, meta: bool) -> dict[str, Any]:
@@ -225,7 +209,7 @@ def fork_after_cuda(demonstrate: bool = True) -> dict[str, Any]:
     if out["cuda_available"] and demonstrate:
         torch.cuda.init()
     try:
-        out["fork_results"] = spawn(_barrier, 2, args=(True,), start_method="fork", timeout=30, **QUIET)
+        out["fork_results"] = spawn(_barrier_everywhere, 2, start_method="fork", timeout=30, **QUIET)
     except RuntimeError as err:
         if "unsafe" not in str(err):
             raise
@@ -305,41 +289,66 @@ def _stuck_in(stack: str, function_name: str) -> str:
     return (inside[0] if inside else "a collective") + (f" (line {line}, in {function_name})" if line else "")
 
 
+def _ranks(ranks: list[int]) -> str:
+    """"rank 1", "ranks 1 and 2", "ranks 1, 2 and 3"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _hang_message(err: WorkerTimeout, function_name: str) -> str:
+    stuck = "; ".join(f"rank {rank} waited in {_stuck_in(stack, function_name)}" for rank, stack in err.stacks.items())
+    if not err.finished_ranks:
+        return (f"It hung: {stuck}, and no rank returned: each waited for a call that no other rank made. Every "
+                "rank must call the same collectives in the same order.")
+    return (f"It hung: {stuck}, while {_ranks(err.finished_ranks)} returned without calling it. Every rank must call "
+            "the same collectives in the same order: move the collective out of the `if rank == ...` branch.")
+
+
 def check_fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
     """Notebook 08's exercise: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
-    each rank's loss ``rank + 1``, every rank calling the same collectives in the same order.
+    each rank's loss ``rank + 1``, every rank calling the same collectives in the same order. It runs with
+    ``world_size`` ranks and with one more, and the mean must come through a collective.
 
     Example: ``check_fixed_barrier(lambda rank, world_size: rank + 1)`` says rank 0 kept its own loss.
     """
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    expected = (world_size + 1) / 2
-    try:
-        results = spawn(fn, world_size, timeout=timeout, **QUIET)
-    except WorkerTimeout as err:
-        stuck = "; ".join(f"rank {rank} waited in {_stuck_in(stack, getattr(fn, '__name__', ''))}"
-                          for rank, stack in err.stacks.items())
-        done = ", ".join(map(str, err.finished_ranks)) or "none"
-        return Feedback(False, f"It hung: {stuck}, while rank(s) {done} returned without calling it. Every rank "
-                               "must call the same collectives in the same order: move the collective out of the "
-                               "`if rank == ...` branch.")
-    except WorkerError as err:
-        raised = [failure for failure in err.failures if failure.exc_type is not None]
-        hint = "" if raised else " (a rank dying inside a collective: the ranks called different ones or shapes)"
-        return Feedback(False, f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}")
-    for rank, value in enumerate(results):
-        number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-        if not isinstance(number, (int, float)) or isinstance(number, bool):
-            return Feedback(False, f"Rank {rank} returned {value!r}: return the mean loss as a number on every "
-                                   "rank (loss.item()), not only on rank 0.")
-        if abs(number - expected) < 1e-6:
-            continue
-        if abs(number - (rank + 1)) < 1e-6:
-            return Feedback(False, f"Rank {rank} returned its own loss {number:g}: it never took part in the "
-                                   "all_reduce. Call dist.all_reduce on every rank.")
-        if abs(number - expected * world_size) < 1e-6:
-            return Feedback(False, f"Rank {rank} returned the sum {number:g}: divide by world_size for the mean.")
-        return Feedback(False, f"Rank {rank} returned {number:g}, expected the mean {expected:g}: all_reduce "
-                               "(SUM) once on every rank, then divide by world_size once.")
-    return Feedback(True, f"Every rank returned the mean loss {expected:g}: all {world_size} ranks called the same "
-                          "collective, so none waited for ever.")
+    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
+    for size in sizes:
+        expected = (size + 1) / 2
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerTimeout as err:
+            return Feedback(False, _hang_message(err, getattr(fn, "__name__", "")))
+        except WorkerError as err:
+            raised = [failure for failure in err.failures if failure.exc_type is not None]
+            hint = "" if raised else " (a rank dying inside a collective: the ranks called different ones or shapes)"
+            return Feedback(False, f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}")
+        for rank, value in enumerate(results):
+            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if not isinstance(number, (int, float)) or isinstance(number, bool):
+                return Feedback(False, f"Rank {rank} returned {value!r}: return the mean loss as a number on every "
+                                       "rank (loss.item()), not only on rank 0.")
+            if abs(number - expected) < 1e-6:
+                continue
+            if abs(number - (rank + 1)) < 1e-6:
+                return Feedback(False, f"Rank {rank} returned its own loss {number:g}: it never took part in the "
+                                       "all_reduce. Call dist.all_reduce on every rank.")
+            if abs(number - expected * size) < 1e-6:
+                return Feedback(False, f"Rank {rank} returned the sum {number:g}: divide by world_size for the mean.")
+            divisor = expected * size / number if number else 0.0
+            if divisor > 1.5 and abs(divisor - round(divisor)) < 1e-6:
+                return Feedback(False, f"With {size} ranks, rank {rank} returned {number:g}, the sum divided by "
+                                       f"{round(divisor)}: divide by world_size (dist.get_world_size()), not a "
+                                       "constant.")
+            return Feedback(False, f"Rank {rank} returned {number:g}, expected the mean {expected:g}: all_reduce "
+                                   "(SUM) once on every rank, then divide by world_size once.")
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, f"Rank {silent} returned the mean {expected:g}, but no collective was called: it "
+                                   "worked the mean out from a formula, while a real rank knows only its own loss. "
+                                   "Call dist.all_reduce on the loss on every rank, then divide by world_size.")
+    return Feedback(True, f"Every rank returned the mean loss, with {sizes[0]} ranks ({(sizes[0] + 1) / 2:g}) and "
+                          f"with {sizes[1]} ({(sizes[1] + 1) / 2:g}): every rank called the same collective, so none "
+                          "waited for ever.")

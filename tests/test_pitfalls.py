@@ -57,17 +57,6 @@ def test_checkpoint_writes_once_with_rank_0_and_a_barrier(tmp_path):
     assert all(seconds >= 0 for seconds in (every["save_s"], once["save_s"]))
 
 
-# -- 3. mismatched barrier ----------------------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-def test_mismatched_barrier_hangs_on_rank_0_and_the_fix_returns():
-    result = pitfalls.mismatched_barrier(timeout=3)
-    assert result["stuck_ranks"] == [0] and result["finished_ranks"] == [1]
-    assert " in barrier" in result["stack"] and " in _barrier" in result["stack"]
-    assert result["fixed"] == [0, 1]
-
-
 # -- 4. materialising before FSDP -----------------------------------------------------------------
 
 
@@ -231,10 +220,22 @@ def _raises(rank, world_size):
     raise KeyError("loss")
 
 
+def _mean_by_two(rank, world_size):
+    loss = torch.tensor([float(rank + 1)])
+    dist.all_reduce(loss)
+    return (loss / 2).item()  # right on 2 ranks only
+
+
+def _every_rank_waits_to_receive(rank, world_size):
+    loss = torch.tensor([float(rank + 1)])
+    dist.recv(loss, src=(rank + 1) % world_size)  # nobody sends: every rank waits
+    return loss.item()
+
+
 @pytest.mark.timeout(60)
 def test_checker_accepts_every_rank_calling_the_collective():
     feedback = pitfalls.check_fixed_barrier(_mean_loss_fixed)
-    assert feedback.ok and "1.5" in feedback.message
+    assert feedback.ok and "2 ranks (1.5)" in feedback.message and "3 (2)" in feedback.message, feedback.message
 
 
 @pytest.mark.timeout(60)
@@ -243,7 +244,22 @@ def test_checker_reports_which_rank_hung_where():
     assert not feedback.ok
     line = _mean_loss_buggy.__code__.co_firstlineno + 3  # the dist.all_reduce line
     assert f"rank 0 waited in all_reduce (line {line}, in _mean_loss_buggy)" in feedback.message, feedback.message
-    assert "rank(s) 1 returned" in feedback.message
+    assert "while rank 1 returned without calling it" in feedback.message, feedback.message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("fn", "world_size", "fragment"),
+    [
+        (_mean_loss_buggy, 3, "while ranks 1 and 2 returned without calling it"),
+        (_every_rank_waits_to_receive, 2, "rank 1 waited in recv"),
+        (_every_rank_waits_to_receive, 2, "and no rank returned: each waited for a call that no other rank made"),
+    ],
+)
+def test_checker_names_the_ranks_that_returned_whatever_their_number(fn, world_size, fragment):
+    feedback = pitfalls.check_fixed_barrier(fn, world_size=world_size, timeout=3)
+    assert not feedback.ok and fragment in feedback.message, feedback.message
+    assert "rank(s)" not in feedback.message and "none" not in feedback.message
 
 
 @pytest.mark.timeout(60)
@@ -256,6 +272,10 @@ def test_checker_reports_which_rank_hung_where():
         (lambda rank, world_size: None, "returned None"),
         (_raises, "rank 0 raised KeyError"),
         ("mean_loss", "Pass your function itself"),
+        (lambda rank, world_size: 1.5, "Rank 0 returned the mean 1.5, but no collective was called"),
+        (lambda rank, world_size: (world_size + 1) / 2, "no collective was called"),
+        (_mean_by_two, "With 3 ranks, rank 0 returned 3, the sum divided by 2"),
+        (_mean_by_two, "not a constant"),
     ],
 )
 def test_checker_says_what_is_wrong(fn, fragment):

@@ -21,16 +21,23 @@ from dtlib.plots import COLORS, tick_names
 
 
 def loss_curves(results: Sequence[Any], reference: Any = None, title: str = "Loss per step, every rank") -> Figure:
-    """Each rank's loss per step overlaid, their mean, and a one-process reference if given."""
+    """Each rank's loss per step overlaid, their mean, and a one-process reference if given.
+
+    ``results``: a runner's results (``.rank``, ``.first_step``, ``.losses``) or, from a function of
+    your own, one list of losses per rank. ``reference``: a result with ``.losses``, or a list.
+    Example: ``loss_curves(dtlib.spawn(train, 2), reference=single_process_losses)``.
+    """
     fig, ax = plt.subplots(figsize=(7.5, 4))
-    for result in results:
-        steps = range(result.first_step, result.first_step + len(result.losses))
-        ax.plot(steps, result.losses, marker=".", alpha=0.6, label=f"rank {result.rank} (its own batch)")
-    mean = np.mean([r.losses for r in results], axis=0)
-    first = results[0].first_step
+    per_rank = [getattr(result, "losses", result) for result in results]
+    first = getattr(results[0], "first_step", 0)
+    for rank, (result, losses) in enumerate(zip(results, per_rank, strict=True)):
+        steps = range(first, first + len(losses))
+        ax.plot(steps, losses, marker=".", alpha=0.6, label=f"rank {getattr(result, 'rank', rank)} (its own batch)")
+    mean = np.mean(per_rank, axis=0)
     ax.plot(range(first, first + len(mean)), mean, color="black", lw=2, label="mean over ranks")
     if reference is not None:
-        ax.plot(range(len(reference.losses)), reference.losses, "o", mfc="none", color="#C44E52", ms=9,
+        reference_losses = getattr(reference, "losses", reference)
+        ax.plot(range(len(reference_losses)), reference_losses, "o", mfc="none", color="#C44E52", ms=9,
                 label="one process, whole global batch")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
