@@ -205,7 +205,9 @@ class NotebookPage:
         """Edit > Clear Outputs of All Cells, then Run > Run All Cells, as a learner would; wait until every
         code cell has run and the kernel is idle; return the seconds it took."""
         self.menu("Edit", "Clear Outputs of All Cells")
-        prompts = self.panel.locator(".jp-CodeCell .jp-InputPrompt")
+        # The input area's own prompt: a collapsed input (a hidden solution) also shows a placeholder whose
+        # prompt (.jp-Placeholder-prompt.jp-InputPrompt) stays empty, so ".jp-InputPrompt" alone never settles.
+        prompts = self.panel.locator(".jp-CodeCell .jp-InputArea-prompt")
         started = time.monotonic()
         self.menu("Run", "Run All Cells")
         deadline = started + timeout_s
@@ -316,11 +318,11 @@ class NotebookRuns:
     their kernels shut down at once, so that nine idle kernels do not pile up.
     """
 
-    def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, timeout_s: float = 300.0) -> None:
+    def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, hang_guard_x_budget: float = 5.0) -> None:
         self._browser = browser
         self._lab = lab
         self._screenshots = screenshots
-        self._timeout_s = timeout_s
+        self.hang_guard_x_budget = hang_guard_x_budget  # Run All may take this many times its budget, then: a hang
         self._runs: dict[str, NotebookRun] = {}
 
     def get(self, notebook: str) -> NotebookRun:
@@ -336,12 +338,13 @@ class NotebookRuns:
         keep = False
         try:
             view = NotebookPage(page, self._lab, notebook)
-            seconds = view.run_all(self._timeout_s)
+            budget_s = stored.metadata["dtlib"]["time_budget_s"]
+            seconds = view.run_all(self.hang_guard_x_budget * budget_s)
             images = view.images_per_cell()
             saved = view.save()
             screenshot = self._screenshots / f"{Path(notebook).stem}.png"
             view.screenshot(screenshot)
-            record(self._screenshots, notebook, seconds, stored.metadata["dtlib"]["time_budget_s"], screenshot)
+            record(self._screenshots, notebook, seconds, budget_s, screenshot)
             keep = bool(widget_cells(stored))
             return NotebookRun(notebook, seconds, stored, saved, images, view if keep else None)
         finally:

@@ -29,13 +29,11 @@ def _figures_per_cell(notebook: nbformat.NotebookNode) -> dict[int, int]:
     return {index: count for index, count in counts.items() if count}
 
 
-HANG_GUARD_X_BUDGET = 5  # Run All may take this many times its budget before the test calls it a hang
-
-
 def _has_widgets(notebook: str) -> bool:
     return bool(status.widget_cells(_stored(notebook)))
 
 
+@pytest.mark.timeout(600)  # above 5 x the largest budget (90 s), so that Run All's own guard speaks first
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_run_all_shows_no_error_and_every_figure_within_budget(notebook: str, notebook_runs) -> None:
     run = notebook_runs.get(notebook)
@@ -46,11 +44,9 @@ def test_run_all_shows_no_error_and_every_figure_within_budget(notebook: str, no
     assert not errors, "error outputs after Run All:\n" + "\n".join(errors)
     assert run.images == _figures_per_cell(run.stored), (
         f"figures per cell: the page shows {run.images}, the notebook stores {_figures_per_cell(run.stored)}")
-    # The budget is a target, reported beside each screenshot (make browser-screenshots); the gate only guards
-    # against a hang, so that a busy machine cannot fail correct notebooks.
-    budget_s = run.stored.metadata["dtlib"]["time_budget_s"]
-    assert run.seconds <= HANG_GUARD_X_BUDGET * budget_s, (
-        f"Run All took {run.seconds:.1f} s, over {HANG_GUARD_X_BUDGET} x its budget of {budget_s} s: a hang?")
+    # The budget is a target, reported beside each screenshot (make browser-screenshots). The gate only guards
+    # against a hang: Run All raises after notebook_runs.hang_guard_x_budget times the budget, so that a busy
+    # machine cannot fail correct notebooks.
 
 
 @pytest.mark.parametrize("notebook", [name for name in NOTEBOOKS if _has_widgets(name)])
