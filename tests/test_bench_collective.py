@@ -76,24 +76,6 @@ def test_bad_options_are_refused_before_any_process_starts():
         collective.sweep("allreduce", iters=0)
 
 
-@pytest.mark.timing
-@pytest.mark.timeout(240)
-def test_benchmark_overhead_and_the_send_recv_ring_at_16_mib():
-    """Targets: the sweep's busbw within 5% of a bare dist.all_reduce loop; the ring at >= 50% of it.
-
-    Two ranks share this machine's two cores with the test runner, so one measurement (itself the
-    median of 9 interleaved rounds) can miss by noise: up to three are taken, and one must meet both
-    targets. A benchmark that really cost 5% more than the bare loop would miss all three.
-    """
-    attempts = []
-    for _ in range(3):
-        busbw = collective.reference(2, "16M", output="none")
-        attempts.append(busbw)
-        if busbw["sweep"] >= 0.95 * busbw["bare loop"] and busbw["sweep, ring"] >= 0.5 * busbw["sweep"]:
-            return
-    pytest.fail(f"no measurement met the targets: {attempts}")
-
-
 def test_fit_reads_back_a_model():
     truth = ring.AlphaBeta(3e-5, 2e9)
     rows = [collective.Row("allgather", "library", 4, s, s // 4, "float32",

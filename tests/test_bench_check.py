@@ -1,0 +1,48 @@
+"""``python -m dtlib.bench check``: the speed targets outside the gate. These tests check that the targets are
+measured and reported; they never assert a time (the check itself does, on a quiet machine)."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+
+from dtlib.bench import check
+
+
+def test_the_best_attempt_counts_against_the_limit():
+    result = check.best_of("spawn", "a ratio", 1.15, "x", [1.4, 1.1, 1.3])
+    assert result.measured == 1.1 and result.met and result.attempts == (1.4, 1.1, 1.3)
+    assert not check.best_of("forkserver", "seconds", 0.15, "s", [0.2, 0.16]).met
+    with pytest.raises(ValueError, match="no attempt"):
+        check.best_of("ring", "a ratio", 2.0, "x", [])
+
+
+def test_the_table_prints_every_target_and_names_the_misses():
+    results = [check.best_of("spawn", "ratio", 1.15, "x", [1.1]), check.best_of("forkserver", "s", 0.15, "s", [0.2])]
+    table = check.format_table(results)
+    assert "spawn" in table and "1.1x" in table and "met" in table
+    assert "MISSED" in table and table.endswith("1 of 2 targets met; missed: forkserver")
+
+
+def test_bad_choices_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="unknown target.*bogus"):
+        check.run(["bogus"])
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        check.run(["simulator"], repeats=0)
+    with pytest.raises(FileNotFoundError, match="no notebooks"):
+        check.run(["notebooks"], notebooks=check.Path("/nonexistent"))
+
+
+@pytest.mark.timeout(120)
+def test_the_simulator_target_is_measured_with_its_repeats():
+    (result,) = check.run(["simulator"], repeats=2)
+    assert result.name == "simulator" and len(result.attempts) == 2 and result.limit == 2.0
+    assert result.measured == min(result.attempts) > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_notebook_is_timed_in_a_fresh_kernel_in_its_folder(tmp_path):
+    (tmp_path / "data.txt").write_text("42")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("assert open('data.txt').read() == '42'")])
+    nbformat.write(notebook, tmp_path / "nb.ipynb")
+    assert check.notebook_seconds(tmp_path / "nb.ipynb") > 0
