@@ -46,3 +46,17 @@ def test_a_notebook_is_timed_in_a_fresh_kernel_in_its_folder(tmp_path):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("assert open('data.txt').read() == '42'")])
     nbformat.write(notebook, tmp_path / "nb.ipynb")
     assert check.notebook_seconds(tmp_path / "nb.ipynb") > 0
+
+
+def test_a_measurement_that_gives_two_targets_runs_once_and_only_the_asked_ones_are_reported(monkeypatch):
+    calls = []
+
+    def fake(repeats):
+        calls.append(repeats)
+        return [check.best_of("overhead", "x", 1.05, "x", [1.0]), check.best_of("ring", "x", 2.0, "x", [1.5])]
+
+    monkeypatch.setitem(check.TARGETS, "overhead", fake)
+    monkeypatch.setitem(check.TARGETS, "ring", fake)
+    assert [r.name for r in check.run(["overhead", "ring"], repeats=2)] == ["overhead", "ring"]
+    assert [r.name for r in check.run(["ring"])] == ["ring"]
+    assert calls == [2, 3]
