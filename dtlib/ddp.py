@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import numbers
 import os
 import resource
 import sys
@@ -27,11 +28,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import compat, data, models
+from dtlib._files import write_atomically
 from dtlib.commlog import CommLog, busy_seconds, hidden_share
 from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
 from dtlib.run import rank_device
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
+COUNTS = ("steps", "global_batch", "grad_accum", "num_samples", "seed", "threads", "save_after_step")  # ints
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 
 
@@ -94,13 +97,25 @@ def checksum(result: RankResult) -> float:
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
-    """Refuse settings that cannot work, saying what to change."""
+    """Refuse settings that cannot work, saying what to change.
+
+    Counts must be whole numbers: ``steps=2.5`` or ``global_batch=32.0`` are refused. Other integral
+    types (numpy's) are accepted and stored back into ``config`` as ``int``, which torch's samplers need.
+    """
     if config.model not in models.MODELS:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
     if config.wrapper not in WRAPPERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {config.wrapper!r}")
     if config.comm_hook not in COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {config.comm_hook!r}")
+    counts = {"world_size": world_size, **{name: getattr(config, name) for name in COUNTS}}
+    for name, value in counts.items():  # numpy ints are fine; 2.5 or 32.0 would fail later inside every rank
+        if value is None and name == "save_after_step":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
+        if name != "world_size":
+            setattr(config, name, int(value))
     if world_size < 1 or config.steps < 1 or config.grad_accum < 1 or config.global_batch < 1:
         raise ValueError(f"world_size, steps, grad_accum and global_batch must all be >= 1, got {world_size}, "
                          f"{config.steps}, {config.grad_accum} and {config.global_batch}")
@@ -116,6 +131,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
     if (config.save_after_step is not None or config.resume) and not config.checkpoint_path:
         raise ValueError("saving or resuming needs checkpoint_path")
+    if config.save_after_step is not None and not 1 <= config.save_after_step <= config.steps:
+        raise ValueError(f"save_after_step={config.save_after_step} is not one of the steps 1..{config.steps}, so "
+                         f"nothing would be saved; use a value from 1 to steps={config.steps}")
 
 
 def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, bucket_buffers: dict[int, int]) -> nn.Module:
@@ -260,9 +278,13 @@ def _record_step(result: RankResult, log: CommLog, step: int, step_start: float,
 
 
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str, rank: int) -> None:
-    """Rank 0 writes, everyone waits: no rank reads a half-written file, and only one copy is written."""
+    """Rank 0 writes, everyone waits: no rank reads a half-written file, and only one copy is written.
+
+    The file is written beside ``path`` and renamed onto it: a save that fails (a full disk) raises
+    ``OSError`` and leaves the previous checkpoint whole."""
     if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        write_atomically(path, lambda file: torch.save(state, file))
     if dist.is_initialized():
         dist.barrier()
 

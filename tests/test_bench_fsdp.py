@@ -74,3 +74,14 @@ def test_command_line_prints_json_records():
     assert by_label["DDP"]["bytes_sent_per_rank"] == S
     assert by_label["FSDP2 full shard"]["bytes_sent_per_rank"] == 1.5 * S
     assert by_label["FSDP2 no reshard after forward"]["bytes_sent_per_rank"] == S
+
+
+@pytest.mark.parametrize("world_size", [3, 5, 0])
+def test_measure_refuses_a_world_size_that_does_not_divide_the_batch(monkeypatch, world_size):
+    def no_processes(*args, **kwargs):
+        raise AssertionError("measure started ranks for a world size it should refuse")
+
+    monkeypatch.setattr(fsdp_compare, "strategies", no_processes)
+    with pytest.raises(ValueError, match=rf"^world_size={world_size} cannot split the comparison's global batch of "
+                                         rf"{bench_fsdp.GLOBAL_BATCH} samples evenly: use 1, 2, 4, 8 or 16 ranks$"):
+        bench_fsdp.measure(world_size)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import math
+import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -120,10 +122,8 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
 
     monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
-    started = time.perf_counter()
-    with pytest.raises(ValueError, match=pattern) as info:
+    with pytest.raises(ValueError, match=pattern) as info:  # the patched spawn proves no process started
         ddp.run(config, world_size, **QUIET)
-    assert time.perf_counter() - started < 1.0
     return str(info.value)
 
 
@@ -139,6 +139,33 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
 ])
 def test_bad_settings_are_refused_before_any_process_starts(monkeypatch, config, world_size, pattern):
     _refused_before_any_process(monkeypatch, config, world_size, pattern)
+
+
+@pytest.mark.parametrize("config, world_size, pattern", [
+    (ddp.TrainConfig(steps=2.5), 2, r"^steps must be a whole number \(an int\), got 2.5$"),
+    (ddp.TrainConfig(global_batch=32.0), 2, r"^global_batch must be a whole number \(an int\), got 32.0$"),
+    (ddp.TrainConfig(grad_accum="2"), 2, r"^grad_accum must be a whole number \(an int\), got '2'$"),
+    (ddp.TrainConfig(threads=True), 2, r"^threads must be a whole number \(an int\), got True$"),
+    (ddp.TrainConfig(), 2.0, r"^world_size must be a whole number \(an int\), got 2.0$"),
+    (ddp.TrainConfig(save_after_step=1.5, checkpoint_path="x.pt"), 2, r"^save_after_step must be a whole number"),
+    (ddp.TrainConfig(steps=4, save_after_step=5, checkpoint_path="x.pt"), 2,
+     r"save_after_step=5 is not one of the steps 1..4, so nothing would be saved; use a value from 1 to steps=4"),
+    (ddp.TrainConfig(save_after_step=0, checkpoint_path="x.pt"), 2, r"save_after_step=0 is not one of the steps"),
+], ids=["steps=2.5", "global_batch=32.0", "grad_accum='2'", "threads=True", "world_size=2.0",
+        "save_after_step=1.5", "save_after_step>steps", "save_after_step=0"])
+def test_settings_that_used_to_fail_inside_the_ranks_or_save_nothing(monkeypatch, config, world_size, pattern):
+    _refused_before_any_process(monkeypatch, config, world_size, pattern)
+
+
+@pytest.mark.timeout(120)
+def test_numpy_integers_are_accepted_and_train_like_ints(plain):
+    config = replace(CONFIG, steps=np.int64(CONFIG.steps), global_batch=np.int32(CONFIG.global_batch),
+                     save_after_step=None, num_samples=np.int64(CONFIG.num_samples))
+    ddp.validate(config, np.int64(2))
+    assert [type(getattr(config, name)) for name in ("steps", "global_batch", "num_samples")] == [int, int, int]
+    results = ddp.run(replace(config, steps=np.int64(CONFIG.steps)), 2, **QUIET)  # run() converts them too
+    for result, reference in zip(results, plain, strict=True):
+        assert torch.equal(result.params, reference.params) and result.losses == reference.losses
 
 
 @pytest.mark.parametrize("global_batch, world_size, grad_accum, suggestion", [(30, 4, 1, 28), (36, 2, 4, 32),
@@ -183,3 +210,69 @@ def test_command_line_prints_the_losses(plain):
     np.testing.assert_allclose(printed, plain[0].losses[:3], atol=1e-4)  # rank 0's first steps, to 4 decimals
     params = _num_params("mlp")
     assert f"all-reduce calls per step: 1, bytes per step: {4 * params}" in completed.stdout
+
+
+# --- checkpoints: a failed save leaves the previous one whole ------------------------------------------------
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = models.build("mlp", seed=0)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ddp.pt"
+    model, optimizer = _model_and_optimizer()
+    ddp._save(model, optimizer, 3, str(path), rank=0)  # no process group: no barrier
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def disk_full_half_way(obj, file, *args, **kwargs):
+        whole = io.BytesIO()
+        real_save(obj, whole)
+        file.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full_half_way)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    named = re.escape(str(path))
+    with pytest.raises(OSError, match=rf"^could not write {named}: OSError: \[Errno 28\] No space left on device; "
+                                      rf"the previous {named} is unchanged$"):
+        ddp._save(model, optimizer, 4, str(path), rank=0)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ddp.pt"]  # the partial file is gone
+    assert torch.load(path, weights_only=True)["step"] == 3
+
+
+_FILL_THE_DISK = """
+import os, resource, signal, sys
+import torch
+from dtlib import ddp, models
+path = sys.argv[1]
+model = models.build("wide_mlp", seed=0)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+ddp._save(model, optimizer, 1, path, rank=0)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) // 2, resource.RLIM_INFINITY))
+try:
+    ddp._save(model, optimizer, 2, path, rank=0)
+except OSError as error:
+    print(error)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_runs_out_of_room_keeps_the_previous_checkpoint(tmp_path):
+    """A real failing write: the file-size limit (RLIMIT_FSIZE) stops torch.save half way, as a full disk does."""
+    path = tmp_path / "ddp.pt"
+    completed = subprocess.run([sys.executable, "-c", _FILL_THE_DISK, str(path)], capture_output=True, text=True,
+                               timeout=100)
+    assert completed.returncode == 0, completed.stderr
+    assert f"could not write {path}" in completed.stdout and f"the previous {path} is unchanged" in completed.stdout
+    assert os.listdir(tmp_path) == ["ddp.pt"]
+    saved = torch.load(path, weights_only=True)
+    assert saved["step"] == 1
+    reference = models.build("wide_mlp", seed=0).state_dict()
+    assert all(torch.equal(saved["model"][name], tensor) for name, tensor in reference.items())

@@ -4,13 +4,21 @@ checkpoint is a plain file a single process can load."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
+import pathlib
+import pickle
+import shutil
+import stat
 import types
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import dtlib
 from dtlib import data, fsdp, fsdp_checkpoint, fsdp_compare, models
@@ -66,19 +74,21 @@ def test_resumed_training_equals_uninterrupted_training(api, kind, resumed):
 @pytest.mark.parametrize("api, kind", CASES)
 def test_checkpoint_directory_holds_the_expected_files(api, kind, resumed):
     directory = resumed[api, kind][0]
-    files = set(os.listdir(directory))
+    assert set(os.listdir(directory)) == {fsdp_checkpoint.STEP_FILE, "a"}  # step.json names the folder it commits
+    assert json.loads((directory / fsdp_checkpoint.STEP_FILE).read_text()) == {"step": SAVED_AT, "kind": kind,
+                                                                                "folder": "a"}
+    files = set(os.listdir(directory / "a"))
     if kind == "sharded":  # DCP: its metadata, and one file per rank
-        assert files == {".metadata", "__0_0.distcp", "__1_0.distcp", fsdp_checkpoint.STEP_FILE}
+        assert files == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     else:  # one file, written by rank 0
-        assert files == {fsdp_checkpoint.FULL_FILE, fsdp_checkpoint.STEP_FILE}
-    assert json.loads((directory / fsdp_checkpoint.STEP_FILE).read_text()) == {"step": SAVED_AT}
+        assert files == {fsdp_checkpoint.FULL_FILE}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
 def test_full_checkpoint_loads_into_a_plain_model(api, resumed):
     directory = resumed[api, "full"][0]
-    state = torch.load(directory / fsdp_checkpoint.FULL_FILE, weights_only=True)
+    state = torch.load(directory / "a" / fsdp_checkpoint.FULL_FILE, weights_only=True)
     assert set(state) == {"model", "optim"}
     model = models.build("transformer")
     model.load_state_dict(state["model"], strict=True)  # plain names, plain tensors, nothing missing
@@ -172,3 +182,166 @@ def test_documented_fsdp1_full_state_dict_works_on_gpus():
 
     names = dtlib.spawn(route, 2, backend="nccl", timeout=90, output="none")[0]
     assert names == sorted(models.build("transformer").state_dict())
+
+
+# --- where checkpoints go, and what loading them may run ----------------------------------------------------
+
+
+def test_default_directory_is_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    directory = fsdp_checkpoint.default_directory()
+    assert directory == str(tmp_path / "cache" / "dtlib" / "checkpoints" / "fsdp")
+    for path in (directory, os.path.dirname(directory), os.path.dirname(os.path.dirname(directory))):
+        info = os.stat(path)
+        assert stat.S_IMODE(info.st_mode) == 0o700, (path, oct(info.st_mode))  # nobody else can read or plant
+        assert info.st_uid == os.getuid()
+    assert fsdp_checkpoint.default_directory("run2") == os.path.join(os.path.dirname(directory), "run2")
+
+
+def test_default_directory_tightens_a_loose_folder_and_refuses_another_users(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    loose = tmp_path / "dtlib" / "checkpoints" / "fsdp"
+    loose.mkdir(parents=True)
+    loose.chmod(0o777)
+    assert fsdp_checkpoint.default_directory() == str(loose)
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    monkeypatch.setattr(os, "getuid", lambda: loose.stat().st_uid + 1)  # as if someone else had made it
+    with pytest.raises(PermissionError, match=r"belongs to another user .* pass a directory of your own"):
+        fsdp_checkpoint.default_directory()
+
+
+class _Payload:
+    """Unpickling it makes the directory ``marker``: harmless, and visible when the code ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _planted_copy(resumed, tmp_path) -> pathlib.Path:
+    """A copy of FSDP2's sharded checkpoint to plant payloads in; returns its data folder."""
+    copy = tmp_path / "planted"
+    shutil.copytree(resumed["fsdp2", "sharded"][0], copy)
+    return copy / "a"
+
+
+def _read_metadata(folder: pathlib.Path):
+    with open(folder / ".metadata", "rb") as file:
+        return pickle.load(file)  # our own file, written by the fixture's dcp.save
+
+
+@pytest.mark.timeout(180)
+def test_a_payload_planted_in_the_metadata_is_refused(resumed, tmp_path):
+    folder, marker = _planted_copy(resumed, tmp_path), tmp_path / "ran"
+    metadata = _read_metadata(folder)
+    metadata.planner_data = _Payload(str(marker))  # a real checkpoint, with one extra object inside
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    dcp.FileSystemReader(folder).read_metadata()  # torch's own reader: plain pickle runs the payload
+    assert marker.exists()
+    marker.rmdir()
+    with pytest.raises(pickle.UnpicklingError, match=r"never names posix.mkdir; refusing to load it"):
+        fsdp_checkpoint._CheckedReader(folder).read_metadata()
+    with pytest.raises(dtlib.WorkerError, match=r"never names posix.mkdir; refusing to load it"):
+        fsdp.run(FSDPConfig(steps=SAVED_AT + 1, resume=True, checkpoint_dir=str(folder.parent)), 2, output="none")
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_payload_planted_in_a_value_is_refused(resumed, tmp_path):
+    """DCP stores non-tensor entries (the optimizer's lr, betas, ...) as pickles and reads them back with
+    ``torch.load(weights_only=False)``; dtlib's planner reads them with ``weights_only=True``."""
+    folder, marker = _planted_copy(resumed, tmp_path), tmp_path / "ran"
+    metadata = _read_metadata(folder)
+    payload = io.BytesIO()
+    torch.save(_Payload(str(marker)), payload)
+    (folder / "__2_0.distcp").write_bytes(payload.getvalue())
+    (index,) = [index for index in metadata.storage_data if index.fqn == "optim.param_groups.0.lr"]
+    metadata.storage_data[index] = type(metadata.storage_data[index])("__2_0.distcp", 0, len(payload.getvalue()))
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+
+    def load_lr(**options) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized": one process
+            dcp.load({"optim": {"param_groups": [{"lr": 0.0}]}}, no_dist=True, **options)
+
+    load_lr(checkpoint_id=folder)  # torch's default planner runs it
+    assert marker.exists()
+    marker.rmdir()
+    with pytest.raises(CheckpointException, match=r"entry optim.param_groups.0.lr holds more than a value "
+                                                  r"\(Trying to load unsupported GLOBAL posix.mkdir"):
+        load_lr(storage_reader=fsdp_checkpoint._CheckedReader(folder), planner=fsdp_checkpoint._CheckedPlanner())
+    with pytest.raises(dtlib.WorkerError, match=r"optim.param_groups.0.lr holds more than a value"):
+        fsdp.run(FSDPConfig(steps=SAVED_AT + 1, resume=True, checkpoint_dir=str(folder.parent)), 2, output="none")
+    assert not marker.exists()
+
+
+def test_a_step_file_that_points_elsewhere_or_names_another_kind_is_refused(tmp_path):
+    model = models.build("transformer")
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*step.json is missing"):
+        fsdp_checkpoint.load(model, optimizer, str(tmp_path), "sharded")
+    step_file = tmp_path / fsdp_checkpoint.STEP_FILE
+    step_file.write_text(json.dumps({"step": 3, "kind": "full", "folder": "a"}))
+    with pytest.raises(ValueError, match=r"holds a 'full' checkpoint, not 'sharded': use checkpoint_kind='full'"):
+        fsdp_checkpoint.load(model, optimizer, str(tmp_path), "sharded")
+    step_file.write_text(json.dumps({"step": 3, "kind": "full", "folder": "../elsewhere"}))
+    with pytest.raises(ValueError, match=r"is not one that dtlib.fsdp_checkpoint.save wrote"):
+        fsdp_checkpoint.load(model, optimizer, str(tmp_path), "full")
+
+
+# --- a failed save keeps the previous checkpoint ------------------------------------------------------------
+
+
+def _save_then_fail_half_way(rank: int, world_size: int, directory: str) -> None:
+    """Save the model (every weight + 0.5) at step 1; then change it and save again, with rank 1's disk
+    filling up after three tensors: the second save fails on every rank."""
+    torch.set_num_threads(1)
+    config = FSDPConfig()
+    model = fsdp._wrap_fsdp2(models.build("transformer", seed=0), config, world_size, torch.device("cpu"), [])
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5)
+    fsdp_checkpoint.save(model, optimizer, 1, directory)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    if rank == 1:
+        real_save, calls = torch.save, [0]
+
+        def disk_fills_up(obj, file, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] > 3:
+                file.write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_save(obj, file, *args, **kwargs)
+
+        torch.save = disk_fills_up
+    fsdp_checkpoint.save(model, optimizer, 2, directory)
+
+
+def _load_full_weights(rank: int, world_size: int, directory: str) -> tuple[int, dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    config = FSDPConfig()
+    model = fsdp._wrap_fsdp2(models.build("transformer", seed=1), config, world_size, torch.device("cpu"), [])
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    step = fsdp_checkpoint.load(model, optimizer, directory)
+    return step, {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+@pytest.mark.timeout(180)
+def test_a_sharded_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, leftovers):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(dtlib.WorkerError, match=r"No space left on device"):
+        dtlib.spawn(_save_then_fail_half_way, 2, args=(directory,), timeout=120, output="none")
+    assert json.loads((tmp_path / "ckpt" / fsdp_checkpoint.STEP_FILE).read_text())["step"] == 1
+    step, weights = dtlib.spawn(_load_full_weights, 2, args=(directory,), timeout=120, output="none")[0]
+    assert step == 1
+    expected = models.build("transformer", seed=0).state_dict()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name] + 0.5, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    leftovers.assert_clean()

@@ -12,11 +12,24 @@ from typing import Any
 import torch
 
 from dtlib import fsdp_compare
+from dtlib.fsdp import FSDPConfig
 from dtlib.fsdp_compare import StrategyRow
+
+GLOBAL_BATCH = FSDPConfig().global_batch  # samples per step, split evenly over the ranks
 
 
 def measure(world_size: int = 2, steps: int = 6, **spawn_options: Any) -> list[StrategyRow]:
-    """Every strategy of :data:`dtlib.fsdp_compare.SETTINGS` that fits ``world_size``."""
+    """Every strategy of :data:`dtlib.fsdp_compare.SETTINGS` that fits ``world_size``.
+
+    Refuses, before any rank starts, a ``world_size`` that does not divide :data:`GLOBAL_BATCH`.
+    Example: ``[row.label for row in measure(2, steps=3)]``.
+    """
+    if world_size < 1 or GLOBAL_BATCH % world_size:
+        divisors = [d for d in range(1, GLOBAL_BATCH + 1) if GLOBAL_BATCH % d == 0]
+        raise ValueError(f"world_size={world_size} cannot split the comparison's global batch of {GLOBAL_BATCH} "
+                         f"samples evenly: use {', '.join(map(str, divisors[:-1]))} or {divisors[-1]} ranks")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     return fsdp_compare.strategies(world_size, steps=steps, **spawn_options)
 
 

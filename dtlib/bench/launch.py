@@ -113,9 +113,13 @@ def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = N
     methods = default_methods() if methods is None else list(methods)
     unknown = set(methods) - set(METHODS)
     if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if not methods:
+        raise ValueError(f"no method to measure; choose from {', '.join(METHODS)}")
+    if "accelerate" in methods and "accelerate" not in default_methods():
+        raise ValueError("method 'accelerate' needs the accelerate package, which is not installed")
     if repeats < 1 or world_size < 1:
-        raise ValueError("repeats and world_size must be >= 1")
+        raise ValueError(f"repeats and world_size must be >= 1, got {repeats} and {world_size}")
     timings = {method: LaunchTiming(method, []) for method in methods}
     if "forkserver-first" in timings:
         timings["forkserver-first"].seconds.append(time_once("forkserver-first", world_size))
