@@ -12,42 +12,44 @@ import os
 import statistics
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import data, models
 from dtlib.ddp import TrainConfig, run
 from dtlib.errors import WorkerError
 from dtlib.launch import spawn
+from dtlib.run import rank_device
 
 QUIET: dict[str, Any] = {"output": "none"}
 
 
-def _median_step(results: Sequence[Any]) -> float:
-    """The slowest rank's median step time, skipping step 0 (DDP builds its buckets then)."""
-    return max(statistics.median(r.step_times_s[1:] or r.step_times_s) for r in results)
-
-
 def bucket_layout(bucket_caps_mb: Sequence[float | None] = (None, 0.5, 2, 25), model: str = "wide_mlp",
-                  world_size: int = 2) -> list[dict[str, Any]]:
+                  world_size: int = 2, *, steps: int = 3, find_unused_parameters: bool = False,
+                  static_graph: bool = False) -> list[dict[str, Any]]:
     """For each ``bucket_cap_mb`` (None: DDP's default, 25): the all-reduce calls and the bucket
-    sizes (bytes) in step 0 and step 1.
+    sizes (bytes) of every step.
 
-    In torch 2.13, DDP puts every gradient in one bucket for the first step (unless
-    ``find_unused_parameters``), then rebuilds the buckets in the order gradients
-    arrived; with the default cap, the first rebuilt bucket is capped at 1 MiB
-    (``dist._DEFAULT_FIRST_BUCKET_BYTES``) so that communication starts early.
-    A parameter is never split: a bucket holds at least one whole gradient.
+    In torch 2.13, DDP puts every gradient in one bucket for the first step, then rebuilds
+    the buckets in the order gradients arrived; with the default cap, the first rebuilt
+    bucket is capped at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) so that communication
+    starts early. With ``find_unused_parameters=True`` (and no ``static_graph``) it assigns
+    the buckets at construction, in the order of ``model.parameters()``, and never rebuilds
+    them; with ``static_graph=True`` it keeps one bucket for steps 0 and 1 and rebuilds after.
+    A bucket closes once it holds at least the cap, and a gradient is never split.
     Example: ``bucket_layout([25])[0]["calls"]``.
     """
     rows = []
     for cap in bucket_caps_mb:
-        first = run(TrainConfig(model=model, steps=2, bucket_cap_mb=cap), world_size, **QUIET)[0]
-        rows.append({"bucket_cap_mb": cap, "calls": first.comm_calls, "bucket_bytes": first.comm_sizes,
+        config = TrainConfig(model=model, steps=steps, bucket_cap_mb=cap, find_unused_parameters=find_unused_parameters,
+                             static_graph=static_graph)
+        first = run(config, world_size, **QUIET)[0]
+        rows.append({"bucket_cap_mb": cap, "find_unused_parameters": find_unused_parameters,
+                     "static_graph": static_graph, "calls": first.comm_calls, "bucket_bytes": first.comm_sizes,
                      "bytes_per_step": first.comm_bytes[-1]})
     return rows
 
@@ -61,39 +63,88 @@ def unused_branch_error(world_size: int = 2, steps: int = 3) -> str:
     return ""
 
 
-def unused_parameters(world_size: int = 2, steps: int = 6) -> dict[str, Any]:
-    """A model with an unused branch, without and with ``find_unused_parameters``, and the flag's cost.
-
-    Returns the error DDP raises without the flag, the losses with it, and the median step
-    times of a model that uses every parameter, trained with the flag needlessly on and off.
-    """
-    error = unused_branch_error(world_size, steps)
-    fixed = run(TrainConfig(model="branchy", steps=steps, find_unused_parameters=True), world_size, **QUIET)
-    base = TrainConfig(model="wide_mlp", steps=steps, global_batch=64)
-    times = {flag: _median_step(run(replace(base, find_unused_parameters=flag), world_size, **QUIET))
-             for flag in (False, True)}
-    return {"error": error, "losses_with_flag": fixed[0].losses,
-            "step_s_without_flag": times[False], "step_s_with_needless_flag": times[True]}
+#: The profiler event of DDP's search for parameters that will get no gradient (torch 2.13's name).
+SEARCH_EVENT = "torch.distributed.ddp.reducer::search_unused_parameters"
 
 
-def gradient_views(world_size: int = 2, model: str = "wide_mlp") -> dict[str, dict[str, Any]]:
-    """``gradient_as_bucket_view`` off and on: gradient bytes held apart from the buckets, and losses."""
+def _search_per_step(rank: int, world_size: int, model: str, steps: int) -> dict[str, dict[str, Any]]:
+    device = rank_device()
     out = {}
-    for flag in (False, True):
-        first = run(TrainConfig(model=model, steps=3, gradient_as_bucket_view=flag), world_size, **QUIET)[0]
-        out[str(flag)] = {"grad_bytes_separate": first.grad_bytes_separate, "bucket_bytes": sum(first.bucket_bytes),
-                          "losses": first.losses}
+    for option in ("find_unused_parameters", "static_graph"):
+        base = models.build(model, seed=0).to(device)
+        net = DistributedDataParallel(base, device_ids=[device.index] if device.type == "cuda" else None,
+                                      **{option: True})
+        optimizer = torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9)
+        batches = data.batches(data.for_model(model, 512), world_size, rank, 16)
+        searches, losses = [], []
+        for _ in range(steps):
+            x, y = next(batches)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+                loss = models.loss_fn(model, net(x.to(device)), y.to(device))
+                loss.backward()
+            searches.append(sum(event.name == SEARCH_EVENT for event in profiler.events()))
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)  # keep .grad: None then means "never got a gradient"
+        unused = sum(p.numel() * p.element_size() for p in base.parameters() if p.grad is None)
+        out[f"{option}=True"] = {"searches": searches, "unused_bytes": unused, "losses": losses}
     return out
 
 
-def static_graph(world_size: int = 2, steps: int = 8) -> dict[str, Any]:
-    """``static_graph=True`` against the default on the same model: equal losses, step times."""
-    base = TrainConfig(model="transformer", steps=steps)
-    runs = {flag: run(replace(base, static_graph=flag), world_size, **QUIET) for flag in (False, True)}
-    return {"losses_equal": runs[False][0].losses == runs[True][0].losses,
-            "max_loss_difference": max(abs(a - b) for a, b in zip(runs[False][0].losses, runs[True][0].losses,
-                                                                  strict=True)),
-            "step_s": {str(flag): _median_step(results) for flag, results in runs.items()}}
+def unused_parameter_search(world_size: int = 2, steps: int = 4, model: str = "branchy") -> dict[str, dict[str, Any]]:
+    """What ``find_unused_parameters=True`` and ``static_graph=True`` each do, counted, on a model
+    whose second head is never used (rank 0's numbers): ``searches``, how many times per step DDP
+    searched the autograd graph for parameters that will get no gradient (the profiler's
+    ``SEARCH_EVENT``); ``unused_bytes``, the bytes of parameters that never got a gradient; ``losses``.
+
+    With ``find_unused_parameters`` the search runs after every forward; with ``static_graph`` DDP
+    learns the unused parameters during the first step and never searches.
+    Example: ``unused_parameter_search()["find_unused_parameters=True"]["searches"]``.
+    """
+    return spawn(_search_per_step, world_size, args=(model, steps), **QUIET)[0]
+
+
+def _gradient_storage(rank: int, world_size: int, settings: list[tuple[bool, bool]], model: str,
+                      steps: int) -> dict[str, dict[str, Any]]:
+    device = rank_device()
+    out = {}
+    for as_view, set_to_none in settings:
+        base = models.build(model, seed=0).to(device)
+        net = DistributedDataParallel(base, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=as_view)
+        optimizer = torch.optim.SGD(base.parameters(), lr=0.05)
+        arrived_apart: list[bool] = []  # per gradient, when autograd has just written it: its own tensor?
+        for param in base.parameters():
+            param.register_post_accumulate_grad_hook(lambda p, log=arrived_apart: log.append(not p.grad._is_view()))
+        batches = data.batches(data.for_model(model, 512), world_size, rank, 16)
+        copied, losses = [], []
+        for _ in range(steps):
+            arrived_apart.clear()
+            x, y = next(batches)
+            loss = models.loss_fn(model, net(x.to(device)), y.to(device))
+            loss.backward()  # DDP copies every gradient that arrived apart into its bucket
+            copied.append(sum(arrived_apart))
+            apart = sum(p.grad.numel() * p.grad.element_size() for p in base.parameters() if not p.grad._is_view())
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        out[f"gradient_as_bucket_view={as_view}, set_to_none={set_to_none}"] = {
+            "copied_per_step": copied, "grad_bytes_apart": apart, "losses": losses}
+    return out
+
+
+def gradient_views(world_size: int = 2, model: str = "wide_mlp", steps: int = 3) -> dict[str, dict[str, Any]]:
+    """``gradient_as_bucket_view`` off and on, and on with ``zero_grad(set_to_none=True)``; rank 0's counts.
+
+    For each setting: ``copied_per_step``, the gradients that autograd wrote into a tensor of their
+    own (DDP then copies each into its bucket), per step; ``grad_bytes_apart``, the bytes of ``.grad``
+    not inside a bucket after the last backward; and the losses. With the flag, ``.grad`` is a view
+    into the bucket from step 1 on, so nothing is copied; ``set_to_none=True`` makes autograd write a
+    new tensor every step, which DDP copies into the bucket and then replaces by the bucket's view.
+    Example: ``gradient_views()["gradient_as_bucket_view=True, set_to_none=False"]["copied_per_step"]``.
+    """
+    settings = [(False, True), (True, False), (True, True)]
+    return spawn(_gradient_storage, world_size, args=(settings, model, steps), **QUIET)[0]
 
 
 def comm_hooks(world_size: int = 2, steps: int = 12, model: str = "wide_mlp") -> list[dict[str, Any]]:

@@ -60,7 +60,11 @@ class _Replicated(nn.Module):
 
 
 class NaiveDDP(_Replicated):
-    """(a) One blocking all-reduce per parameter, from a hook that fires when its gradient is ready."""
+    """(a) One blocking all-reduce per parameter, from a hook that fires once its gradient is in ``.grad``.
+
+    ``register_post_accumulate_grad_hook``, not ``register_hook``: after backward passes under
+    ``no_sync``, only ``.grad`` holds the sum of every micro-batch's gradient.
+    """
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
@@ -70,8 +74,8 @@ class NaiveDDP(_Replicated):
     def _average(self, param: torch.Tensor) -> None:
         if not self.require_sync:
             return
-        dist.all_reduce(param.grad)  # SUM over ranks, in place
-        param.grad /= dist.get_world_size()
+        param.grad /= dist.get_world_size()  # divide first, as DDP does: a 16-bit sum then cannot overflow
+        dist.all_reduce(param.grad)  # SUM over ranks, in place: the average
 
 
 class BucketedDDP(_Replicated):

@@ -28,9 +28,11 @@ def test_bucket_layout(layout):
     total = _grad_bytes("wide_mlp")
     for row in layout:
         assert row["calls"][0] == 1 and row["bucket_bytes"][0] == [total]  # step 0: every gradient in one bucket
-        assert row["calls"][1] == len(row["bucket_bytes"][1])
-        assert [sum(sizes) for sizes in row["bucket_bytes"]] == [total, total]  # nothing sent twice or skipped
+        assert row["calls"][1:] == [len(sizes) for sizes in row["bucket_bytes"][1:]]
+        assert row["bucket_bytes"][1] == row["bucket_bytes"][2]  # rebuilt once, after step 0
+        assert all(sum(sizes) == total for sizes in row["bucket_bytes"])  # nothing sent twice or skipped
         assert row["bytes_per_step"] == total
+        assert row["find_unused_parameters"] is False and row["static_graph"] is False
     default, tiny = layout
     assert default["calls"][1] == 2  # the 1 MiB first bucket, then the rest under 25 MB
     first = default["bucket_bytes"][1][0]  # closes once it reaches 1 MiB; a gradient is never split
@@ -39,33 +41,57 @@ def test_bucket_layout(layout):
     assert tiny["calls"][1] == 9  # 10 tensors; the last layer's 4-byte bias shares a bucket with its weight
 
 
-@pytest.fixture(scope="module")
-def unused():
-    return ddp_options.unused_parameters(steps=2)
+@pytest.mark.timeout(180)
+def test_bucket_cap_is_a_threshold_and_a_gradient_is_never_split():
+    # wide_mlp, last layer first: 4 B + 2 KiB (output layer), then per hidden layer a 2 KiB bias and a 1 MiB weight
+    (row,) = ddp_options.bucket_layout([0.5], steps=2)
+    hidden_weight, bias = 4 * 512 * 512, 4 * 512
+    assert row["bucket_bytes"][1] == [4 + 4 * 512 + bias + hidden_weight, bias + hidden_weight, bias + hidden_weight,
+                                      bias + 4 * 16 * 512]
 
 
 @pytest.mark.timeout(240)
-def test_unused_parameters_need_the_flag(unused):
-    assert "find_unused_parameters" in unused["error"]
-    assert len(unused["losses_with_flag"]) == 2 and _finite(unused["losses_with_flag"])
-    assert unused["step_s_without_flag"] > 0 and unused["step_s_with_needless_flag"] > 0
+def test_find_unused_parameters_and_static_graph_change_the_bucket_schedule():
+    total = _grad_bytes("wide_mlp")
+    (unused,) = ddp_options.bucket_layout([None], find_unused_parameters=True)
+    assert unused["calls"][0] > 1  # several buckets from step 0: assigned at construction
+    assert unused["bucket_bytes"][0] == unused["bucket_bytes"][1] == unused["bucket_bytes"][2]  # never rebuilt
+    assert all(sum(sizes) == total for sizes in unused["bucket_bytes"])
+    (static,) = ddp_options.bucket_layout([None], static_graph=True)
+    assert static["calls"] == [1, 1, 2]  # one bucket for steps 0 and 1, rebuilt after
+    assert static["bucket_bytes"][0] == static["bucket_bytes"][1] == [total]
 
 
 @pytest.mark.timeout(180)
-def test_gradient_as_bucket_view_keeps_no_separate_gradients():
-    views = ddp_options.gradient_views(model="mlp")
-    total = _grad_bytes("mlp")
-    assert views["False"]["grad_bytes_separate"] == total  # .grad and the bucket: two copies
-    assert views["True"]["grad_bytes_separate"] == 0  # .grad is a view into the bucket
-    assert views["False"]["bucket_bytes"] == views["True"]["bucket_bytes"] == total
-    assert views["False"]["losses"] == views["True"]["losses"] and _finite(views["True"]["losses"])
+def test_unused_parameters_need_the_flag():
+    assert "find_unused_parameters" in ddp_options.unused_branch_error(steps=2)
 
 
 @pytest.mark.timeout(180)
-def test_static_graph_changes_nothing_in_the_numbers():
-    result = ddp_options.static_graph(steps=3)
-    assert result["losses_equal"] is True and result["max_loss_difference"] == 0.0
-    assert all(seconds > 0 for seconds in result["step_s"].values())
+def test_find_unused_parameters_searches_every_step_and_static_graph_never():
+    search = ddp_options.unused_parameter_search(steps=3)
+    branch = models.build("branchy").branch
+    unused_bytes = 4 * (branch.weight.numel() + branch.bias.numel())  # float32: the head that is never used
+    flag, static = search["find_unused_parameters=True"], search["static_graph=True"]
+    assert flag["searches"] == [1, 1, 1]
+    assert static["searches"] == [0, 0, 0]
+    assert flag["unused_bytes"] == static["unused_bytes"] == unused_bytes == 260
+    assert flag["losses"] == static["losses"] and _finite(flag["losses"])
+
+
+@pytest.mark.timeout(180)
+def test_gradient_as_bucket_view_keeps_no_separate_gradients_unless_set_to_none():
+    views = ddp_options.gradient_views(model="mlp", steps=3)
+    total, tensors = _grad_bytes("mlp"), len(list(models.build("mlp").parameters()))
+    plain = views["gradient_as_bucket_view=False, set_to_none=True"]
+    as_view = views["gradient_as_bucket_view=True, set_to_none=False"]
+    to_none = views["gradient_as_bucket_view=True, set_to_none=True"]
+    assert plain["grad_bytes_apart"] == total and plain["copied_per_step"] == [tensors] * 3  # .grad and the bucket
+    assert as_view["grad_bytes_apart"] == 0  # .grad is a view into the bucket
+    assert as_view["copied_per_step"] == [tensors, 0, 0]  # step 0 has no .grad yet to be a view
+    assert to_none["grad_bytes_apart"] == 0  # set_to_none does not detach .grad for good: DDP re-points it
+    assert to_none["copied_per_step"] == [tensors] * 3  # but every step copies again
+    assert plain["losses"] == as_view["losses"] == to_none["losses"] and _finite(plain["losses"])
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import dtlib
@@ -87,6 +88,29 @@ def _scratch_against_torch(rank, world_size):
             out["bad_caps"].append("")
         except ValueError as err:
             out["bad_caps"].append(str(err))
+    # fp16 gradients of 40000 on every rank: dividing before the sum keeps the average (fp16's largest is 65504)
+    out["fp16"] = {}
+    for label, wrap in [("torch DDP", DistributedDataParallel), *_wrappers(cap_list=(25.0,))]:
+        layer = torch.nn.Linear(1, 1, bias=False).half()
+        wrapped = wrap(layer)
+        wrapped(torch.full((1, 1), 40000.0, dtype=torch.float16)).sum().backward()  # the gradient is the input
+        getattr(wrapped, "finish_gradient_sync", lambda: None)()
+        out["fp16"][label] = layer.weight.grad.item()
+    # why NaiveDDP hooks after accumulation: a register_hook hook sees one backward's gradient, not .grad's sum
+    weight, syncing = torch.nn.Parameter(torch.zeros(3)), [False]
+
+    def average(grad):
+        if not syncing[0]:
+            return grad
+        grad = grad / world_size
+        dist.all_reduce(grad)
+        return grad
+
+    weight.register_hook(average)
+    for micro_batch, last in ((1.0, False), (2.0, True)):  # the first as if under no_sync
+        syncing[0] = last
+        (weight * (micro_batch + 10 * rank)).sum().backward()
+    out["register_hook_accumulated"] = weight.grad.clone()
     unused = BucketedDDP(models.build("branchy"), 25.0)  # one bucket: nothing launched before the error
     _backward(unused, "branchy", _batch("mlp", rank))
     try:
@@ -183,3 +207,17 @@ def test_unused_parameter_is_reported_not_silently_skipped(reports):
     for report in reports:
         assert "find_unused_parameters" in report["unused_error"]
         assert "0 of 1 buckets" in report["unused_error"]
+
+
+@pytest.mark.timeout(120)
+def test_averages_divide_before_they_sum_as_torch_ddp_does(reports):
+    assert torch.finfo(torch.float16).max < 2 * 40000.0  # summing first would overflow to inf
+    for report in reports:
+        assert report["fp16"] == {"torch DDP": 40000.0, "naive": 40000.0, "bucketed 25.0": 40000.0}
+
+
+@pytest.mark.timeout(120)
+def test_a_register_hook_average_misses_what_no_sync_accumulated(reports):
+    # right: ((1 + 2) + (11 + 12)) / 2 = 13 on both ranks; the hook averaged only the second backward's 2 and 12
+    hooked = [report["register_hook_accumulated"] for report in reports]
+    assert hooked[0].tolist() == [1.0 + 7.0] * 3 and hooked[1].tolist() == [11.0 + 7.0] * 3

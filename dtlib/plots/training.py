@@ -57,11 +57,12 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
         start = line["start_s"]
         y = row * 2
         ax.broken_barh([(0, (line["compute_end_s"] - start) * 1e3)], (y + 1, 0.8), color=COLORS["cpu"])
-        for launched, done, nbytes in line["comm"]:
+        for index, (launched, done, nbytes) in enumerate(line["comm"]):
             ax.broken_barh([((launched - start) * 1e3, max((done - launched) * 1e3, 0.02))], (y + 0.1, 0.8),
                            color=COLORS["store"], alpha=0.9, edgecolor="black", lw=0.5)
-            if len(line["comm"]) <= 12:
-                ax.text((launched - start) * 1e3, y + 0.5, f" {nbytes / 2**20:.2f}", fontsize=7, va="center")
+            if len(line["comm"]) <= 12:  # labels alternate high and low: buckets launched together stay readable
+                ax.text((launched - start) * 1e3, y + (0.3 if index % 2 else 0.7), f" {nbytes / 2**20:.2f}",
+                        fontsize=7, va="center")
         ax.axvline((line["compute_end_s"] - start) * 1e3, ymin=0, ymax=1, color="gray", lw=0.5, ls=":")
     ax.set_yticks([row * 2 + 0.5 for row in range(len(results))] + [row * 2 + 1.4 for row in range(len(results))],
                   [f"rank {r.rank} all-reduce" for r in results] + [f"rank {r.rank} compute" for r in results])
