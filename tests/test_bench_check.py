@@ -60,3 +60,23 @@ def test_a_measurement_that_gives_two_targets_runs_once_and_only_the_asked_ones_
     assert [r.name for r in check.run(["overhead", "ring"], repeats=2)] == ["overhead", "ring"]
     assert [r.name for r in check.run(["ring"])] == ["ring"]
     assert calls == [2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_the_command_line_prints_the_table_and_refuses_unknown_targets_in_one_line():
+    import subprocess
+    import sys
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dtlib.bench", "check", *args], capture_output=True, text=True,
+                              timeout=100)
+
+    refused = bench("--only", "bogus")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        "python -m dtlib.bench check: error: unknown target(s) bogus; "
+        "choose from spawn, forkserver, overhead, ring, simulator, notebooks"]
+    measured = bench("--only", "simulator", "--repeats", "1")
+    assert measured.returncode in (0, 1)  # met or missed: the gate does not judge speed
+    assert "simulator" in measured.stdout and measured.stdout.rstrip().endswith(("1 of 1 targets met",
+                                                                                 "missed: simulator"))

@@ -10,9 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
-from dtlib.bench import collective, ddp, fsdp, launch
+from dtlib.bench import check, collective, ddp, fsdp, launch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,10 +79,21 @@ def main(argv: list[str] | None = None) -> int:
                              help=f"a divisor of the {fsdp.GLOBAL_BATCH}-sample global batch")
     fsdp_parser.add_argument("--steps", type=_count(1), default=6)
     fsdp_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    check_parser = commands.add_parser("check", help="every speed target against its limit; exit 1 on a miss")
+    check_parser.add_argument("--only", default=",".join(check.TARGETS),
+                              help=f"comma-separated subset of {','.join(check.TARGETS)}")
+    check_parser.add_argument("--repeats", type=_count(1), default=3, help="attempts per target; the best counts")
+    check_parser.add_argument("--notebooks", type=Path, default=Path("notebooks"),
+                              help="the folder of the notebooks to time (default: ./notebooks)")
     options = parser.parse_args(argv)
     try:
+        if options.what == "check":
+            results = check.run([n.strip() for n in options.only.split(",") if n.strip()], options.repeats,
+                                options.notebooks)
+            print(check.format_table(results))
+            return 0 if all(r.met for r in results) else 1
         print(_measure(options))
-    except ValueError as error:  # each benchmark refuses what cannot work with ValueError, before any rank starts
+    except (ValueError, FileNotFoundError) as error:  # refused before any rank starts
         commands.choices[options.what].error(str(error))
     return 0
 
