@@ -33,7 +33,7 @@ COLLECTIVES = {
     "broadcast": "every rank ends with rank 0's tensor",
     "reduce": "rank 0 ends with the sum; the other ranks' buffers are scratch space",
     "all_gather": "every rank ends with every rank's tensor, as a list",
-    "all_gather_into_tensor": "every rank ends with every rank's tensor, concatenated into one",
+    "all_gather_single": "every rank ends with every rank's tensor, concatenated into one flat tensor",
     "gather": "rank 0 ends with every rank's tensor; the others get nothing",
     "scatter": "rank r ends with the r-th piece of rank 0's tensor",
     "reduce_scatter": "rank r ends with the r-th slice of the sum",
@@ -78,8 +78,8 @@ def _run(rank: int, world_size: int, name: str) -> dict[str, Any]:
         pieces = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(pieces, x)
         x = torch.cat(pieces)
-    elif name == "all_gather_into_tensor":
-        out = torch.empty(world_size * x.numel())
+    elif name == "all_gather_single":  # all_gather_into_tensor before torch 2.13
+        out = torch.empty(world_size * x.numel())  # (world_size * world_size,)
         compat.all_gather_single(out, x)
         x = out
     elif name == "gather":
@@ -90,7 +90,7 @@ def _run(rank: int, world_size: int, name: str) -> dict[str, Any]:
         out = torch.empty(1)
         dist.scatter(out, list(x.chunk(world_size)) if rank == 0 else None, src=0)
         x = out
-    elif name == "reduce_scatter":
+    elif name == "reduce_scatter":  # reduce_scatter_single (reduce_scatter_tensor before torch 2.13)
         out = torch.empty(1)
         compat.reduce_scatter_single(out, x)
         x = out

@@ -279,19 +279,58 @@ def simulate_recursive_doubling_all_reduce(inputs: Sequence[Any], *, itemsize: i
     return sim.trace("recursive doubling all-reduce", [b.copy() for b in sim.buffers])
 
 
+def simulate_halving_doubling_all_reduce(inputs: Sequence[Any], *, itemsize: int = 4,
+                                         keep_buffers: bool = True) -> Trace:
+    """Rabenseifner's algorithm: a reduce-scatter by recursive halving, then an all-gather by recursive doubling.
+
+    Halving: at distances N/2, N/4, ..., 1 rank r sends the half of its chunks that rank r XOR distance
+    keeps and adds the other half in. Doubling retraces the distances, copying. 2 log2(N) steps, and each
+    rank sends 2(N-1)/N x S, the ring's bytes. Other N fold in and hand back as recursive doubling does.
+
+    Example: ``simulate_halving_doubling_all_reduce([[1, 2, 3, 4]] * 4).bytes_sent`` is ``array([24, 24, 24, 24])``.
+    """
+    sim = _start(inputs, itemsize, keep_buffers)
+    n = len(sim.buffers)
+    p = _power(n)
+    if n > p:
+        sim.step("fold in", [(r, r - p, None, "add") for r in range(p, n)])
+    groups = np.array_split(np.arange(n), p)  # chunks per group; rank r < p ends up reducing group r
+    segment = dict.fromkeys(range(p), (0, p))  # [first, last) groups each rank still holds
+    distances = [p >> k for k in range(1, p.bit_length())]  # p/2, p/4, ..., 1
+    for distance in distances:
+        moves, kept = [], {}
+        for r, (first, last) in segment.items():
+            middle = (first + last) // 2
+            low, high = (first, middle), (middle, last)
+            kept[r], give = (low, high) if r & distance == 0 else (high, low)
+            moves += [(r, r ^ distance, int(c), "add") for g in range(*give) for c in groups[g]]
+        sim.step(f"halving at distance {distance}", moves)
+        segment = kept
+    for distance in reversed(distances):  # send everything held; each pair then holds the union
+        moves = [(r, r ^ distance, int(c), "copy") for r, (first, last) in segment.items()
+                 for g in range(first, last) for c in groups[g]]
+        sim.step(f"doubling at distance {distance}", moves)
+        segment = {r: (min(first, segment[r ^ distance][0]), max(last, segment[r ^ distance][1]))
+                   for r, (first, last) in segment.items()}
+    if n > p:
+        sim.step("hand back", [(r - p, r, None, "copy") for r in range(p, n)])
+    return sim.trace("halving-doubling all-reduce", [b.copy() for b in sim.buffers])
+
+
 ALL_REDUCE_ALGORITHMS = {
     "ring all-reduce": simulate_all_reduce,
     "naive all-reduce": simulate_naive_all_reduce,
     "reduce + broadcast": simulate_star_all_reduce,
     "recursive doubling all-reduce": simulate_recursive_doubling_all_reduce,
+    "halving-doubling all-reduce": simulate_halving_doubling_all_reduce,
 }
 
 
-def traffic_table(world_sizes: Sequence[int], length: int = 840) -> dict[str, list[float]]:
+def traffic_table(world_sizes: Sequence[int], length: int = 6720) -> dict[str, list[float]]:
     """Busiest rank's bytes sent, in units of S, per all-reduce algorithm and world size.
 
-    Measured by running each simulator (840 = 2^3 x 3 x 5 x 7 elements divides evenly
-    for most N). Example: ``traffic_table([4])["ring all-reduce"] == [1.5]``.
+    Measured by running each simulator (6720 = 2^6 x 3 x 5 x 7 elements divide evenly for
+    N up to 8 and every power of two up to 64). Example: ``traffic_table([4])["ring all-reduce"] == [1.5]``.
     """
     table: dict[str, list[float]] = {name: [] for name in ALL_REDUCE_ALGORITHMS}
     for world_size in world_sizes:
@@ -314,14 +353,24 @@ COST_TERMS = {
     "naive all-reduce": lambda n: (n - 1, n - 1),
     "reduce + broadcast": lambda n: (2 * (n - 1), 2 * (n - 1)),
     "recursive doubling all-reduce": lambda n: (_doubling_steps(n), _doubling_steps(n)),
+    # Rabenseifner: log2 P halving steps and log2 P doubling ones move 2(P-1)/P x S; other N fold in and back.
+    "halving-doubling all-reduce": lambda n: (2 * (_power(n).bit_length() - 1) + (2 if _folded(n) else 0),
+                                              2 * (_power(n) - 1) / _power(n) + (2 if _folded(n) else 0)),
     # Cut into many small pieces and passed down a chain: S once, after N-1 start-up hops.
     "pipelined broadcast": lambda n: (n - 1, 1.0),
 }
 
 
+def _power(n: int) -> int:
+    return 1 << (n.bit_length() - 1)  # the largest power of two <= n
+
+
+def _folded(n: int) -> bool:
+    return n > _power(n)
+
+
 def _doubling_steps(n: int) -> int:
-    p = 1 << (n.bit_length() - 1)
-    return (p.bit_length() - 1) + (2 if n > p else 0)
+    return (_power(n).bit_length() - 1) + (2 if _folded(n) else 0)
 
 
 @dataclass(frozen=True)
@@ -345,8 +394,14 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, algorithm: str = "ring all-reduce",
-                   world_size: int = 2) -> AlphaBeta:
-    """Least-squares fit (of relative errors) of alpha and bandwidth to measured times of ``algorithm``.
+                   world_size: int = 2, share: float = 0.2) -> AlphaBeta:
+    """alpha and bandwidth of ``algorithm`` read off the two ends of a sweep of measured times.
+
+    Each term of the model dominates at one end, so each is read off there: the model goes through the
+    median time of the smallest ``share`` of the sizes and the median time of the largest ``share``
+    (a fifth by default: 3 of the 15 sizes from 1 KiB to 16 MiB). A least-squares fit over every size
+    would let the middle sizes, which on a CPU can move faster than the largest ones, set the
+    bandwidth, and over-predict large buffers.
 
     Needs at least two different sizes. Example: times made by ``AlphaBeta(2e-5, 5e9)``
     give back ``AlphaBeta(2e-5, 5e9)``.
@@ -359,12 +414,20 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, al
         raise ValueError("need timings at two or more different sizes to separate latency from bandwidth")
     if world_size < 2:
         raise ValueError("one rank sends nothing: fit with world_size >= 2")
+    if not 0 < share <= 0.5:
+        raise ValueError(f"share is the part of the sizes at each end, between 0 and 0.5; got {share}")
     messages, bytes_factor = COST_TERMS[algorithm](world_size)
     if np.any(times <= 0):
         raise ValueError("every time must be positive")
-    design = np.column_stack([np.full_like(sizes, messages), bytes_factor * sizes])  # t = [m, f*S] @ [a, 1/b]
-    # Relative errors, not absolute ones: otherwise the largest sizes decide alone and alpha is lost.
-    (alpha, inverse_bandwidth), *_ = np.linalg.lstsq(design / times[:, None], np.ones_like(times), rcond=None)
+    order = np.argsort(sizes, kind="stable")
+    sizes, times = sizes[order], times[order]
+    k = max(1, min(len(sizes) // 2, round(share * len(sizes))))  # sizes at each end
+    small_size, small_time = np.median(sizes[:k]), np.median(times[:k])  # (s, t): t is affine in s, so
+    large_size, large_time = np.median(sizes[-k:]), np.median(times[-k:])  # exact times stay exact
+    if large_size <= small_size:
+        raise ValueError("the smallest and the largest sizes coincide: measure a wider range of sizes")
+    inverse_bandwidth = (large_time - small_time) / (bytes_factor * (large_size - small_size))  # s per byte
     if inverse_bandwidth <= 0:
         raise ValueError("the times do not grow with size, so no bandwidth can be fitted; measure larger sizes")
+    alpha = max(0.0, (small_time - bytes_factor * small_size * inverse_bandwidth) / messages)
     return AlphaBeta(float(alpha), float(1 / inverse_bandwidth))

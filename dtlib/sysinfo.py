@@ -98,8 +98,8 @@ def implications(info: MachineInfo, world_size: int = 2) -> list[str]:
         lines.append(
             f"{info.usable_cpus} usable CPU(s): ranks share cores, so timings are noisy; compare ratios from one run."
         )
-    method = resolve_start_method("auto")
+    method = resolve_start_method("auto")  # what a launch costs is measured, not promised: see section 4 of 00
     lines.append(f"Ranks start with '{method}'" + (
-        ": the first launch takes about a second, later ones a few hundredths."
-        if method == "forkserver" else ": every launch imports torch again (a second or more)."))
+        ": the first launch also starts a server that imports torch once; later ones fork from it."
+        if method == "forkserver" else ": every launch starts fresh interpreters that import torch again."))
     return lines

@@ -76,6 +76,30 @@ def test_bad_options_are_refused_before_any_process_starts():
         collective.sweep("allreduce", iters=0)
 
 
+def _rows(algo: str, model: ring.AlphaBeta, sizes: list[int]) -> list[collective.Row]:
+    rows = []
+    for size in sizes:
+        seconds = model.time("ring all-reduce", 2, size)
+        rows.append(collective.Row("allreduce", algo, 2, size, size // 4, "float32", seconds * 1e6,
+                                   size / seconds / 1e9, size / seconds / 1e9))
+    return rows
+
+
+def test_comparison_shows_the_largest_sizes_the_model_and_the_share():
+    sizes = [2**k for k in range(10, 25)]
+    link = ring.AlphaBeta(3e-4, 0.8e9)
+    library, by_ring = _rows("library", link, sizes), _rows("ring", ring.AlphaBeta(3e-4, 0.4e9), sizes)
+    lines = collective.format_comparison(library, by_ring, link).splitlines()
+    assert "library" in lines[1] and "ring/library" in lines[1] and len(lines) == 2 + 3
+    size, mib, predicted, measured, ring_busbw, share = lines[-1].split()
+    assert (size, mib) == ("16", "MiB")
+    assert float(predicted) == pytest.approx(library[-1].busbw_gbs, abs=0.005)  # the model through its own data
+    assert float(measured) == pytest.approx(library[-1].busbw_gbs, abs=0.005)
+    assert float(share) == pytest.approx(by_ring[-1].busbw_gbs / library[-1].busbw_gbs, abs=0.005)
+    with pytest.raises(ValueError, match="same sizes"):
+        collective.format_comparison(library, by_ring[:-1])
+
+
 def test_fit_reads_back_a_model():
     truth = ring.AlphaBeta(3e-5, 2e9)
     rows = [collective.Row("allgather", "library", 4, s, s // 4, "float32",

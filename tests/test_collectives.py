@@ -32,7 +32,7 @@ def test_every_demo_matches_its_definition(results):
         "all_reduce_max": [start.max(0)] * n,
         "broadcast": [start[0]] * n,
         "all_gather": [start.ravel()] * n,
-        "all_gather_into_tensor": [start.ravel()] * n,
+        "all_gather_single": [start.ravel()] * n,
         "gather": [start.ravel()] + [[]] * (n - 1),
         "scatter": [[start[0, r]] for r in range(n)],
         "reduce_scatter": [[start.sum(0)[r]] for r in range(n)],

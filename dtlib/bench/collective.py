@@ -220,7 +220,9 @@ def reference(world_size: int = 2, size_bytes: int | str = "16M", *, iters: int 
 
 
 def fit(rows: list[Row]) -> ring.AlphaBeta:
-    """The alpha-beta model of ``dtlib.ring`` fitted to a sweep's times.
+    """The alpha-beta model of ``dtlib.ring`` fitted to a sweep's times: alpha read off the smallest
+    sizes, the bandwidth b off the largest (``ring.fit_alpha_beta``), so that the model meets the
+    sweep at both ends and predicts large buffers from the rate large buffers reached.
 
     Example: ``fit(sweep("allreduce")).bandwidth_bytes_per_s``.
     """
@@ -242,3 +244,25 @@ def format_table(rows: list[Row]) -> str:
         lines.append(f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>8} {r.time_us:>11.1f} "
                      f"{r.algbw_gbs:>12.3f} {r.busbw_gbs:>12.3f}")
     return "\n".join(lines)
+
+
+def format_comparison(rows: list[Row], others: list[Row], model: ring.AlphaBeta | None = None, last: int = 3) -> str:
+    """Two sweeps of the same sizes side by side at their ``last`` largest sizes: busbw (GB/s) of each,
+    the fitted model's busbw there, and the second sweep's share of the first one's rate.
+
+    Example: ``print(format_comparison(library, by_ring, fit(library)))`` with
+    ``library = sweep("allreduce")`` and ``by_ring = sweep("allreduce", algo="ring")``.
+    """
+    if [r.size_bytes for r in rows] != [r.size_bytes for r in others]:
+        raise ValueError("the two sweeps must cover the same sizes")
+    first, second = rows[0].algo, others[0].algo
+    lines = [f"# busbw (GB/s) at the {last} largest sizes, {rows[0].op} on {rows[0].world_size} ranks",
+             f"# {'size':>8} {'model' if model else '':>7} {first:>8} {second:>8} {f'{second}/{first}':>14}"]
+    for row, other in zip(rows[-last:], others[-last:], strict=True):
+        factor = BUS_FACTOR[row.op](row.world_size)
+        predicted = (f"{row.size_bytes / model.time(MODEL[row.op], row.world_size, row.size_bytes) / 1e9 * factor:7.2f}"
+                     if model else "")
+        lines.append(f"  {row.size_bytes / 2**20:4.0f} MiB {predicted:>7} {row.busbw_gbs:8.2f} {other.busbw_gbs:8.2f} "
+                     f"{other.busbw_gbs / row.busbw_gbs:14.2f}")
+    return "\n".join(lines)
+

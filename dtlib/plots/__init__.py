@@ -126,17 +126,24 @@ def dp_vs_ddp(n_devices: int = 3) -> Figure:
 
 
 def launch_times(timings: Sequence[Any]) -> Figure:
-    """Median launch time per start method (from :func:`dtlib.bench.launch.measure`), log scale."""
-    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(timings)))
-    labels = [t.label for t in timings]
+    """Median launch time per start method (from :func:`dtlib.bench.launch.measure`).
+
+    The axis is linear and starts at 0, so a bar's length is its time: a launch that takes 2% of
+    another's shows as a bar 2% as long, with its median and its ratio to plain ``mp.spawn`` beside it.
+    """
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.55 * len(timings)))
+    reference = next((t.median for t in timings if t.method == "mp.spawn"), None)
+    labels = [t.label.replace(" (floor)", "") for t in timings]
     medians = [t.median for t in timings]
-    bars = ax.barh(labels, medians, color=[COLORS["off"] if t.method == "mp.spawn" else COLORS["cpu"] for t in timings])
+    colors = [COLORS["off"] if t.method == "mp.spawn" else COLORS["cpu"] for t in timings]
+    bars = ax.barh(labels, medians, color=colors)
     for bar, value in zip(bars, medians, strict=True):
-        ax.text(bar.get_width() * 1.05, bar.get_y() + bar.get_height() / 2, f"{value:.3f} s", va="center", fontsize=9)
-    ax.set_xscale("log")
-    ax.set_xlim(min(medians) / 2, max(medians) * 4)
+        ratio = f"  ({value / reference:.2f}x mp.spawn)" if reference else ""
+        ax.text(bar.get_width() + max(medians) * 0.01, bar.get_y() + bar.get_height() / 2, f"{value:.3f} s{ratio}",
+                va="center", fontsize=9)
+    ax.set_xlim(0, max(medians) * 1.7)  # room for the longest bar's label
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from the call to the results (median, log scale)")
+    ax.set_xlabel("seconds from the call to the results (median)")
     ax.set_title("Launching a one-all-reduce job on this machine")
     fig.tight_layout()
     return fig

@@ -70,19 +70,21 @@ def ring_step(trace: Any, step: int) -> Figure:
 
 
 def ring_grid(trace: Any) -> Figure:
-    """Every step at once: the (ranks x chunks) contribution grid from the start to the end.
+    """Every step at once: the (ranks x chunks) contribution grid from the start to the end, with a
+    colour bar that reads a colour back as a count of ranks' inputs.
 
     Example: ``dtlib.plots.ring_grid(dtlib.ring.simulate_all_reduce([[0] * 8] * 4))``.
     """
     n, panels = trace.world_size, len(trace.steps) + 1
     columns = min(panels, 7)
     rows = -(-panels // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(1.7 * columns, 1.9 * rows + 0.5), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.7 * columns + 1.2, 1.9 * rows + 0.6), squeeze=False,
+                             layout="constrained")
     for index, ax in enumerate(axes.flat):
         if index >= panels:
             ax.axis("off")
             continue
-        ax.imshow(trace.contributions(index), cmap="viridis", vmin=0, vmax=n)
+        image = ax.imshow(trace.contributions(index), cmap="viridis", vmin=0, vmax=n)
         ax.set_xticks([])
         ax.set_yticks([])
         phase = trace.steps[index - 1].phase if index else "start"
@@ -91,58 +93,81 @@ def ring_grid(trace: Any) -> Figure:
             ax.set_ylabel("ranks")
         if index >= panels - columns:
             ax.set_xlabel("chunks")
+    colorbar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.9, ticks=range(n + 1))
+    colorbar.set_label(f"inputs summed (N = {n}: done)")
     fig.suptitle(f"{trace.algorithm}, N = {n}: inputs summed into each chunk (bright = all {n})")
-    fig.tight_layout()
     return fig
 
 
 def traffic(world_sizes: Sequence[int], table: dict[str, list[float]]) -> Figure:
     """Bytes the busiest rank sends, in units of the buffer size S, against N (from ``ring.traffic_table``).
 
+    A series equal to an earlier one at every N would hide under it: it is drawn with hollow, larger
+    markers and a dashed line over the first, and its legend entry says which one it equals.
+
     Example: ``dtlib.plots.traffic([2, 4, 8], dtlib.ring.traffic_table([2, 4, 8]))``.
     """
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    # Two algorithms can send exactly as much (naive and reduce + broadcast both load the root with
-    # (N-1) x S): a dashed line over a solid one, and smaller markers on top, keep both visible.
-    styles = [("o", "-", 9), ("s", "--", 7), ("^", "-.", 6), ("D", ":", 5), ("v", (0, (1, 3)), 4)]
-    for (name, values), (marker, line, size) in zip(table.items(), styles * len(table), strict=False):
-        ax.plot(world_sizes, values, marker=marker, ls=line, ms=size, label=name)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    markers = ["o", "s", "^", "D", "v", "P"]
+    drawn: list[tuple[str, list[float], float]] = []  # name, values, marker size
+    for index, (name, values) in enumerate(table.items()):
+        twin = next(((other, size) for other, seen, size in drawn if np.allclose(seen, values)), None)
+        marker = markers[index % len(markers)]
+        if twin is None:
+            ax.plot(world_sizes, values, marker=marker, ms=6, label=name)
+            drawn.append((name, values, 6))
+        else:
+            ax.plot(world_sizes, values, marker=marker, ms=twin[1] + 6, mfc="none", mew=1.5, ls=(0, (4, 3)),
+                    label=f"{name} (the same as {twin[0]})")
+            drawn.append((name, values, twin[1] + 6))
     ax.set_yscale("log", base=2)  # ring and recursive doubling stay readable next to the N-1 growth
     ax.yaxis.set_major_formatter(ScalarFormatter())  # 1, 2, 4 rather than 2^0, 2^1, 2^2
     ax.axhline(2, color="gray", ls=":", lw=1, zorder=0)
-    ax.text(world_sizes[-1], 2, "2 x S: the ring's limit", fontsize=8, color="gray", ha="right", va="bottom",
-            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=5)
+    between = (world_sizes[-2] + world_sizes[-1]) / 2 if len(world_sizes) > 1 else world_sizes[-1]
+    ax.text(between, 2.1, "2 x S: the ring's limit", fontsize=8, color="gray", ha="center", va="bottom",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=5)  # between two markers
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel("bytes sent by the busiest rank (x S)")
     ax.set_title("All-reduce traffic per rank as the job grows")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(fontsize=8, loc="outside lower center", ncols=2)  # below the axes: it covers no data
     return fig
 
 
-def busbw(rows: Sequence[Any], model: Any = None) -> Figure:
-    """Bus bandwidth against message size (a ``dtlib.bench.collective.sweep``), with the fitted
-    alpha-beta model's prediction laid over it.
+def _sweep_label(rows: Sequence[Any]) -> str:
+    first = rows[0]
+    calls = {"allreduce": "dist.all_reduce", "allgather": "dist.all_gather_single",
+             "reducescatter": "dist.reduce_scatter_single", "broadcast": "dist.broadcast"}
+    what = "dtlib's send/recv ring" if first.algo == "ring" else calls.get(first.op, first.op)
+    return f"{what}, measured ({first.world_size} ranks)"
 
-    Example: ``rows = sweep("allreduce"); dtlib.plots.busbw(rows, fit(rows))``.
+
+def busbw(rows: Sequence[Any], model: Any = None, compare: Sequence[Any] | None = None) -> Figure:
+    """Bus bandwidth against message size (a ``dtlib.bench.collective.sweep``), with the fitted
+    alpha-beta model's prediction laid over it and, optionally, a second sweep of the same sizes.
+
+    Example: ``rows = sweep("allreduce"); dtlib.plots.busbw(rows, fit(rows), compare=sweep("allreduce", algo="ring"))``.
     """
     from dtlib.bench.collective import BUS_FACTOR, MODEL
 
     first = rows[0]
     fig, ax = plt.subplots(figsize=(7.5, 4))
     sizes = [r.size_bytes for r in rows]
-    ax.plot(sizes, [r.busbw_gbs for r in rows], marker="o", label=f"measured here ({first.world_size} ranks)")
+    ax.plot(sizes, [r.busbw_gbs for r in rows], marker="o", label=_sweep_label(rows))
+    if compare:
+        ax.plot([r.size_bytes for r in compare], [r.busbw_gbs for r in compare], marker="s", ms=5,
+                color=COLORS["store"], label=_sweep_label(compare))
     if model is not None:
         factor = BUS_FACTOR[first.op](first.world_size)
         grid = np.geomspace(sizes[0], sizes[-1], 100)
         predicted = [s / model.time(MODEL[first.op], first.world_size, s) / 1e9 * factor for s in grid]
         ax.plot(grid, predicted, "--", color="black",
-                label=f"alpha-beta fit: alpha = {model.alpha_s * 1e6:.0f} us, "
+                label=f"alpha-beta model: alpha = {model.alpha_s * 1e6:.0f} us, "
                       f"b = {model.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size S (bytes, log scale)")
     ax.set_ylabel("bus bandwidth (GB/s, 1 GB = 1e9 B)")
-    ax.set_title(f"{first.op}{' (send/recv ring)' if first.algo == 'ring' else ''}: busbw against size")
+    ring_only = first.algo == "ring" and not compare
+    ax.set_title(f"{first.op}{' (send/recv ring)' if ring_only else ''}: busbw against size")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
