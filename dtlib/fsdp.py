@@ -7,6 +7,10 @@ the model-state bytes this rank holds, and the ZeRO formula's estimate beside th
     results = dtlib.fsdp.run(dtlib.fsdp.FSDPConfig(api="fsdp2", strategy="full_shard"), world_size=2)
     results[0].memory_at_rest        # {"parameters": ..., "gradients": ..., "optimizer_state": ...}
 
+:func:`run_many` trains several configs one after another in the same ranks (one launch, not one each).
+FSDP2 maps FSDP1's strategies: ``full_shard`` reshards after forward, ``shard_grad_op`` does not, and
+``hybrid_shard`` / ``hybrid_shard_zero2`` do the same on a 2-D (replicate, shard) mesh.
+
 Under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.fsdp --api fsdp2``.
 """
 
@@ -15,8 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +35,9 @@ from dtlib.commlog import SIZED_BY, CommLog
 from dtlib.run import rank_device
 
 APIS = ("fsdp2", "fsdp1", "ddp")
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+# FSDP1's ShardingStrategy names, lower case; "hybrid_shard_zero2" is its _HYBRID_SHARD_ZERO2.
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+HYBRID = ("hybrid_shard", "hybrid_shard_zero2")  # a 2-D (replicate, shard) mesh
 
 
 @dataclass
@@ -40,12 +48,18 @@ class FSDPConfig:
     model: str = "transformer"  # a dtlib.models name with identical .blocks (the sharding units)
     strategy: str = "full_shard"  # FSDP1's ShardingStrategy, lower case; FSDP2 maps it (module docstring)
     reshard_after_forward: bool | int | None = None  # FSDP2 only: overrides what strategy implies
+    # FSDP2: the root's reshard_after_forward. "blocks": the blocks' setting (so full_shard reshards the root
+    # too); None: fully_shard's own default, which keeps the root gathered after forward (one all-gather less).
+    root_reshard_after_forward: bool | int | None | str = "blocks"
     shard_group_size: int = 2  # hybrid_shard: ranks per shard group (the rest replicate)
     mixed_precision: bool = False  # bf16 parameters in compute, fp32 gradient reduction
     cpu_offload: bool = False
     auto_wrap: str = "transformer"  # FSDP1: "transformer" (one unit per Block) or "size"
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     meta_init: bool = False  # FSDP2: build on the meta device; only rank 0 ever holds full weights
+    # Explicit prefetch. FSDP1: forward_prefetch=True, backward_prefetch=BACKWARD_PRE; FSDP2: each block
+    # set_modules_to_forward_prefetch([next block]) and set_modules_to_backward_prefetch([previous block]).
+    prefetch: bool = False
     steps: int = 4
     global_batch: int = 16
     grad_accum: int = 1
@@ -79,11 +93,32 @@ class FSDPResult:
     peak_memory_bytes: int = 0  # CUDA allocator peak (0 on the CPU)
     shard_example: dict[str, Any] = field(default_factory=dict)
     block_forward_calls: int = 0  # per step; twice the blocks with activation checkpointing
+    # The last step's all-gathers in launch order, each as the size of its process group: FSDP2 full shard
+    # on 4 ranks is [4, 4, 4, 4, 4, 4]; reshard_after_forward=2 gathers over pairs in backward: [4, 4, 4, 2, 2, 2].
+    all_gather_group_sizes: list[int] = field(default_factory=list)
+    # Bytes of the tensors autograd saved for backward in the last forward (activations and inputs, not the
+    # parameters), each storage once: what activation checkpointing cuts.
+    saved_for_backward_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
 
 def validate(config: FSDPConfig, world_size: int) -> None:
-    """Refuse settings that cannot work, before any process starts, saying what to change."""
+    """Refuse settings that cannot work, before any process starts, saying what to change.
+
+    Counts must be whole numbers: ``steps=2.5`` or ``global_batch=32.0`` are refused. Other integral
+    types (numpy's) are accepted and stored back into ``config`` as ``int``, which torch's samplers need.
+    """
+    import numbers
+
+    counts = ("steps", "global_batch", "grad_accum", "num_samples", "seed", "threads", "shard_group_size",
+              "save_after_step")
+    for name, value in {"world_size": world_size, **{name: getattr(config, name) for name in counts}}.items():
+        if value is None and name == "save_after_step":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are fine; 2.5 is not
+            raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
+        if name != "world_size":
+            setattr(config, name, int(value))
     if config.api not in APIS:
         raise ValueError(f"api must be one of {APIS}, got {config.api!r}")
     if config.model != "transformer":
@@ -96,11 +131,18 @@ def validate(config: FSDPConfig, world_size: int) -> None:
                          "api='fsdp1', one GPU per rank, or a newer torch")
     if config.api == "fsdp2" and config.strategy == "no_shard":
         raise ValueError("FSDP2 has no no_shard: replicating everything is DDP (api='ddp')")
-    if config.strategy == "hybrid_shard" and config.api != "ddp":
+    if config.strategy in HYBRID and config.api != "ddp":
         group = config.shard_group_size
         if group < 1 or world_size % group:
-            raise ValueError(f"hybrid_shard needs world_size divisible by shard_group_size: {world_size} ranks "
+            raise ValueError(f"{config.strategy} needs world_size divisible by shard_group_size: {world_size} ranks "
                              f"cannot form groups of {group}; try shard_group_size=2 with an even world_size")
+    root = config.root_reshard_after_forward
+    if root != "blocks" and config.api != "fsdp2":
+        raise ValueError("root_reshard_after_forward is FSDP2's (fully_shard on the root); leave it at 'blocks'")
+    if isinstance(root, str) and root != "blocks":
+        raise ValueError(f"root_reshard_after_forward must be 'blocks', None, True, False or an int, got {root!r}")
+    if config.prefetch and config.api == "ddp":
+        raise ValueError("prefetch is FSDP's (it all-gathers a unit early); DDP gathers nothing")
     if config.cpu_offload and config.api == "fsdp1" and not torch.cuda.is_available():
         raise ValueError("FSDP1's CPUOffload needs an accelerator: it moves each parameter between pinned host "
                          "memory and the GPU, and this machine has no GPU (torch.cuda.is_available() is False)")
@@ -109,7 +151,8 @@ def validate(config: FSDPConfig, world_size: int) -> None:
     if config.checkpoint_kind not in ("sharded", "full"):
         raise ValueError(f"checkpoint_kind must be 'sharded' or 'full', got {config.checkpoint_kind!r}")
     if (config.save_after_step is not None or config.resume) and not config.checkpoint_dir:
-        raise ValueError("saving or resuming needs checkpoint_dir")
+        raise ValueError("saving or resuming needs checkpoint_dir, e.g. dtlib.fsdp_checkpoint.default_directory() "
+                         "(private to you)")
     if (config.meta_init or config.activation_checkpointing) and config.api != "fsdp2":
         raise ValueError("meta_init and activation_checkpointing are shown with FSDP2 only (api='fsdp2')")
     if config.steps < 1 or config.grad_accum < 1:
@@ -119,11 +162,17 @@ def validate(config: FSDPConfig, world_size: int) -> None:
                          f"grad_accum = {world_size * config.grad_accum}")
     if config.global_batch > config.num_samples:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
+    if config.save_after_step is not None and not 1 <= config.save_after_step <= config.steps:
+        raise ValueError(f"save_after_step={config.save_after_step} is not one of the steps 1..{config.steps}, so "
+                         f"nothing would be saved; use a value from 1 to steps={config.steps}")
     reshard = config.reshard_after_forward
     if reshard is not None and config.api != "fsdp2":
         raise ValueError("reshard_after_forward is FSDP2's; for FSDP1 choose strategy='full_shard' or 'shard_grad_op'")
-    if isinstance(reshard, int) and not isinstance(reshard, bool):
-        group = config.shard_group_size if config.strategy == "hybrid_shard" else world_size
+    if reshard is not None and not isinstance(reshard, bool | numbers.Integral):
+        raise ValueError(f"reshard_after_forward must be True, False, None or an int, got {reshard!r}")
+    if isinstance(reshard, numbers.Integral) and not isinstance(reshard, bool):
+        config.reshard_after_forward = reshard = int(reshard)  # fully_shard wants an int
+        group = config.shard_group_size if config.strategy in HYBRID else world_size
         if reshard < 1 or group % reshard:
             raise ValueError(f"reshard_after_forward={reshard}: an integer must divide the {group} ranks that shard "
                              f"each parameter, e.g. {[d for d in range(1, group + 1) if group % d == 0]}")
@@ -131,7 +180,7 @@ def validate(config: FSDPConfig, world_size: int) -> None:
 
 def _mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
     """A 2-D (replicate, shard) mesh for hybrid sharding, else None (FSDP's default 1-D mesh)."""
-    if config.strategy != "hybrid_shard":
+    if config.strategy not in HYBRID:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -162,7 +211,7 @@ def _wrap_fsdp2(model: nn.Module, config: FSDPConfig, world_size: int, device: t
 
     reshard = config.reshard_after_forward
     if reshard is None:
-        reshard = config.strategy != "shard_grad_op"
+        reshard = config.strategy not in ("shard_grad_op", "hybrid_shard_zero2")
     options: dict[str, Any] = {"reshard_after_forward": reshard, "mesh": _mesh(config, world_size, device)}
     if config.mixed_precision:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -177,12 +226,20 @@ def _wrap_fsdp2(model: nn.Module, config: FSDPConfig, world_size: int, device: t
     if config.mixed_precision:  # the root hands fp32 logits to the loss; blocks must not (their LayerNorm is bf16)
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                     output_dtype=torch.float32)
-    return fully_shard(model, **options)
+    if config.root_reshard_after_forward != "blocks":
+        options["reshard_after_forward"] = config.root_reshard_after_forward
+    model = fully_shard(model, **options)
+    if config.prefetch:  # all-gather the next block while this one computes (forward), the previous one (backward)
+        blocks = list(model.blocks)
+        for block, following in zip(blocks, blocks[1:], strict=False):
+            block.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([block])
+    return model
 
 
 def _wrap_fsdp1(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
                 notes: list[str]) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
@@ -190,10 +247,15 @@ def _wrap_fsdp1(model: nn.Module, config: FSDPConfig, world_size: int, device: t
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
     else:
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=5_000)
-    options: dict[str, Any] = {"sharding_strategy": ShardingStrategy[config.strategy.upper()],
-                               "auto_wrap_policy": policy, "device_id": device}
-    if config.strategy == "hybrid_shard":  # without a mesh FSDP1 sizes the shard group by local GPUs (0 here)
+    strategy = "_HYBRID_SHARD_ZERO2" if config.strategy == "hybrid_shard_zero2" else config.strategy.upper()
+    # device_id: where FSDP1 puts this rank's shards (it moves a CPU-built module there); without it, a
+    # CPU-only torch refuses ("FSDP needs a non-CPU accelerator device"). FSDP2 follows its mesh's device.
+    options: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy], "auto_wrap_policy": policy,
+                               "device_id": device}
+    if config.strategy in HYBRID:  # without a mesh FSDP1 sizes the shard group by local GPUs (0 here)
         options["device_mesh"] = _mesh(config, world_size, device)
+    if config.prefetch:
+        options.update(forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
     if config.mixed_precision:
         options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                     buffer_dtype=torch.float32)
@@ -253,6 +315,93 @@ def _shard_example(model: nn.Module) -> dict[str, Any]:
             "placements": str(getattr(param, "placements", "flat parameter" if local.dim() == 1 else "replicated"))}
 
 
+@dataclass
+class Measured:
+    """Bytes that :func:`saved_for_backward` or :func:`parameter_peak` measured in its block."""
+
+    nbytes: int = 0
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
+
+
+@contextlib.contextmanager
+def saved_for_backward(model: nn.Module) -> Iterator[Measured]:
+    """Measure the bytes of the tensors autograd saves for backward inside the block: activations and the
+    inputs backward needs, each storage once, ``model``'s parameters left out. Activation checkpointing
+    cuts it: a checkpointed block keeps only its input. Example (inside a rank)::
+
+        with saved_for_backward(model) as saved:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        saved.nbytes
+    """
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        parameters = {_storage(p).data_ptr() for p in model.parameters()}  # FSDP swaps them: ask each time
+        storage = _storage(tensor)
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    measured = Measured()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield measured
+    measured.nbytes = sum(storages.values())
+
+
+@contextlib.contextmanager
+def parameter_peak(model: nn.Module) -> Iterator[Measured]:
+    """Measure the most parameter bytes ``model`` holds (``dtlib.memory.measured``) as any of its layers
+    finishes its forward inside the block: under FSDP, every shard plus the units gathered at that moment.
+    Example (inside a rank)::
+
+        with parameter_peak(model) as peak:
+            model(x)
+        peak.nbytes    # 4 bytes x every parameter if the root is the only unit
+    """
+    measured = Measured()
+
+    def record(module: nn.Module, inputs: Any, output: Any) -> None:
+        measured.nbytes = max(measured.nbytes, memory.measured(model)["parameters"])
+
+    handles = [module.register_forward_hook(record) for module in model.modules()]
+    try:
+        yield measured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _gather_group_sizes() -> Iterator[list[int]]:
+    """Append the size of the process group of every all-gather made in the block (FSDP2 calls
+    ``torch.distributed.all_gather_single``; FSDP1 that on GPUs, ``all_gather`` on the CPU)."""
+    from torch.distributed import distributed_c10d
+
+    sizes: list[int] = []
+    names = [name for name in ("all_gather_single", "all_gather_into_tensor", "all_gather") if hasattr(dist, name)]
+    current = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Any:
+        signature = inspect.signature(getattr(distributed_c10d, name))  # the wrapped one may be CommLog's
+
+        def gather(*args: Any, **kwargs: Any) -> Any:
+            sizes.append(dist.get_world_size(signature.bind(*args, **kwargs).arguments.get("group")))
+            return current[name](*args, **kwargs)
+
+        return gather
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield sizes
+    finally:
+        for name, function in current.items():
+            setattr(dist, name, function)
+
+
 def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     """Train on this rank inside an initialised process group."""
     import time
@@ -262,7 +411,7 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     validate(config, world_size)
     torch.set_num_threads(config.threads)
     device = rank_device()
-    hsdp_on_gloo = config.api == "fsdp2" and config.strategy == "hybrid_shard" and device.type == "cpu"
+    hsdp_on_gloo = config.api == "fsdp2" and config.strategy in HYBRID and device.type == "cpu"
     if hsdp_on_gloo and not compat.gloo_has_avg():
         raise ValueError(f"FSDP2's HSDP averages gradients across replicas with ReduceOp.AVG, which gloo in torch "
                          f"{torch.__version__} lacks; use a newer torch, GPUs (NCCL), or api='fsdp1'")
@@ -280,26 +429,30 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     batches = data.batches(data.for_model(config.model, config.num_samples, seed=config.seed), world_size, rank,
                            micro * config.grad_accum, seed=config.seed, first_step=start)
     log = CommLog()
-    with log.recording(tuple(SIZED_BY)):
+    with log.recording(tuple(SIZED_BY)), _gather_group_sizes() as gather_groups:
         for step in range(start, config.steps):
             log.step, calls[0] = step, 0
+            gather_groups.clear()
             began = time.perf_counter()
             x, y = next(batches)
             loss_sum = torch.zeros((), device=device)
             for index, (xs, ys) in enumerate(zip(x.split(micro), y.split(micro), strict=True)):
                 last = index == config.grad_accum - 1
                 with _gradient_sync(model, config, last):
-                    output = model(xs.to(device))
-                    if last and config.api != "fsdp1":
-                        result.parameters_after_forward = memory.measured(model)["parameters"]
-                    loss = models.loss_fn(config.model, output, ys.to(device)) / config.grad_accum
+                    with saved_for_backward(model) as saved:
+                        output = model(xs.to(device))
+                        if last and config.api != "fsdp1":
+                            result.parameters_after_forward = memory.measured(model)["parameters"]
+                        loss = models.loss_fn(config.model, output, ys.to(device)) / config.grad_accum
                     loss.backward()
+                result.saved_for_backward_bytes = saved.nbytes
                 loss_sum += loss.detach()
             optimizer.step()
             result.memory_at_rest = memory.measured(model, optimizer)
             optimizer.zero_grad()
             result.step_times_s.append(time.perf_counter() - began)
             result.comm.append(log.totals(step))
+            result.all_gather_group_sizes = list(gather_groups)
             result.block_forward_calls = calls[0]
             log.step = -1  # the loss all-reduce below is bookkeeping, not training traffic
             dist.all_reduce(loss_sum)
@@ -316,8 +469,8 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
 def _estimate(config: FSDPConfig, world_size: int, num_params: int) -> dict[str, float]:
     """The ZeRO formula for this run: fp32 parameters and gradients (FSDP keeps its shards in fp32 even
     with mixed precision), Adam's two fp32 moments."""
-    stage = "ddp" if config.api == "ddp" else config.strategy
-    ranks = config.shard_group_size if config.strategy == "hybrid_shard" else world_size
+    stage = "ddp" if config.api == "ddp" else "zero2" if config.strategy == "hybrid_shard_zero2" else config.strategy
+    ranks = config.shard_group_size if config.strategy in HYBRID else world_size
     return memory.breakdown(num_params, ranks, stage, param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
 
 
@@ -330,6 +483,31 @@ def run(config: FSDPConfig, world_size: int = 2, **spawn_options: Any) -> list[F
     from dtlib.run import run as run_everywhere
 
     return run_everywhere(train, world_size, args=(config,), **spawn_options)
+
+
+def _train_each(rank: int, world_size: int, configs: list[FSDPConfig]) -> list[FSDPResult]:
+    results = []
+    for config in configs:
+        results.append(train(rank, world_size, config))
+        dist.barrier()  # a checkpoint written by one config is complete before the next one reads it
+    return results
+
+
+def run_many(configs: list[FSDPConfig], world_size: int = 2, **spawn_options: Any) -> list[list[FSDPResult]]:
+    """Train each config in turn in one launch of ``world_size`` ranks; ``results[i][rank]`` is config i's.
+
+    Each config builds its own model and optimizer, so its results are those of :func:`run`; sharing the
+    ranks saves each later config the start-up that a new launch pays. A config that
+    resumes (``resume=True``) may follow the one that saved its checkpoint.
+    Example: ``run_many([FSDPConfig(api="fsdp1"), FSDPConfig(api="fsdp2")], 2)[1][0].losses``.
+    """
+    configs = list(configs)
+    for config in configs:
+        validate(config, world_size)
+        from dtlib.run import run as run_everywhere
+
+    by_rank = run_everywhere(_train_each, world_size, args=(configs,), **spawn_options)
+    return [[results[index] for results in by_rank] for index in range(len(configs))]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -296,10 +295,8 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
 
     monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
-    started = time.perf_counter()
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(ValueError, match=pattern):  # and spawn, patched above, was never called
         fsdp.run(config, world_size, **QUIET)
-    assert time.perf_counter() - started < 1.0
 
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, FSDP1's CPUOffload can run")
@@ -340,6 +337,50 @@ def test_settings_that_used_to_fail_inside_the_ranks(monkeypatch, config, world_
     _refused_before_any_process(monkeypatch, config, world_size, pattern)
 
 
+def _refused_without_processes(monkeypatch, config, world_size, pattern):
+    """Like _refused_before_any_process, without a wall-clock bound: the patched spawn is the proof."""
+    def no_processes(*args, **kwargs):
+        raise AssertionError("fsdp.run started processes for a config it should refuse")
+
+    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    with pytest.raises(ValueError, match=pattern):
+        fsdp.run(config, world_size, **QUIET)
+
+
+@pytest.mark.parametrize("config, world_size, pattern", [
+    (FSDPConfig(steps=2.5), 2, r"^steps must be a whole number \(an int\), got 2.5$"),
+    (FSDPConfig(global_batch=32.0), 2, r"^global_batch must be a whole number \(an int\), got 32.0$"),
+    (FSDPConfig(shard_group_size=2.0, strategy="hybrid_shard"), 4, r"^shard_group_size must be a whole number"),
+    (FSDPConfig(threads=None), 2, r"^threads must be a whole number \(an int\), got None$"),
+    (FSDPConfig(), 2.0, r"^world_size must be a whole number \(an int\), got 2.0$"),
+    (FSDPConfig(reshard_after_forward=2.0), 2, r"reshard_after_forward must be True, False, None or an int, got 2.0"),
+    (FSDPConfig(save_after_step=5, checkpoint_dir="ckpt"), 2,
+     r"save_after_step=5 is not one of the steps 1..4, so nothing would be saved; use a value from 1 to steps=4"),
+    (FSDPConfig(save_after_step=0, checkpoint_dir="ckpt"), 2, r"save_after_step=0 is not one of the steps 1..4"),
+    (FSDPConfig(save_after_step=2), 2, r"needs checkpoint_dir, e.g. dtlib.fsdp_checkpoint.default_directory\(\)"),
+], ids=["steps=2.5", "global_batch=32.0", "shard_group_size=2.0", "threads=None", "world_size=2.0",
+        "reshard_after_forward=2.0", "save_after_step>steps", "save_after_step=0", "no-checkpoint_dir"])
+def test_settings_that_fail_inside_every_rank_or_save_nothing_are_refused(monkeypatch, config, world_size, pattern):
+    _refused_without_processes(monkeypatch, config, world_size, pattern)
+
+
+def test_validate_accepts_numpy_integers_and_stores_them_as_ints():
+    config = FSDPConfig(steps=np.int64(4), global_batch=np.int32(16), save_after_step=np.int64(4),
+                        checkpoint_dir="ckpt", reshard_after_forward=np.int64(2))
+    fsdp.validate(config, np.int64(2))
+    for name in ("steps", "global_batch", "save_after_step", "reshard_after_forward"):
+        assert type(getattr(config, name)) is int, name  # torch's samplers and fully_shard want ints
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3: an integer must divide the 4 ranks"):
+        fsdp.validate(FSDPConfig(reshard_after_forward=np.int64(3)), 4)  # checked like an int
+
+
+@pytest.mark.timeout(120)
+def test_numpy_integers_train_like_ints(runs):
+    results = fsdp.run(FSDPConfig(steps=np.int64(2), global_batch=np.int64(16), grad_accum=np.int8(1)), 2, **QUIET)
+    assert _losses(results) == _losses(runs(2))[:2]
+
+
 def test_validate_accepts_what_runs():
     for config, world_size in [(FSDPConfig(), 2), (FSDPConfig(api="fsdp1", strategy="no_shard"), 2),
                                (FSDPConfig(strategy="hybrid_shard"), 4), (FSDPConfig(reshard_after_forward=2), 4),
@@ -376,3 +417,122 @@ def test_fsdp1_cpu_offload_on_gpus_trains_like_fsdp2():
     fsdp2 = fsdp.run(FSDPConfig(api="fsdp2", cpu_offload=True), 2, **QUIET)
     _assert_close(_losses(fsdp1), _losses(fsdp2), "CPU offload on GPUs", atol=1e-4)
     assert not any("pin_memory=False" in note for note in fsdp2[0].notes)
+
+
+# --- the root's setting, the groups of the all-gathers, several configs in one launch ------------------------
+
+ROOT_PARAMS = NUM_PARAMS - sum(p.numel() for block in models.build("transformer").blocks for p in block.parameters())
+
+
+@pytest.mark.timeout(120)
+def test_fully_shards_default_keeps_the_root_gathered_after_forward(runs):
+    """fully_shard's reshard_after_forward=None is False for the root: its backward all-gather goes."""
+    default, resharded = runs(2, root_reshard_after_forward=None)[0], runs(2)[0]
+    assert resharded.comm[-1]["all_gather"] == {"calls": 2 * UNITS, "bytes": 2 * S}
+    assert default.comm[-1]["all_gather"] == {"calls": 2 * UNITS - 1, "bytes": 2 * S - 4 * ROOT_PARAMS}
+    # between forward and backward the root's weights are whole, every block's a shard
+    assert default.parameters_after_forward == 4 * ROOT_PARAMS + (S - 4 * ROOT_PARAMS) // 2
+    _assert_close(_losses(runs(2, root_reshard_after_forward=None)), _losses(runs(2)), "root kept gathered")
+
+
+@pytest.mark.timeout(180)
+def test_all_gather_groups_show_partial_resharding_and_hsdp(runs):
+    assert runs(4)[0].all_gather_group_sizes == [4] * 2 * UNITS
+    partial = runs(4, reshard_after_forward=2)[0]
+    assert partial.all_gather_group_sizes == [4] * UNITS + [2] * UNITS  # forward over 4 ranks, backward over pairs
+    assert partial.parameters_after_forward == 2 * runs(4)[0].parameters_after_forward  # half a unit, not a quarter
+    assert runs(4, strategy="hybrid_shard")[0].all_gather_group_sizes == [2] * 2 * UNITS
+    assert runs(4, api="fsdp1")[0].all_gather_group_sizes == [4] * (2 * UNITS - 1)  # FSDP1 keeps its root gathered
+    assert runs(4, api="ddp")[0].all_gather_group_sizes == []
+
+
+@pytest.mark.timeout(240)
+def test_hybrid_shard_zero2_in_fsdp1_and_fsdp2(runs):
+    ddp = _losses(runs(4, api="ddp"))
+    for api in ("fsdp1", "fsdp2"):
+        results = runs(4, api=api, strategy="hybrid_shard_zero2")
+        _assert_close(_losses(results), ddp, f"{api} _HYBRID_SHARD_ZERO2 vs DDP")
+        comm = results[0].comm[-1]
+        assert comm["all_gather"] == {"calls": UNITS, "bytes": S}  # forward only: kept for backward
+        assert comm["all_reduce"] == {"calls": UNITS, "bytes": S // 2}  # each shard across the 2 replicas
+    assert runs(4, strategy="hybrid_shard_zero2")[0].parameters_after_forward == S
+    assert runs(4, strategy="hybrid_shard_zero2")[0].estimate == memory.breakdown(
+        NUM_PARAMS, 2, "zero2", param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
+def test_explicit_prefetch_changes_no_result(runs, api):
+    prefetched, plain = runs(2, api=api, prefetch=True), runs(2, api=api)
+    _assert_close(_losses(prefetched), _losses(plain), f"{api} with prefetch")
+    assert prefetched[0].comm[-1] == plain[0].comm[-1]
+
+
+@pytest.mark.timeout(120)
+def test_activation_checkpointing_cuts_the_bytes_saved_for_backward(runs):
+    plain, checkpointed = runs(2)[0], runs(2, activation_checkpointing=True)[0]
+    micro_batch_activation = 8 * 16 * 32 * 4  # (B, T, C) fp32: the global batch of 16 over 2 ranks
+    assert checkpointed.saved_for_backward_bytes < plain.saved_for_backward_bytes / 4
+    # what remains includes each checkpointed block's input
+    assert checkpointed.saved_for_backward_bytes > len(models.build("transformer").blocks) * micro_batch_activation
+
+
+@pytest.mark.timeout(240)
+def test_run_many_equals_one_run_per_config(runs, tmp_path):
+    configs = [FSDPConfig(), FSDPConfig(api="fsdp1", strategy="shard_grad_op"), FSDPConfig(api="ddp"),
+               FSDPConfig(steps=2, save_after_step=2, checkpoint_dir=str(tmp_path)),
+               FSDPConfig(resume=True, checkpoint_dir=str(tmp_path))]
+    together = fsdp.run_many(configs, 2, **QUIET)
+    assert len(together) == len(configs) and all(len(results) == 2 for results in together)
+    for results, changes in zip(together[:3], ({}, {"api": "fsdp1", "strategy": "shard_grad_op"}, {"api": "ddp"}),
+                                strict=True):
+        alone = runs(2, **changes)
+        assert _losses(results) == _losses(alone), changes
+        assert results[0].comm == alone[0].comm and results[0].memory_at_rest == alone[0].memory_at_rest
+    # the config after the save resumes from it, in the same launch
+    assert together[4][0].first_step == 2
+    _assert_close(_losses(together[3]) + _losses(together[4]), _losses(runs(2)), "saved, then resumed")
+
+
+@pytest.mark.parametrize("configs, world_size, pattern", [
+    ([FSDPConfig(), FSDPConfig(api="fsdp1", root_reshard_after_forward=None)], 2, "root_reshard_after_forward is"),
+    ([FSDPConfig(root_reshard_after_forward="none")], 2, "must be 'blocks', None"),
+    ([FSDPConfig(api="ddp", prefetch=True)], 2, "prefetch is FSDP's"),
+    ([FSDPConfig(strategy="hybrid_shard_zero2", shard_group_size=4, global_batch=24)], 6, "cannot form groups of 4"),
+    ([FSDPConfig(api="nope")], 2, "api must be one of"),
+])
+def test_run_many_refuses_every_bad_config_before_any_process_starts(monkeypatch, configs, world_size, pattern):
+    def no_processes(*args, **kwargs):
+        pytest.fail("a process was started")
+
+    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    with pytest.raises(ValueError, match=pattern):
+        fsdp.run_many(configs, world_size)
+
+
+def test_saved_for_backward_counts_activations_once_and_no_parameter():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 8)
+    x = torch.randn(2, 4, requires_grad=True)  # (B, C_in) fp32: 32 bytes
+    with fsdp.saved_for_backward(layer) as saved:
+        torch.tanh(layer(x))  # the linear saves x (its weight is a parameter), tanh its (2, 8) output
+    assert saved.nbytes == 2 * 4 * 4 + 2 * 8 * 4
+    with fsdp.saved_for_backward(layer) as saved:
+        torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(layer(t)), x, use_reentrant=False)
+    assert saved.nbytes == 2 * 4 * 4  # a checkpointed function keeps only its input
+
+
+def test_parameter_peak_of_an_unsharded_model_is_all_of_it():
+    model = models.build("transformer")
+    with fsdp.parameter_peak(model) as peak:
+        model(torch.zeros(2, 16, dtype=torch.long))
+    assert peak.nbytes == S
+    assert all(not module._forward_hooks for module in model.modules())  # the hooks are gone afterwards
+
+
+@pytest.mark.parametrize("strategy", ["hybrid_shard", "hybrid_shard_zero2"])
+def test_both_hybrid_strategies_need_whole_shard_groups(monkeypatch, strategy):
+    _refused_before_any_process(monkeypatch, FSDPConfig(strategy=strategy, shard_group_size=3), 4,
+                                f"{strategy} needs world_size divisible by shard_group_size")
+    _refused_before_any_process(monkeypatch, FSDPConfig(strategy=strategy, reshard_after_forward=4), 4,
+                                "must divide the 2 ranks that shard")

@@ -50,7 +50,11 @@ def test_launch_times_labels_each_bar_with_its_median():
     timings = [LaunchTiming("forkserver", [0.04, 0.05, 0.06]), LaunchTiming("mp.spawn", [1.2, 1.3])]
     fig = plots.launch_times(timings)
     text = _texts(fig)
-    assert "0.050 s" in text and "1.250 s" in text
+    assert "0.050 s  (0.04x mp.spawn)" in text and "1.250 s  (1.00x mp.spawn)" in text
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0  # a bar's length is its time
+    assert [bar.get_width() for bar in ax.patches] == [0.05, 1.25]
+    assert not any("floor" in label.get_text() for label in ax.get_yticklabels())  # mp.spawn is the slowest bar
 
 
 def test_ring_step_draws_one_arrow_per_transfer_and_the_counts():
@@ -78,9 +82,17 @@ def test_ring_grid_has_a_panel_per_step_and_traffic_a_line_per_algorithm():
     fig = plots.ring_grid(trace)
     titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titled[0] == "0: start" and titled[-1] == "6: all-gather" and len(titled) == 7
+    colorbar = fig.axes[-1]  # a colour reads back as a count, 0 to N
+    assert "inputs summed" in colorbar.get_ylabel() and colorbar.get_ylim() == (0, 4)
     table = ring.traffic_table([2, 4, 8])
     ax = plots.traffic([2, 4, 8], table).axes[0]
-    assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] == list(table)
+    labels = [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+    assert [label.split(" (the same as")[0] for label in labels] == list(table)
+    # Equal series are said to be equal, and the later one is drawn hollow and larger, so both show.
+    assert labels[2] == "reduce + broadcast (the same as naive all-reduce)"
+    assert labels[4] == "halving-doubling all-reduce (the same as ring all-reduce)"
+    lines = ax.get_lines()
+    assert lines[4].get_markerfacecolor() == "none" and lines[4].get_markersize() > lines[0].get_markersize()
     assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
 
 
@@ -100,6 +112,12 @@ def test_busbw_plot_shows_the_sweep_and_the_fit():
     assert fitted.get_ydata()[-1] == pytest.approx(rows[-1].busbw_gbs)  # the model through its own data
     assert "alpha = 100 us, b = 2.00 GB/s" in fitted.get_label()
     assert "bytes" in ax.get_xlabel() and "GB/s" in ax.get_ylabel() and ax.get_title()
+    by_ring = [Row("allreduce", "ring", 2, r.size_bytes, r.count, r.dtype, r.time_us * 2, r.algbw_gbs / 2,
+                   r.busbw_gbs / 2) for r in rows]
+    library, ring_line, _ = plots.busbw(rows, truth, compare=by_ring).axes[0].get_lines()
+    assert library.get_label() == "dist.all_reduce, measured (2 ranks)"
+    assert ring_line.get_label() == "dtlib's send/recv ring, measured (2 ranks)"
+    assert list(ring_line.get_ydata()) == [r.busbw_gbs for r in by_ring]
 
 
 def test_collective_figure_shows_every_value_before_and_after():
@@ -110,3 +128,52 @@ def test_collective_figure_shows_every_value_before_and_after():
     assert sorted(t.get_text() for t in before.texts) == ["0", "1", "10", "11"]
     assert [t.get_text() for t in after.texts if t.get_text()] == ["0", "1", "10", "11", "nothing received"]
     assert after.get_title() == "after gather (gloo)" and before.get_xlabel() == "position in the tensor"
+
+
+def _strategy_rows():
+    from dtlib.fsdp_compare import StrategyRow
+
+    parts = {"parameters": 56128, "gradients": 56128, "optimizer_state": 112376}
+    comm = {"all_gather": {"calls": 6, "bytes": 224512}, "reduce_scatter": {"calls": 3, "bytes": 112256}}
+    return [StrategyRow("DDP", 2, 1, 449144, {"parameters": 112256, "gradients": 112256, "optimizer_state": 224632},
+                        449144, 449024, {"all_reduce": {"calls": 1, "bytes": 112256}}, 9.0, 2.4, []),
+            StrategyRow("FSDP2 no reshard after forward", 2, 2, 224632, parts, 336888, 336768, comm, 30.0, 2.4, []),
+            StrategyRow("FSDP1 SHARD_GRAD_OP", 2, 2, 224632, parts, None, 336768, comm, 20.0, 2.4, [])]
+
+
+def test_memory_bars_put_each_formula_in_a_bar_beside_the_measurement():
+    rows = _strategy_rows()
+    ax = plots.memory_bars(rows).axes[0]
+    formula = next(c for c in ax.containers if c.get_label() == "formula at the peak")
+    assert [bar.get_height() for bar in formula] == pytest.approx([r.estimate / 1e3 for r in rows])
+    measured_x = {round(bar.get_x(), 6) for c in ax.containers if c.get_label().startswith("measured") for bar in c}
+    assert not measured_x & {round(bar.get_x(), 6) for bar in formula}  # side by side, never on top
+    tops = [sum(bar.get_height() for c in ax.containers if c.get_label().startswith("measured") for bar in c
+                if abs(bar.get_x() + bar.get_width() / 2 - (i - 0.19)) < 1e-6) for i in range(len(rows))]
+    assert tops == pytest.approx([(r.peak or r.at_rest) / 1e3 for r in rows])
+    assert [t.get_text() for t in ax.texts] == ["peak not\nvisible\n(FSDP1)"]  # only where FSDP1 hides it
+    assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1  # outside the data
+
+
+def test_comm_bars_draw_no_line_across_the_strategies():
+    rows = _strategy_rows()
+    sent = {"DDP": 112256.0, "FSDP2 no reshard after forward": 112256.0, "FSDP1 SHARD_GRAD_OP": 112256.0}
+    ax = plots.comm_bars(rows, sent).axes[0]
+    assert not ax.get_lines()
+    ring = next(c for c in ax.containers if c.get_label().startswith("sent by one rank"))
+    assert [bar.get_height() for bar in ring] == pytest.approx([sent[r.label] / 1e3 for r in rows])
+    gathers = next(c for c in ax.containers if c.get_label() == "all-gather buffer S")
+    assert [bar.get_height() for bar in gathers] == pytest.approx([0, 224.512, 224.512])
+    assert len(plots.comm_bars(rows).axes[0].containers) == 3  # no ring bars unless given
+
+
+def test_ddp_timeline_labels_every_bucket_and_buckets_launched_together_apart():
+    from types import SimpleNamespace
+
+    comm = [(0.004, 0.006, 2**20), (0.009, 0.011, 2**20), (0.0091, 0.0115, 31 * 2**10)]  # the last two at once
+    result = SimpleNamespace(rank=0, hidden_share=[0.5], timeline={"step": 1, "start_s": 0.0, "compute_end_s": 0.010,
+                                                                   "end_s": 0.012, "comm": comm})
+    ax = plots.ddp_timeline([result]).axes[0]
+    assert [text.get_text().strip() for text in ax.texts] == ["1.00", "1.00", "0.03"]  # MiB
+    assert ax.texts[1].get_position()[1] != ax.texts[2].get_position()[1]
+    assert "Step 1: 50% of communication hidden" in ax.get_title()

@@ -48,46 +48,57 @@ def shard(full_shape: Sequence[int], world_size: int, name: str = "a parameter")
 
 
 def memory_bars(rows: Sequence[Any], title: str = "") -> Figure:
-    """Model-state bytes per rank for each strategy (``dtlib.fsdp_compare.StrategyRow`` s): measured at
-    rest (stacked: parameters, gradients, optimizer state), the weights gathered between forward and
-    backward on top (grey), and the ZeRO formula as a black tick."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.2))
+    """Model-state bytes per rank for each strategy (``dtlib.fsdp_compare.StrategyRow`` s), two bars each.
+
+    Left, measured: at rest (stacked: parameters, gradients, optimizer state), and on top (grey, hatched) the
+    weights gathered between forward and backward; FSDP1 hides those in its own buffers, so its bar says so.
+    Right, an outlined bar: the formula for the same setting at its peak (``row.estimate``).
+    """
+    fig, ax = plt.subplots(figsize=(min(14.0, 3.0 + 1.5 * len(rows)), 4.2))
     x = np.arange(len(rows))
+    width = 0.38
     bottom = np.zeros(len(rows))
     for part in ("parameters", "gradients", "optimizer_state"):
         values = np.array([r.at_rest_parts[part] for r in rows]) / 1e3
-        ax.bar(x, values, bottom=bottom, color=PART_COLORS[part], label=part.replace("_", " "))
+        ax.bar(x - width / 2, values, width, bottom=bottom, color=PART_COLORS[part],
+               label=f"measured: {part.replace('_', ' ')}")
         bottom += values
     gathered = np.array([(r.peak - r.at_rest) if r.peak is not None else 0 for r in rows]) / 1e3
-    ax.bar(x, gathered, bottom=bottom, color=PART_COLORS["gathered"], hatch="//",
-           label="weights gathered between forward and backward")
-    ax.scatter(x, [r.estimate / 1e3 for r in rows], marker="_", s=900, color="black", zorder=3,
-               label="ZeRO formula (peak)")
+    ax.bar(x - width / 2, gathered, width, bottom=bottom, color=PART_COLORS["gathered"], hatch="//",
+           label="measured: weights gathered\nbetween forward and backward")
+    formula = np.array([r.estimate for r in rows]) / 1e3
+    ax.bar(x + width / 2, formula, width, fill=False, edgecolor="black", linestyle="--", linewidth=1.2,
+           label="formula at the peak")
+    for i, row in enumerate(rows):
+        if row.peak is None:
+            ax.text(x[i] - width / 2, bottom[i], "peak not\nvisible\n(FSDP1)", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, tick_names([r.label for r in rows]), fontsize=8)
     ax.set_ylabel("kB per rank (1 kB = 1000 bytes)")
-    ax.set_ylim(0, 1.4 * max(max(bottom + gathered), max(r.estimate / 1e3 for r in rows)))
-    ax.set_title(title or f"Model state per rank, {rows[0].world_size} ranks, fp32 + Adam")
-    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.set_ylim(0, 1.2 * max(max(bottom + gathered), max(formula)))
+    ax.set_title(title or f"Model state per rank, {rows[0].world_size} ranks, fp32 + Adam: measured | formula")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
 
 
 def comm_bars(rows: Sequence[Any], sent_per_rank: Mapping[str, float] | None = None, title: str = "") -> Figure:
     """Bytes per step by collective (buffer size S, as nccl-tests counts it) for each strategy, and, if
-    given, the bytes one rank sends on a ring as a line."""
+    given, the bytes one rank sends on a ring as a fourth, hatched bar in each group."""
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.0))
+    series = len(kinds) + (sent_per_rank is not None)
+    fig, ax = plt.subplots(figsize=(min(14.0, 3.0 + 1.5 * len(rows)), 4.0))
     x = np.arange(len(rows))
-    width = 0.25
+    width = 0.8 / series
     for i, kind in enumerate(kinds):
         values = [r.comm.get(kind, {"bytes": 0})["bytes"] / 1e3 for r in rows]
-        ax.bar(x + (i - 1) * width, values, width, label=kind.replace("_", "-"))
+        ax.bar(x + (i - (series - 1) / 2) * width, values, width, label=f"{kind.replace('_', '-')} buffer S")
     if sent_per_rank is not None:
-        ax.plot(x, [sent_per_rank[r.label] / 1e3 for r in rows], "ko-", label="bytes one rank sends (ring)")
+        ax.bar(x + (series - 1) / 2 * width, [sent_per_rank[r.label] / 1e3 for r in rows], width, color="white",
+               edgecolor="black", hatch="xx", label="sent by one rank\n(ring, all collectives)")
     ax.set_xticks(x, tick_names([r.label for r in rows]), fontsize=8)
     ax.set_ylabel("kB per training step (1 kB = 1000 bytes)")
     ax.set_title(title or "Collectives per step, measured by counting the calls")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
 
@@ -110,12 +121,14 @@ def zero_stages(num_params: float, world_size: int, **bytes_per_param: float) ->
 
 
 def guide_bars(advice: Any, title: str = "") -> Figure:
-    """Model state per GPU under each candidate strategy (a ``dtlib.guide.Recommendation``), the
-    budget left after the activation reserve as a line, the chosen strategy highlighted."""
+    """Model state per GPU under each GPU candidate (a ``dtlib.guide.Recommendation``), the budget left
+    after the activations as a line, the chosen strategy highlighted; below, the host RAM per node that
+    CPU offload needs against the usable RAM."""
     names = list(advice.gb_per_gpu)
     values = [advice.gb_per_gpu[name] for name in names]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    colors = ["#55A868" if name == advice.choice else ("#4C72B0" if v <= advice.budget_gb else "#BBBBBB")
+    chosen = "DDP" if advice.choice.startswith("DDP") else advice.choice
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    colors = ["#55A868" if name == chosen else ("#4C72B0" if v <= advice.budget_gb else "#BBBBBB")
               for name, v in zip(names, values, strict=True)]
     ax.barh(names, values, color=colors)
     ax.axvline(advice.budget_gb, color="#C44E52", ls="--",
@@ -124,10 +137,14 @@ def guide_bars(advice: Any, title: str = "") -> Figure:
         ax.text(value, i, f" {value:.1f} GB", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    ax.set_xlim(min(values + [advice.budget_gb]) / 2, max(values + [advice.budget_gb]) * 4)
     ax.set_xlabel("model state per GPU (GB, log scale)")
     ax.set_title(title or f"Recommended: {advice.choice}")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    fits = "fits" if advice.host_gb_per_node <= advice.host_budget_gb else "does not fit"
+    fig.text(0.01, 0.01, f"Chosen: {advice.choice}. CPU offload needs {advice.host_gb_per_node:.0f} GB of host RAM "
+             f"per node: it {fits} the {advice.host_budget_gb:.0f} GB usable.", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
