@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 
-from dtlib.plots import COLORS, _arrow, _box
+from dtlib.plots._style import COLORS, _arrow, _box
 
 
 def _ring_positions(n: int, radius: float = 2.6, center: tuple[float, float] = (3.4, 3.4)) -> list[tuple[float, float]]:

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from dtlib.plots import tick_names
+from dtlib.plots._style import tick_names
 
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]

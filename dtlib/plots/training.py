@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dtlib.plots import COLORS, tick_names
+from dtlib.plots._style import COLORS, tick_names
 
 
 def loss_curves(results: Sequence[Any], reference: Any = None, title: str = "Loss per step, every rank") -> Figure:
