@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dtlib import memory
 from dtlib.fsdp import FSDPConfig, FSDPResult, run
 
 QUIET: dict[str, Any] = {"output": "none"}
@@ -106,7 +107,7 @@ class StrategyRow:
     at_rest: int  # bytes of parameters + gradients + optimizer state held between steps
     at_rest_parts: dict[str, int]  # the same, split as dtlib.memory.measured splits it
     peak: int | None  # at rest plus the parameters gathered between forward and backward (None: FSDP1 hides them)
-    estimate: float  # the ZeRO formula for the same setting (fp32 weights and gradients, Adam)
+    estimate: float  # the formula for the same setting at its peak, fp32 Adam: DDP 16P, FSDP dtlib.memory.fsdp_estimate
     comm: dict[str, dict[str, int]]  # {kind: {"calls", "bytes"}} in the last step
     step_ms: float
     final_loss: float
@@ -126,12 +127,21 @@ SETTINGS: dict[str, dict[str, Any]] = {
 def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
     first = results[0]
     at_rest = sum(first.memory_at_rest.values())
-    gathered = first.parameters_after_forward
-    peak = None if gathered is None else at_rest + max(0, gathered - first.memory_at_rest["parameters"])
+    after_forward = first.parameters_after_forward  # bytes of model.parameters() between forward and backward
+    # DDP's parameters, and FSDP2's resharded ones, are the very tensors held at rest. FSDP2's gathered
+    # parameters are a second copy: the fp32 shards stay beside them (dtlib.memory.fsdp_breakdown).
+    keeps_gathered = first.api != "ddp" and after_forward != first.memory_at_rest["parameters"]
+    peak = None if after_forward is None else at_rest + (after_forward if keeps_gathered else 0)
     step_s = max(statistics.median(r.step_times_s[1:] or r.step_times_s) for r in results)
     shard_group = 1 if first.api == "ddp" else 2 if "HSDP" in label else first.world_size
-    return StrategyRow(label, first.world_size, shard_group, at_rest, first.memory_at_rest, peak,
-                       sum(first.estimate.values()), first.comm[-1], step_s * 1e3, first.losses[-1], first.notes)
+    if first.api == "ddp":
+        estimate = memory.estimate(first.num_params, first.world_size, "ddp", param_bytes=4, grad_bytes=4,
+                                   optim_bytes_per_param=8)
+    else:
+        estimate = memory.fsdp_estimate(first.num_params, shard_group, compute_bytes=4,
+                                        reshard_after_forward=SETTINGS[label]["strategy"] != "shard_grad_op")
+    return StrategyRow(label, first.world_size, shard_group, at_rest, first.memory_at_rest, peak, estimate,
+                       first.comm[-1], step_s * 1e3, first.losses[-1], first.notes)
 
 
 def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, steps: int = 6,
@@ -201,15 +211,13 @@ def documented_fsdp1_full_state_dict_route(world_size: int = 2) -> str:
 
 def comparison_table(rows: list[StrategyRow], gpu_memory_gb: float = 80, num_gpus: int = 8) -> list[str]:
     """The usual DDP-against-FSDP table as text lines, numeric rows measured (``rows`` from
-    :func:`strategies`) or computed (largest model, from ``dtlib.guide.largest_model``)."""
+    :func:`strategies`) or computed (largest model with mixed-precision AdamW, from ``dtlib.guide.largest_model``)."""
     from dtlib.guide import largest_model
 
-    stage = {"DDP": "ddp", "FSDP2 full shard": "zero3", "FSDP2 no reshard after forward": "zero2",
-             "FSDP2 HSDP (2 x 2 mesh)": "zero3", "FSDP1 FULL_SHARD": "zero3", "FSDP1 SHARD_GRAD_OP": "zero2"}
+    choice = {"DDP": "DDP", "FSDP2 full shard": "FSDP full sharding", "FSDP1 FULL_SHARD": "FSDP full sharding",
+              "FSDP2 no reshard after forward": "FSDP, no reshard after forward",
+              "FSDP1 SHARD_GRAD_OP": "FSDP, no reshard after forward", "FSDP2 HSDP (2 x 2 mesh)": "HSDP"}
     ddp = next(r for r in rows if r.label == "DDP")
-
-    def shards(row: StrategyRow) -> int:  # HSDP: shard over half the GPUs, two replicas
-        return num_gpus // 2 if "HSDP" in row.label else num_gpus
 
     cells = {
         "state per rank (kB)": [f"{r.at_rest / 1e3:.1f}" for r in rows],
@@ -218,8 +226,8 @@ def comparison_table(rows: list[StrategyRow], gpu_memory_gb: float = 80, num_gpu
                           "AG + RS" + (" + AR" if "all_reduce" in r.comm else "") for r in rows],
         "sent per rank, step (kB)": [f"{bytes_sent_per_rank(r) / 1e3:.1f}" for r in rows],
         "traffic vs DDP": [f"{bytes_sent_per_rank(r) / bytes_sent_per_rank(ddp):.2f}x" for r in rows],
-        f"largest, {num_gpus} x {gpu_memory_gb:g} GB GPUs": [
-            f"{largest_model(stage[r.label], gpu_memory_gb, shards(r)) / 1e9:.1f}B params" for r in rows],
+        f"largest, {num_gpus} x {gpu_memory_gb:g} GB GPUs": [  # HSDP: two shard groups ("nodes") of half the GPUs
+            f"{largest_model(choice[r.label], gpu_memory_gb, num_gpus, nodes=2) / 1e9:.1f}B params" for r in rows],
         "step time here (ms)": [f"{r.step_ms:.1f}" for r in rows],
         "final loss": [f"{r.final_loss:.4f}" for r in rows],
         "set-up": ["DDP(model)" if r.label == "DDP" else "fully_shard/block" for r in rows],

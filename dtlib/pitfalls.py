@@ -256,6 +256,18 @@ def shape_mismatch(world_size: int = 2, timeout: float = 8.0) -> dict[str, Any]:
             "fixed": fixed, "expected": expected.tolist(), "fixed_correct": all(f == expected.tolist() for f in fixed)}
 
 
+def fingerprint_summary(message: str) -> str:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s "Detected mismatch between collectives" error, one clause a line
+    and without each tensor's ``TensorOptions(...)`` repeated. Example::
+
+        fingerprint_summary(str(err)).splitlines()[0]   # "Detected mismatch between collectives on ranks."
+    """
+    short = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?memory_format=\(\w+\)\)", "", message)
+    short = re.sub(r"\s+", " ", short).replace("on ranks. Rank", "on ranks.\nRank")
+    short = short.replace("), but Rank", "),\nbut Rank").replace(").Collectives differ", ").\nCollectives differ")
+    return short.strip()
+
+
 def _load_with_and_without_map_location(rank: int, world_size: int, path: str) -> dict[str, str]:
     gpus = torch.cuda.device_count()
     mine = torch.device("cuda", rank % gpus) if torch.cuda.is_available() else torch.device("cpu")

@@ -39,10 +39,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str]) -> list[str]:
+def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
+             module: str = "torch.distributed.run") -> list[str]:
     # --tee=3: torchrun relays each rank's stdout and stderr line by line, prefixed [default<LOCAL_RANK>]:
-    return [sys.executable, "-m", "torch.distributed.run", *options, f"--nproc_per_node={nproc_per_node}", "--tee=3",
-            *target]
+    return [sys.executable, "-m", module, *options, f"--nproc_per_node={nproc_per_node}", "--tee=3", *target]
 
 
 def _start(command: list[str]) -> subprocess.Popen[str]:
@@ -81,18 +81,29 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
                 out = ""
             out += f"\n[dtlib.torchrun] stopped after {timeout:.0f} s"
         outputs.append(out)
-    shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) for c in commands]
+    shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) if "torch.distributed.run" in c
+             else " ".join(["python", *c[1:]]) for c in commands]
     return [Finished(cmd, p.returncode, out) for cmd, p, out in zip(shown, processes, outputs, strict=True)]
 
 
-def launch(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0) -> Finished:
+def launch(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0, legacy: bool = False) -> Finished:
     """``torchrun --standalone --nproc_per_node=N <target>``: one node, a fresh rendezvous on a free port.
 
     ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or
-    ``["-m", "dtlib.train", "ddp"]``.
+    ``["-m", "dtlib.train", "ddp"]``. ``legacy=True`` runs the deprecated ``python -m
+    torch.distributed.launch`` instead, which also passes ``--local-rank=N`` to the script.
     """
-    command = _command(target, nproc_per_node, ["--standalone"])
+    module = "torch.distributed.launch" if legacy else "torch.distributed.run"
+    command = _command(target, nproc_per_node, ["--standalone"], module)
     return _finish([_start(command)], [command], timeout)[0]
+
+
+def exit_codes(finished: Finished) -> dict[int, int]:
+    """The exit code of each failed rank, by global rank, from the failure summary torchrun prints
+    (torchrun itself exits with 1 whatever they were). Example: ``{0: -15, 1: 3}`` (rank 1 exited with 3,
+    then the agent stopped rank 0 with SIGTERM); ``{}`` when none failed."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", finished.output)
+    return {int(rank): int(code) for rank, code in found}
 
 
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",

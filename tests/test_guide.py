@@ -16,11 +16,16 @@ def _params_for(gb_per_gpu: float, bytes_per_param: float) -> float:
     return gb_per_gpu * 1e9 / bytes_per_param
 
 
-@pytest.mark.parametrize("mixed_precision, optimizer, expected", [
-    (True, "adamw", 16), (False, "adamw", 16), (True, "sgd", 12), (False, "sgd", 12),
+HOST = 1000.0 * (1 - guide.HOST_RESERVE)  # GB of a node's RAM that offloading may use, by default
+
+
+@pytest.mark.parametrize("mixed_precision, optimizer, state, compute", [
+    (True, "adamw", 16, 2), (False, "adamw", 16, 4), (True, "sgd", 12, 2), (False, "sgd", 12, 4),
 ])
-def test_bytes_per_param(mixed_precision, optimizer, expected):
-    assert sum(guide.bytes_per_param(mixed_precision, optimizer).values()) == expected
+def test_bytes_per_param(mixed_precision, optimizer, state, compute):
+    sizes = guide.bytes_per_param(mixed_precision, optimizer)
+    assert sizes["param_bytes"] + sizes["grad_bytes"] + sizes["optim_bytes_per_param"] == state  # fp32 throughout
+    assert sizes["compute_bytes"] == compute  # the dtype FSDP gathers the weights in
 
 
 def test_ddp_up_to_the_budget_then_checkpointing_then_fsdp():
@@ -32,27 +37,37 @@ def test_ddp_up_to_the_budget_then_checkpointing_then_fsdp():
     assert guide.recommend(at_tight * (1 + EPS), MEM, 8).choice == "FSDP, no reshard after forward"
 
 
-def test_zero2_then_full_sharding_on_one_node():
+def test_no_reshard_then_full_sharding_on_one_node():
     n = 8
-    at_zero2 = _params_for(BUDGET, 2 + 14 / n)  # ZeRO-2: 2P + 14P/N
-    assert guide.recommend(at_zero2, MEM, n).choice == "FSDP, no reshard after forward"
-    assert guide.recommend(at_zero2 * (1 + EPS), MEM, n).choice == "FSDP full sharding"
+    at_no_reshard = _params_for(BUDGET, 2 + 16 / n)  # FSDP2, bf16 compute: 2P + 16P/N (not ZeRO-2's 2P + 14P/N)
+    assert guide.recommend(at_no_reshard, MEM, n).choice == "FSDP, no reshard after forward"
+    assert guide.recommend(at_no_reshard * (1 + EPS), MEM, n).choice == "FSDP full sharding"
+    in_fp32 = _params_for(BUDGET, 4 + 16 / n)  # fp32 compute gathers 4-byte weights: 4P + 16P/N
+    assert guide.recommend(in_fp32, MEM, n, mixed_precision=False).choice == "FSDP, no reshard after forward"
+    assert guide.recommend(in_fp32 * (1 + EPS), MEM, n, mixed_precision=False).choice == "FSDP full sharding"
     at_zero3 = _params_for(BUDGET, 16 / n)
     assert guide.recommend(at_zero3, MEM, n).choice == "FSDP full sharding"
     assert guide.recommend(at_zero3 * (1 + EPS), MEM, n).choice == "FSDP full sharding + CPU offload"
 
 
-def test_offload_then_model_parallelism():
-    n = 8
-    at_offload = _params_for(BUDGET, 4 / n)  # weight and gradient shards only: (2 + 2) P / N
-    assert guide.recommend(at_offload, MEM, n).choice == "FSDP full sharding + CPU offload"
-    assert guide.recommend(at_offload * (1 + EPS), MEM, n).choice == "tensor / pipeline parallelism"
+def test_offload_is_bounded_by_host_ram_not_by_the_gpus():
+    """Offload puts the fp32 weight and gradient shards (pinned) and Adam's moments in host RAM: 16 bytes per
+    parameter on each node, whatever the GPUs hold. 70B on one node needs 1,120 GB of it."""
+    advice = guide.recommend(70e9, MEM, 8)
+    assert advice.host_gb_per_node == pytest.approx(1120) and advice.host_budget_gb == pytest.approx(HOST)
+    assert advice.choice == "tensor / pipeline parallelism" and "1120 GB of host RAM" in advice.reason
+    assert guide.recommend(70e9, MEM, 8, host_memory_gb=2000).choice == "FSDP full sharding + CPU offload"
+    assert guide.recommend(70e9, MEM, 16, nodes=2).host_gb_per_node == pytest.approx(560)  # two nodes share it
+    at_offload = HOST * 1e9 / 16
+    assert guide.recommend(at_offload, MEM, 8).choice == "FSDP full sharding + CPU offload"
+    assert guide.recommend(at_offload * (1 + EPS), MEM, 8).choice == "tensor / pipeline parallelism"
+    assert "FSDP full sharding + CPU offload" not in advice.gb_per_gpu  # the GPUs hold only the layers computed
 
 
 def test_hsdp_across_nodes_when_one_node_can_hold_a_full_shard_set():
     gpus, nodes = 16, 2
     at_hsdp = _params_for(BUDGET, 16 / (gpus // nodes))  # ZeRO-3 within one node of 8
-    assert at_hsdp > _params_for(BUDGET, 2 + 14 / gpus)  # beyond ZeRO-2 over all 16: HSDP's rule decides
+    assert at_hsdp > _params_for(BUDGET, 2 + 16 / gpus)  # beyond no reshard over all 16: HSDP's rule decides
     assert guide.recommend(at_hsdp, MEM, gpus, nodes=nodes).choice == "HSDP"
     assert guide.recommend(at_hsdp * (1 + EPS), MEM, gpus, nodes=nodes).choice == "FSDP full sharding"
     assert guide.recommend(at_hsdp, MEM, gpus, nodes=1).choice == "FSDP full sharding"  # one node: no HSDP
@@ -85,6 +100,91 @@ def test_bad_input(call, match):
         call()
 
 
+NOT_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("value", NOT_FINITE)
+@pytest.mark.parametrize("argument", ["num_params", "gpu_memory_gb", "num_gpus", "nodes", "host_memory_gb",
+                                      "activation_gb", "inter_node_gb_per_s"])
+def test_nan_and_infinity_are_refused_by_name(argument, value):
+    """NaN compares False with everything, so without a check it slips past every rule into a confident answer."""
+    arguments = {"num_params": 7e9, "gpu_memory_gb": 80, "num_gpus": 8, "nodes": 1, "host_memory_gb": 1000,
+                 "activation_gb": 10, "inter_node_gb_per_s": 50, argument: value}
+    with pytest.raises(ValueError, match=f"{argument} must be a finite number"):
+        guide.recommend(arguments.pop("num_params"), arguments.pop("gpu_memory_gb"), arguments.pop("num_gpus"),
+                        **arguments)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: guide.recommend(1e9, 80, 8.5), "num_gpus must be a whole number"),
+    (lambda: guide.recommend(1e9, 80, 8, inter_node_gb_per_s=0), "inter_node_gb_per_s must be > 0"),
+    (lambda: guide.recommend(1e9, 80, 8, host_memory_gb=-1), "host_memory_gb must be >= 0"),
+    (lambda: guide.largest_model("FSDP full sharding + CPU offload"), "choice must be one of"),
+    (lambda: guide.largest_model("DDP", gpu_memory_gb=float("nan")), "gpu_memory_gb must be a finite number"),
+    (lambda: guide.largest_model("DDP", num_gpus=float("inf")), "num_gpus must be a finite number"),
+    (lambda: guide.cross_node_gb(float("nan"), 16, 2), "num_params must be a finite number"),
+    (lambda: guide.model_state_gb(1e9, 8, nodes=float("nan")), "nodes must be a finite number"),
+    (lambda: guide.check_choice("DDP", float("inf"), 80, 8), "num_params must be a finite number"),
+])
+def test_other_bad_numbers(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_whole_numbers_of_any_type_are_accepted():
+    import numpy as np
+
+    assert guide.recommend(7e9, 80, np.int64(8), nodes=np.int64(1)).choice == guide.recommend(7e9, 80, 8).choice
+    assert guide.recommend(7e9, 80.0, 8.0).choice == guide.recommend(7e9, 80, 8).choice
+
+
+def test_cross_node_bytes_by_hand():
+    p, n, nodes = 1e9, 16, 2
+    across = guide.cross_node_gb(p, n, nodes)
+    assert across["DDP"] == pytest.approx(2 * 15 / 16 * 4)  # all-reduce of fp32 gradients over all 16
+    assert across["FSDP, no reshard after forward"] == pytest.approx(15 / 16 * (2 + 4))  # bf16 gather, fp32 RS
+    assert across["FSDP full sharding"] == pytest.approx(15 / 16 * (2 * 2 + 4))  # gathered twice
+    assert across["HSDP"] == pytest.approx(2 * 1 / 2 * 4 / 8)  # only the shard's all-reduce, 2 replicas
+    assert across["DDP"] / across["HSDP"] == pytest.approx(15)  # 2(N-1)/N x 4P against 2(r-1)/r x 4P/g
+    assert set(guide.cross_node_gb(p, 8, 1).values()) == {0.0}  # one node: nothing crosses nodes
+    fp32 = guide.cross_node_gb(p, n, nodes, mixed_precision=False)
+    assert fp32["FSDP full sharding"] / fp32["DDP"] == pytest.approx(1.5)  # notebook 06's measured ratios
+    assert fp32["FSDP, no reshard after forward"] / fp32["DDP"] == pytest.approx(1.0)
+
+
+def test_a_slow_link_between_nodes_moves_the_choice_to_hsdp():
+    slow = guide.SLOW_LINK_GB_PER_S * (1 - EPS)
+    for params, usual in ((1e9, "DDP"), (7e9, "FSDP, no reshard after forward")):
+        assert guide.recommend(params, MEM, 16, nodes=2).choice == usual  # 50 GB/s per GPU: fast
+        assert guide.recommend(params, MEM, 16, nodes=2, inter_node_gb_per_s=guide.SLOW_LINK_GB_PER_S).choice == usual
+        advice = guide.recommend(params, MEM, 16, nodes=2, inter_node_gb_per_s=slow)
+        assert advice.choice == "HSDP" and f"{usual} would send" in advice.reason, advice.reason
+        assert guide.recommend(params, MEM, 8, inter_node_gb_per_s=slow).choice == usual  # one node: no link
+    # HSDP must still fit: 40B needs 80 GB per GPU sharded within a node of 8, so full sharding over both
+    assert guide.recommend(40e9, MEM, 16, nodes=2, inter_node_gb_per_s=1.5).choice == "FSDP full sharding"
+
+
+def test_the_batch_you_want_decides_through_the_activations():
+    """A larger batch needs more activation memory; sharding frees room for it."""
+    assert guide.recommend(1e9, MEM, 8).choice == "DDP"  # 16 GB of model state, 30% reserve
+    room = MEM * (1 - guide.CHECKPOINTING_RESERVE) - 16  # what DDP leaves: 56 GB
+    assert guide.recommend(1e9, MEM, 8, activation_gb=room).choice == "DDP"
+    bigger = guide.recommend(1e9, MEM, 8, activation_gb=room * (1 + EPS))
+    assert bigger.choice == "FSDP, no reshard after forward" and bigger.budget_gb < room
+    assert bigger.activation_room_gb["FSDP, no reshard after forward"] == pytest.approx(72 - 4)  # 2P + 16P/8 = 4
+    assert "68.0 GB per GPU for activations" in bigger.reason
+
+
+def test_largest_model_inverts_the_formulas():
+    assert guide.largest_model("DDP") == pytest.approx(BUDGET * 1e9 / 16)  # 3.5B on 80 GB
+    assert guide.largest_model("FSDP, no reshard after forward") == pytest.approx(BUDGET * 1e9 / (2 + 16 / 8))
+    assert guide.largest_model("FSDP full sharding") == pytest.approx(BUDGET * 1e9 / 2)
+    assert guide.largest_model("HSDP", num_gpus=8, nodes=2) == pytest.approx(BUDGET * 1e9 / 4)
+    for choice in guide.ON_GPU:  # at the largest size, the choice's model state is the budget exactly
+        size = guide.largest_model(choice)
+        assert guide.model_state_gb(size, 8)[choice] == pytest.approx(BUDGET)
+
+
 # -- notebook 06's exercise checker --------------------------------------------------------------
 
 
@@ -100,7 +200,8 @@ def test_check_choice_accepts_what_recommend_picks():
     # a replica of 4.6e9 needs 73.6 GB: more than checkpointing's 72 GB (10% reserve), not only than 56 GB
     (4.6e9, "DDP + activation checkpointing", 1, ["needs 73.6 GB", "72.0 GB budget", "minus 10%"]),
     (4.6e9, "DDP", 1, ["needs 73.6 GB", "56.0 GB budget", "minus 30%"]),
-    (20e9, "FSDP, no reshard after forward", 1, ["needs 75.0 GB", "56.0 GB budget"]),
+    (20e9, "FSDP, no reshard after forward", 1, ["needs 80.0 GB", "56.0 GB budget"]),  # 2 x 20 + 16 x 20 / 8
+    (70e9, "FSDP full sharding + CPU offload", 1, ["needs 1120.0 GB of host RAM per node", "800.0 GB usable"]),
     (1e9, "FSDP full sharding", 1, ["would fit, but a simpler strategy fits too: DDP"]),
     (20e9, "FSDP", 1, ["'FSDP, no reshard after forward', 'HSDP'"]),  # each choice quoted: one has a comma
 ])

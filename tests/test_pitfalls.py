@@ -180,6 +180,43 @@ def test_shape_mismatch_fails_and_padding_gives_the_direct_sum():
     assert result["expected"] == expected and result["fixed"] == [expected, expected] and result["fixed_correct"]
 
 
+def _all_reduce_with_detail(rank: int, world_size: int, shapes: list[list[int]]) -> str:
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()  # the ranks' torch was imported before the variable was set
+    dist.init_process_group("gloo")
+    try:
+        dist.all_reduce(torch.ones(shapes[rank]))
+        return "no error"
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shapes, differ", [([[4], [8]], ("4vs 8", "8vs 4")),  # torch's spacing, by rank
+                                            ([[2, 4], [4, 2]], ("2 4vs 4 2", "4 2vs 2 4")), ([[3], [3]], None)])
+def test_detail_names_mismatched_collectives_even_with_equal_element_counts(shapes, differ):
+    """Notebook 08: under TORCH_DISTRIBUTED_DEBUG=DETAIL both ranks raise and name both shapes; equal shapes pass."""
+    said = dtlib.spawn(_all_reduce_with_detail, 2, args=(shapes,), init_process_group=False, timeout=45,
+                       output="none")
+    if differ is None:
+        assert said == ["no error", "no error"]
+        return
+    for rank, message in enumerate(said):
+        lines = pitfalls.fingerprint_summary(message).splitlines()
+        assert lines[0] == "Detected mismatch between collectives on ranks.", message
+        mine, theirs = (shapes[rank], shapes[1 - rank])
+        assert f"Rank {rank} is running collective" in lines[1] and f"TensorShape={mine}".replace(" ", "") in \
+            lines[1].replace(" ", "")
+        assert f"TensorShape={theirs}".replace(" ", "") in lines[2].replace(" ", "") and "TensorOptions" not in lines[2]
+        assert lines[3] == f"Collectives differ in the following aspects: Tensor Tensor shapes: {differ[rank]}"
+
+
+def test_fingerprint_summary_leaves_other_messages_readable():
+    assert pitfalls.fingerprint_summary("  some other\n error ") == "some other error"
+
+
 # -- 9. map_location ----------------------------------------------------------------------------
 
 

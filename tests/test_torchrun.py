@@ -42,6 +42,52 @@ def test_runners_start_under_torchrun(runner):
     assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
 
 
+@pytest.mark.timeout(120)
+def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
+    """Notebook 07: torchrun does not pass a rank's exit code on; its summary names it."""
+    failed = torchrun.launch(["-m", "dtlib.examples.exit_code", "--rank", "1", "--code", "3"], nproc_per_node=2,
+                             timeout=90)
+    assert failed.returncode == 1, failed.output[-2000:]
+    assert torchrun.exit_codes(failed) == {0: -15, 1: 3}  # rank 0, still working, was stopped with SIGTERM
+    assert "Root Cause" in failed.output and "exitcode  : 3" in failed.output
+    assert torchrun.exit_codes(torchrun.Finished("torchrun x.py", 0, "[default0]:done\n")) == {}
+
+
+@pytest.mark.timeout(150)
+def test_the_deprecated_launcher_adds_local_rank_to_the_arguments_and_torchrun_does_not():
+    target = ["-m", "dtlib.examples.local_rank", "--lr", "0.1"]
+    old, new = torchrun.launch(target, legacy=True, timeout=90), torchrun.launch(target, timeout=90)
+    assert old.returncode == new.returncode == 0, (old.output[-2000:], new.output[-2000:])
+    assert old.command.startswith("python -m torch.distributed.launch --standalone")
+    assert "torch.distributed.launch is deprecated" in old.output
+    for local_rank in (0, 1):
+        assert (f"[default{local_rank}]:LOCAL_RANK={local_rank}, arguments ['--local-rank={local_rank}', '--lr', "
+                f"'0.1'], --local-rank {local_rank}") in old.output
+        assert f"[default{local_rank}]:LOCAL_RANK={local_rank}, arguments ['--lr', '0.1'], --local-rank None" in \
+            new.output
+
+
+def _loaded_by(rank: int, world_size: int) -> list[list[list[int]]]:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dtlib.examples.loader import IndexAndWorker
+
+    sampler = DistributedSampler(IndexAndWorker(8), shuffle=False)
+    loader = DataLoader(sampler.dataset, batch_size=2, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    return [batch.tolist() for batch in loader]
+
+
+@pytest.mark.timeout(60)
+def test_each_ranks_loader_workers_read_only_its_indices():
+    """Notebook 07's loader cell: the sampler's split (even and odd), each batch read by one worker, in turn."""
+    import dtlib
+
+    batches = dtlib.spawn(_loaded_by, 2, timeout=45, output="none")
+    for rank in (0, 1):
+        indices = list(range(rank, 8, 2))  # DistributedSampler without shuffling: every world_size-th index
+        assert batches[rank] == [[[indices[0], 0], [indices[1], 0]], [[indices[2], 1], [indices[3], 1]]]
+
+
 @pytest.mark.timeout(60)
 def test_a_hanging_job_is_stopped_at_the_timeout():
     finished = torchrun.launch(["--no-python", "sleep", "60"], nproc_per_node=1, timeout=8)
