@@ -6,76 +6,32 @@ Used by :func:`dtlib.spawn`; see :mod:`dtlib._worker` for the other end of the p
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import linecache
 import os
 import pickle
 import selectors
 import signal
 import socket
-import sys
+import threading
 import time
-import types
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from dtlib import _worker
-from dtlib.errors import RankFailure
+from dtlib._processes import HeldInterrupts, forkserver_death, forkserver_pid, send, torchrun_env
+from dtlib._relay import Relay
+from dtlib.errors import RankFailure, WorkerError
 
 ERROR_GRACE_S = 1.0  # after the first failure, how long other ranks may still report theirs
+MAX_SELECT_S = 1.0  # wake at least this often (a far deadline would overflow epoll's timeout)
+REAP_S = 10.0  # how long to wait for SIGKILLed ranks to be reaped before leaving them
 
-
-def _cell_sources() -> dict[str, list[str]]:
-    """Source lines of code that lives only in memory (notebook cells), for remote tracebacks."""
-    return {
-        name: entry[2]
-        for name, entry in list(linecache.cache.items())
-        if len(entry) == 4 and entry[1] is None and not os.path.exists(name)
-    }
-
-
-def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The variables torchrun gives one rank on a single node, with the store on ``127.0.0.1:port``."""
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        # The parent hosts the store, as torchrun's agent does: every rank is a client.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "DTLIB_SPAWN": "1",
-    }
-    if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = "1"  # what torchrun does: ranks would fight over cores
-    return env
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Stop multiprocessing from re-running the caller's script in every rank.
-
-    ``spawn`` and ``forkserver`` normally import the ``__main__`` script again in each
-    child, so a script without an ``if __name__ == "__main__":`` guard would start
-    ranks recursively. dtlib ships ``fn`` by value, so the children never need it.
-    """
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
+# Every descriptor a running job holds in this process. A rank started with ``fork`` copies
+# them all; it must close the other jobs' ones, or it keeps their pipes (and ports) open.
+_fd_lock = threading.Lock()
+_job_fds: set[int] = set()
 
 
 @dataclass(eq=False)
@@ -88,76 +44,103 @@ class RankState:
     stdout: Connection
     stderr: Connection
     stacks: Connection
-    partial: dict[str, bytes] = field(default_factory=lambda: {"out": b"", "err": b""})
-    recent_stderr: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
     outcome: tuple[str, Any] | None = None  # ("ok", value) or ("error", RankFailure)
     exited: bool = False
+    server: int | None = None  # the pid of the forkserver that forked it
 
-    def fds(self) -> list[int]:
-        return [c.fileno() for c in (self.result, self.stdout, self.stderr, self.stacks)]
+    def started(self) -> bool:
+        return self.process.pid is not None
 
 
 class Job:
-    """Starts the ranks, relays their output, and collects results or failures."""
+    """Starts the ranks, relays their output, and collects results or failures.
 
-    def __init__(self, world_size: int, output: str) -> None:
+    Everything it opens (pipes, processes, the rendezvous socket and store) is recorded the
+    moment it exists, so that :meth:`stop` and :meth:`close` release it whenever the job ends.
+    """
+
+    def __init__(self, world_size: int, output: str, method: str) -> None:
         self.world_size = world_size
-        self.output = output
+        self.method = method
+        self.relay = Relay(output)
         self.ranks: list[RankState] = []
         self.selector = selectors.DefaultSelector()
+        self.connections: list[Connection] = []
         self.alive_w: Connection | None = None
+        self.listener: socket.socket | None = None
+        self.listener_fd = -1  # its number, still in use once the store owns the socket
+        self.store: Any = None
         self.stopped = False
 
     # -- starting ---------------------------------------------------------------
-    def start(self, ctx: Any, method: str, payload: bytes, backend: str | None, listener: socket.socket) -> None:
-        """Start every rank; ``listener`` is the rendezvous socket (its port goes in MASTER_PORT)."""
-        port = listener.getsockname()[1]
-        alive_r, self.alive_w = ctx.Pipe(duplex=False)
-        sources = _cell_sources() if method != "fork" else {}
+    def _pipe(self, ctx: Any) -> tuple[Connection, Connection]:
+        """A one-way pipe, recorded for clean-up; call with ``_fd_lock`` held and interrupts held."""
+        reader, writer = ctx.Pipe(duplex=False)
+        self.connections += (reader, writer)
+        _job_fds.update((reader.fileno(), writer.fileno()))
+        return reader, writer
+
+    def _close(self, *connections: Connection) -> None:
+        """Close pipe ends; call with ``_fd_lock`` held (a fork elsewhere must not see a reused number)."""
+        for connection in connections:
+            if not connection.closed:
+                _job_fds.discard(connection.fileno())
+                connection.close()
+
+    def listen(self, listener: socket.socket) -> None:
+        """Own the rendezvous socket (its port goes in MASTER_PORT)."""
+        with _fd_lock:
+            self.listener, self.listener_fd = listener, listener.fileno()
+            _job_fds.add(self.listener_fd)
+
+    def start(self, ctx: Any, payload: bytes, backend: str | None, sources: dict[str, list[str]],
+              start: Callable[[Any], None]) -> None:
+        """Start every rank; ``start(process)`` starts one (with SIGINT blocked, say)."""
+        assert self.listener is not None
+        port = self.listener.getsockname()[1]
+        with _fd_lock, HeldInterrupts() as held:
+            alive_r, self.alive_w = self._pipe(ctx)
+        held.deliver()
         base_env = dict(os.environ)
         for rank in range(self.world_size):
-            ends = [ctx.Pipe(duplex=False) for _ in range(4)]  # result, stdout, stderr, stacks
-            parent_ends = [r for r, _ in ends]
-            child = _worker.WorkerPipes(*[w for _, w in ends], alive=alive_r)
-            close_fds = []
-            if method == "fork":  # a forked child inherits every descriptor the parent holds
-                close_fds = [c.fileno() for c in parent_ends] + [self.alive_w.fileno(), listener.fileno()]
-                close_fds += [fd for other in self.ranks for fd in other.fds()]
-            config = _worker.WorkerConfig(
-                rank=rank,
-                world_size=self.world_size,
-                env={**base_env, **torchrun_env(rank, self.world_size, port)},
-                backend=backend,
-                source_lines=sources,
-                close_fds=close_fds,
-            )
-            process = ctx.Process(target=_worker.main, args=(payload, config, child), name=f"dtlib-rank-{rank}")
-            with _main_module_hidden():
-                process.start()
-            for _, w in ends:
-                w.close()
-            state = RankState(rank, process, *parent_ends)
-            self.ranks.append(state)
-            self.selector.register(state.result.fileno(), selectors.EVENT_READ, (state, "result"))
-            self.selector.register(state.stdout.fileno(), selectors.EVENT_READ, (state, "out"))
-            self.selector.register(state.stderr.fileno(), selectors.EVENT_READ, (state, "err"))
-            self.selector.register(process.sentinel, selectors.EVENT_READ, (state, "exit"))
-        alive_r.close()
+            with _fd_lock:
+                with HeldInterrupts() as held:
+                    ends = [self._pipe(ctx) for _ in range(4)]  # result, stdout, stderr, stacks
+                    child = _worker.WorkerPipes(*[w for _, w in ends], alive=alive_r)
+                    keep = {w.fileno() for _, w in ends} | {alive_r.fileno()}
+                    config = _worker.WorkerConfig(
+                        rank=rank,
+                        world_size=self.world_size,
+                        env={**base_env, **torchrun_env(rank, self.world_size, port)},
+                        backend=backend,
+                        source_lines=sources,
+                        close_fds=sorted(_job_fds - keep) if self.method == "fork" else [],
+                    )
+                    process = ctx.Process(target=_worker.main, args=(payload, config, child),
+                                          name=f"dtlib-rank-{rank}")
+                    state = RankState(rank, process, *[r for r, _ in ends])
+                    self.ranks.append(state)
+                held.deliver()
+                try:
+                    start(process)
+                    state.server = forkserver_pid() if self.method == "forkserver" else None
+                except (EOFError, ConnectionError) as exc:  # what a request to a dead forkserver gets
+                    if self.method != "forkserver":
+                        raise
+                    how = forkserver_death(forkserver_pid(), wait_s=1.0) or "died"
+                    raise WorkerError([RankFailure(rank, None, f"could not be started: the forkserver, the "
+                                                   f"process that forks every rank, {how}", "")]) from exc
+                with HeldInterrupts() as held:
+                    self._close(*[w for _, w in ends])
+                    self.selector.register(state.result.fileno(), selectors.EVENT_READ, (state, "result"))
+                    self.selector.register(state.stdout.fileno(), selectors.EVENT_READ, (state, "out"))
+                    self.selector.register(state.stderr.fileno(), selectors.EVENT_READ, (state, "err"))
+                    self.selector.register(process.sentinel, selectors.EVENT_READ, (state, "exit"))
+                held.deliver()
+        with _fd_lock:
+            self._close(alive_r)
 
     # -- the event loop ---------------------------------------------------------
-    def _relay(self, state: RankState, stream: str, data: bytes) -> None:
-        buffered = state.partial[stream] + data
-        *lines, state.partial[stream] = buffered.split(b"\n")
-        if not data and state.partial[stream]:  # end of file: flush a last unterminated line
-            lines.append(state.partial[stream])
-            state.partial[stream] = b""
-        for raw in lines:
-            line = raw.decode("utf-8", errors="replace")
-            if stream == "err":
-                state.recent_stderr.append(line)
-            if self.output == "all" or (self.output == "rank0" and state.rank == 0):
-                print(f"[rank {state.rank}] {line}", file=sys.stdout if stream == "out" else sys.stderr, flush=True)
-
     def _take_result(self, state: RankState) -> None:
         try:
             status, body = pickle.loads(state.result.recv_bytes())
@@ -167,18 +150,23 @@ class Job:
             try:
                 state.outcome = ("ok", pickle.loads(body))
             except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
-                message = f"its result could not be unpickled here: {exc}"
+                message = f"its result could not be unpickled here: {_worker.describe(exc)}"
                 state.outcome = ("error", RankFailure(state.rank, type(exc).__qualname__, message, ""))
         else:
             failure = RankFailure(state.rank, body["type"], body["message"], body["traceback"])
             state.outcome = ("error", failure)
 
+    def _read(self, state: RankState, stream: str, fd: int) -> bool:
+        """Relay one read from a rank's stdout or stderr; False at the end of the pipe."""
+        data = os.read(fd, 1 << 16)
+        self.relay.feed(state.rank, stream, data)
+        if not data:
+            self.selector.unregister(fd)
+        return bool(data)
+
     def _handle(self, state: RankState, kind: str, fd: int) -> None:
         if kind in ("out", "err"):
-            data = os.read(fd, 1 << 16)
-            self._relay(state, kind, data)
-            if not data:
-                self.selector.unregister(fd)
+            self._read(state, kind, fd)
         elif kind == "result":
             self.selector.unregister(fd)
             self._take_result(state)
@@ -195,23 +183,35 @@ class Job:
         # processes report no exit code until joined.
         state.process.join(timeout=1)
         code = state.process.exitcode
+        for stream, connection in (("out", state.stdout), ("err", state.stderr)):  # what it said last
+            fd = connection.fileno()
+            while fd in self.selector.get_map() and connection.poll() and self._read(state, stream, fd):
+                pass
         how = f"exited with code {code}"
         if code is not None and code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
-        return RankFailure(state.rank, None, f"{how} without returning a result", "\n".join(state.recent_stderr), code)
+        server = forkserver_death(state.server, wait_s=1.0) if code == 255 else None
+        if server is not None:  # multiprocessing reports 255 for a rank whose forkserver is gone
+            how = f"was lost: the forkserver, the process that forks every rank, {server}; the rank"
+        return RankFailure(state.rank, None, f"{how} without returning a result", self.relay.recent_stderr(state.rank),
+                           code)
+
+    def _select(self, timeout: float) -> None:
+        registered = self.selector.get_map()
+        for key, _ in self.selector.select(max(0.0, min(timeout, self.relay.due_in(), MAX_SELECT_S))):
+            if key.fd in registered:  # a rank's exit, handled first, may have read its pipes to the end
+                self._handle(*key.data, key.fd)
+        self.relay.flush_if_due()
 
     def wait(self, timeout: float | None) -> str:
         """Run until every rank has reported ('ok'), one failed ('error') or time ran out ('timeout')."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        stop_at = deadline
+        stop_at = float("inf") if timeout is None else time.monotonic() + timeout
         while not all(state.outcome is not None for state in self.ranks):
             now = time.monotonic()
-            if stop_at is not None and now >= stop_at:
+            if now >= stop_at:
                 break
-            for key, _ in self.selector.select(None if stop_at is None else stop_at - now):
-                state, kind = key.data
-                self._handle(state, kind, key.fd)
-            if self.failures() and (stop_at is None or stop_at > time.monotonic() + ERROR_GRACE_S):
+            self._select(stop_at - now)
+            if self.failures() and stop_at > time.monotonic() + ERROR_GRACE_S:
                 stop_at = time.monotonic() + ERROR_GRACE_S  # let other ranks report their own errors
         if self.failures():
             return "error"
@@ -226,9 +226,9 @@ class Job:
 
     def collect_stacks(self, wait_s: float = 2.0) -> dict[int, str]:
         """Ask every running rank for its Python stack (faulthandler on SIGUSR1)."""
-        running = self.running()
+        running = [state for state in self.running() if state.started()]
         for state in running:
-            _signal(state.process.pid, _worker.STACK_SIGNAL, group=False)
+            send(state.process.pid, _worker.STACK_SIGNAL, group=False)
         chunks = {state.rank: b"" for state in running}
         readers = {state.stacks.fileno(): state for state in running}
         quiet_since, deadline = time.monotonic(), time.monotonic() + wait_s
@@ -244,67 +244,59 @@ class Job:
     def release(self) -> None:
         """Tell lingering ranks to finish; ranks still inside ``fn`` exit at once."""
         if self.alive_w is not None:
-            self.alive_w.close()
+            with _fd_lock:
+                self._close(self.alive_w)
             self.alive_w = None
 
     def stop(self, grace_s: float) -> None:
-        """Release, wait up to ``grace_s`` for the ranks to exit, then kill what is left."""
+        """Release, wait up to ``grace_s`` for the ranks to exit, then kill what is left.
+
+        Safe to call again after an interruption: it then does its work again in full.
+        """
         if self.stopped:
             return
         self.release()
         deadline = time.monotonic() + grace_s
-        while any(not s.exited for s in self.ranks) and time.monotonic() < deadline:
-            for key, _ in self.selector.select(max(0.0, deadline - time.monotonic())):
-                state, kind = key.data
-                if kind == "exit":
-                    self.selector.unregister(key.fd)
-                    state.exited = True
-                else:
-                    self._handle(state, kind, key.fd)
-        for state in self.ranks:
+        while any(not s.exited for s in self.ranks if s.started()) and time.monotonic() < deadline:
+            self._select(deadline - time.monotonic())
+        started = [state for state in self.ranks if state.started()]
+        for state in started:
             if state.process.exitcode is None:
-                _signal(state.process.pid, signal.SIGKILL, group=True)
-        for state in self.ranks:
-            state.process.join()
+                send(state.process.pid, signal.SIGKILL, group=True)
+        reap_by = time.monotonic() + REAP_S  # a process stuck in the kernel (D state) is left, not waited on
+        for state in started:
+            state.process.join(timeout=max(0.0, reap_by - time.monotonic()))
         self._drain()
         self.stopped = True  # set last: a stop interrupted half-way is done again in full
 
     def _drain(self, wait_s: float = 0.5) -> None:
         """Relay what is left in the output pipes (a child's own children may hold them open)."""
+        def reading() -> bool:
+            return any(key.data[1] in ("out", "err") for key in self.selector.get_map().values())
+
         deadline = time.monotonic() + wait_s
-        keys = [k for k in self.selector.get_map().values() if k.data[1] in ("out", "err")]
-        while keys and time.monotonic() < deadline:
+        while time.monotonic() < deadline and reading():
             for key, _ in self.selector.select(max(0.0, deadline - time.monotonic())):
                 state, kind = key.data
                 if kind in ("out", "err"):
-                    self._handle(state, kind, key.fd)
-            keys = [k for k in self.selector.get_map().values() if k.data[1] in ("out", "err")]
-        for state in self.ranks:
-            for stream in ("out", "err"):
-                if state.partial[stream]:
-                    self._relay(state, stream, b"")
+                    self._read(state, kind, key.fd)
+        self.relay.flush(final=True)
 
     def close(self) -> None:
-        self.selector.close()
-        self.release()
+        """Release every descriptor, process object and socket; never raises, safe to repeat."""
+        self.alive_w = None
+        with _fd_lock:
+            with contextlib.suppress(Exception):
+                self.selector.close()
+            self._close(*self.connections)
+            if self.listener is not None:
+                self.listener.close()  # a no-op once the store took it over (detached)
+            self.store = None  # deleting the store closes its listening socket
+            _job_fds.discard(self.listener_fd)
         for state in self.ranks:
-            for conn in (state.result, state.stdout, state.stderr, state.stacks):
-                conn.close()
-            state.process.close()
-
-
-def _signal(pid: int, signum: int, *, group: bool) -> None:
-    """Signal a rank (and with ``group``, the children it started); gone is fine."""
-    try:
-        if group:
-            try:
-                os.killpg(pid, signum)
-                return
-            except ProcessLookupError:
-                pass  # the rank had not made its own group yet
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
+            with contextlib.suppress(ValueError):  # closed already, or still running (stuck): left to the OS
+                if state.started():
+                    state.process.close()
 
 
 def _clean_stack(dump: str) -> str:

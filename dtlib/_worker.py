@@ -6,8 +6,8 @@ should see the final environment (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``)
 
 The parent talks to a rank through five pipes:
 
-- ``stdout`` and ``stderr``: file descriptors 1 and 2 of the rank, relayed line
-  by line by the parent, C-level output (gloo, NCCL) included;
+- ``stdout`` and ``stderr``: file descriptors 1 and 2 of the rank, C-level output
+  (gloo, NCCL) included, which the parent relays in batches, ``[rank N]`` on each line;
 - ``result``: one framed message, ``("ok", value)`` or ``("error", details)``;
 - ``stacks``: where :mod:`faulthandler` writes every thread's Python stack when
   the parent sends ``SIGUSR1`` (used for the timeout report);
@@ -18,6 +18,7 @@ The parent talks to a rank through five pipes:
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import io
 import linecache
@@ -31,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 STACK_SIGNAL = signal.SIGUSR1
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass
@@ -83,16 +85,62 @@ def _watch_parent(alive: Connection, finished: threading.Event) -> None:
         os._exit(75)
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when its parent dies.
+
+    The watcher thread needs the GIL to notice; a rank inside a long C call that holds
+    the GIL would outlive the notebook's kernel without this. Linux sends the signal when
+    the thread that started the rank ends: the thread inside ``dtlib.spawn`` (``fork``,
+    ``spawn``), which lives as long as the rank, or the forkserver's only thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(75)
+
+
+def _leave_the_forkserver_alone() -> None:
+    """Close this rank's copy of the pipe that keeps multiprocessing's forkserver running.
+
+    The server exits when every holder of that pipe's write end is gone; a rank keeping a
+    copy would keep it (and so itself, through ``PR_SET_PDEATHSIG``) alive after the kernel
+    died. Only in a rank the forkserver started: there ``_forkserver_pid`` is None.
+    """
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and getattr(server, "_forkserver_pid", 0) is None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a note saying it failed: a broken ``__str__`` must not hide the error."""
+    try:
+        return str(exc)
+    except BaseException as inner:  # noqa: BLE001 - whatever __str__ raises
+        return f"<str() of this {type(exc).__qualname__} raised {type(inner).__qualname__}>"
+
+
 def _error_details(exc: BaseException) -> dict[str, str]:
     tb = exc.__traceback__
     if tb is not None and tb.tb_frame.f_code is main.__code__ and tb.tb_next is not None:
         tb = tb.tb_next  # start the remote traceback at the user's code, not at dtlib's
-    return {
-        "type": type(exc).__qualname__,
-        "module": type(exc).__module__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
-    }
+    message = describe(exc)
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException:  # noqa: BLE001 - a broken exception must still be reported
+        text = "".join(traceback.format_tb(tb)) + f"{type(exc).__qualname__}: {message}\n"
+    return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message, "traceback": text}
 
 
 def _dumps_result(value: Any) -> bytes:
@@ -138,6 +186,10 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
             pass
     os.setpgid(0, 0)  # own process group: the parent can stop the rank and its children
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interrupts
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while it started; ignored now
+    _die_with_parent()
+    _leave_the_forkserver_alone()
     _redirect_output(pipes)
     finished = threading.Event()
     threading.Thread(target=_watch_parent, args=(pipes.alive, finished), daemon=True).start()
@@ -164,7 +216,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
             message = ("ok", _dumps_result(value))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             wrapped = TypeError(
-                f"rank {config.rank} returned a {type(value).__name__} that cannot be pickled: {exc}"
+                f"rank {config.rank} returned a {type(value).__name__} that cannot be pickled: {describe(exc)}"
             )
             message = ("error", _error_details(wrapped))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
@@ -182,8 +234,8 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         os.read(pipes.alive.fileno(), 1)
     except OSError:
         pass
-    if initialised and message[0] == "ok":
-        from dtlib import compat
+    if initialised and message[0] == "ok" and sys.modules["torch.distributed"].is_initialized():
+        from dtlib import compat  # fn may have destroyed the group itself, as torchrun scripts do
 
         compat.destroy_process_group()
     sys.stdout.flush()

@@ -14,8 +14,17 @@ Example::
 
 from __future__ import annotations
 
+import io
+import linecache
+import math
 import multiprocessing as mp
-from collections.abc import Callable, Sequence
+import numbers
+import operator
+import os
+import traceback
+import types
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -24,6 +33,7 @@ import torch.distributed as dist
 
 from dtlib import compat
 from dtlib._job import Job
+from dtlib._processes import HeldInterrupts, start_forkserver, start_rank
 from dtlib.errors import WorkerError, WorkerTimeout
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
@@ -33,6 +43,10 @@ FINISH_GRACE_S = 10.0  # after the last result, how long ranks may take to tear 
 # torch._dynamo: every torch.optim optimizer imports it on construction (about 1 s per rank here);
 # importing it once in the server makes a rank that builds an optimizer start in 0.1 s, not 1.1 s.
 FORKSERVER_PRELOAD = ["cloudpickle", "torch", "torch.distributed", "torch._dynamo", "dtlib._worker"]
+RANKS_PER_CORE_WARNING = 4  # more ranks than this per core: warn (each rank is a process that imports torch)
+FDS_PER_RANK = 12  # descriptors held here per rank: 7 measured (6 pipe ends, a store connection), and room
+FDS_KEPT_FREE = 64  # for everything else the caller has open
+MAX_PROCESSES = 1 << 22  # Linux's largest possible pid_max
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -75,10 +89,30 @@ def resolve_start_method(start_method: str) -> str:
     return start_method
 
 
-def _payload(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
-    """Pickle the call by value, naming the part that cannot be pickled."""
+class _PayloadPickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, noting the file of every code object it ships by value."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.filenames: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            self.filenames.add(obj.co_filename)
+        return super().reducer_override(obj)
+
+
+def _payload(fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[bytes, dict[str, list[str]]]:
+    """Pickle the call by value, naming the part that cannot be pickled.
+
+    Also returns the source lines of the notebook cells whose code travels in it, so that
+    a remote traceback shows them; every other cell's source (the whole history) stays here.
+    """
+    buffer = io.BytesIO()
+    pickler = _PayloadPickler(buffer)
     try:
-        return cloudpickle.dumps((fn, tuple(args), kwargs))
+        pickler.dump((fn, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
         parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
         parts += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
@@ -90,6 +124,88 @@ def _payload(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
                 culprit = f"{name} ({type(value).__name__})"
                 break
         raise TypeError(f"dtlib.spawn cannot send {culprit} to the ranks: it cannot be pickled: {exc}") from exc
+    sources = {}
+    for filename in pickler.filenames:
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and entry[1] is None and not os.path.exists(filename):
+            sources[filename] = entry[2]  # code that lives only in memory, as a cell's does
+    return buffer.getvalue(), sources
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on. Example: ``usable_cores()`` is 2 on a two-core laptop."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def max_world_size() -> int:
+    """The most ranks this process can hold pipes for, given its open-file limit (``ulimit -n``).
+
+    Example: with ``ulimit -n`` at 1024, ``max_world_size()`` is (1024 - 64) // 12 = 80.
+    """
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError):
+        return MAX_PROCESSES
+    if soft == resource.RLIM_INFINITY:
+        return MAX_PROCESSES
+    return max(1, min(MAX_PROCESSES, (soft - FDS_KEPT_FREE) // FDS_PER_RANK))
+
+
+def _check_world_size(world_size: Any) -> int:
+    try:
+        if isinstance(world_size, bool):
+            raise TypeError
+        count = operator.index(world_size)  # any integral number: int, numpy.int64, ...
+    except TypeError:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}") from None
+    if count < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
+    limit = max_world_size()
+    if count > limit:
+        raise ValueError(
+            f"world_size={count} is more ranks than dtlib.spawn can start here: at most {limit}, since "
+            f"this process holds about {FDS_PER_RANK} file descriptors per rank and may open "
+            "as many as `ulimit -n` allows"
+        )
+    cores = usable_cores()
+    if count > RANKS_PER_CORE_WARNING * cores:
+        warnings.warn(
+            f"world_size={count} starts {count} processes on {cores} CPU core(s); each one imports torch "
+            f"and takes memory, so more than {RANKS_PER_CORE_WARNING * cores} may exhaust this machine",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return count
+
+
+def check_call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` as a tuple and ``kwargs`` as a dict, or a TypeError naming the one that is neither.
+
+    Example: ``check_call_arguments([1], None) == ((1,), {})``; ``check_call_arguments(5, None)`` raises.
+    """
+    if isinstance(args, (str, bytes, bytearray)) or not isinstance(args, Sequence):
+        raise TypeError(
+            f"args must be a tuple or list of fn's extra positional arguments, got {type(args).__name__} "
+            f"{args!r:.60}; for a single argument write args=({args!r:.60},)"
+        )
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise TypeError(f"kwargs must be a dict of fn's keyword arguments (str keys), got {kwargs!r:.60}")
+    return tuple(args), dict(kwargs)
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    """Seconds, or None for no limit (an infinite timeout is no limit)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 def spawn(
@@ -109,23 +225,29 @@ def spawn(
     Returns the ranks' return values as a list indexed by rank. ``fn`` may be a
     function defined in a notebook cell, a lambda or a closure (it is shipped
     by value). Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them.
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them,
+    and gloo's sockets stay on the loopback interface (``GLOO_SOCKET_IFNAME``)
+    unless you set that variable yourself.
 
     Args:
+        world_size: the number of ranks, any whole number (a warning above 4 per CPU core).
         backend: ``auto`` (NCCL with one GPU per rank, else gloo on CPU), ``gloo``,
             ``nccl`` or ``mpi``.
         start_method: ``auto`` (``forkserver`` where available, else ``spawn``),
             ``spawn``, ``forkserver`` or ``fork``.
         timeout: seconds before every rank is stopped and :class:`WorkerTimeout`
-            is raised with each running rank's stack; ``None`` waits for ever.
+            is raised with each running rank's stack; ``None`` (or ``inf``) waits for ever.
         init_process_group: initialise the default process group before ``fn``
-            and destroy it after; ``False`` leaves both to ``fn``.
+            and destroy it after (unless ``fn`` did); ``False`` leaves both to ``fn``.
         output: ``all`` relays every rank's output prefixed ``[rank N]``,
-            ``rank0`` only rank 0's, ``none`` nothing.
+            ``rank0`` only rank 0's, ``none`` nothing. Lines come a few times a
+            second in batches; a line without its newline (a progress bar) too.
 
     Raises:
         WorkerError: a rank raised or died; every failed rank is reported.
         WorkerTimeout: ranks were still running after ``timeout`` seconds.
+        KeyboardInterrupt: you interrupted; every rank was stopped first, and
+            further interrupts during that clean-up wait until it is done.
 
     Example::
 
@@ -133,46 +255,59 @@ def spawn(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    world_size = _check_world_size(world_size)
+    args, kwargs = check_call_arguments(args, kwargs)
+    timeout = _check_timeout(timeout)
     if output not in OUTPUT_MODES:
         raise ValueError(f"output must be one of {OUTPUT_MODES}, got {output!r}")
-    kwargs = dict(kwargs or {})
     resolved_backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
-    payload = _payload(fn, args, kwargs)
+    payload, sources = _payload(fn, args, kwargs)
 
+    job = Job(world_size, output, method)
+    try:
+        results = _run(job, method, payload, sources, resolved_backend if init_process_group else None, timeout)
+    except BaseException as exc:
+        _finish(job)  # a KeyboardInterrupt lands here too: no rank outlives the call
+        traceback.clear_frames(exc.__traceback__)  # what dtlib's frames held (half-started processes) goes now
+        raise
+    _finish(job).deliver()
+    return results
+
+
+def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
+         timeout: float | None) -> list[Any]:
     ctx = mp.get_context(method)
+    job.listen(compat.loopback_listener(min(job.world_size, 1 << 16)))
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
-    listener = compat.loopback_listener(world_size)
-    store = None
-    job = Job(world_size, output)
-    try:
-        job.start(ctx, method, payload, resolved_backend if init_process_group else None, listener)
-        # The store starts after the ranks: it runs a thread, and forking a process while
-        # one of its threads holds a lock can deadlock the child. Ranks that connect
-        # earlier wait in the socket's backlog.
-        store = compat.store_on(listener)
-        outcome = job.wait(timeout)
-        if outcome == "ok":
-            job.stop(grace_s=FINISH_GRACE_S)
-            return [state.outcome[1] for state in job.ranks]
-        if outcome == "timeout":
-            stacks = job.collect_stacks()
-            finished = [s.rank for s in job.ranks if s.outcome is not None]
+        start_forkserver()
+    job.start(ctx, payload, backend, sources, start=lambda process: start_rank(process, method))
+    # The store starts after the ranks: it runs a thread, and forking a process while
+    # one of its threads holds a lock can deadlock the child. Ranks that connect
+    # earlier wait in the socket's backlog.
+    job.store = compat.store_on(job.listener)
+    outcome = job.wait(timeout)
+    if outcome == "ok":
+        job.stop(grace_s=FINISH_GRACE_S)
+        return [state.outcome[1] for state in job.ranks]
+    if outcome == "timeout":
+        stacks = job.collect_stacks()
+        finished = [s.rank for s in job.ranks if s.outcome is not None]
+        raise WorkerTimeout(timeout or 0.0, stacks, finished)
+    raise WorkerError(job.failures())
+
+
+def _finish(job: Job) -> HeldInterrupts:
+    """Stop every rank and release everything, with Ctrl-C held back until it is done.
+
+    A second (or third) interrupt during clean-up would otherwise cut it short and leave
+    ranks, pipes and a listening store behind. Returns the held interrupts, for the caller
+    to deliver when no exception is on its way already.
+    """
+    with HeldInterrupts() as held:
+        try:
             job.stop(grace_s=0.0)
-            raise WorkerTimeout(timeout or 0.0, stacks, finished)
-        failures = job.failures()
-        job.stop(grace_s=0.0)
-        raise WorkerError(failures)
-    except BaseException:
-        job.stop(grace_s=0.0)  # a KeyboardInterrupt lands here too: no rank outlives the call
-        raise
-    finally:
-        job.close()
-        if store is None:
-            listener.close()
-        del store
+        finally:
+            job.close()
+    return held

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib import compat
-from dtlib.launch import resolve_backend, spawn
+from dtlib.launch import check_call_arguments, resolve_backend, spawn
 
 
 def rank_device() -> torch.device:
@@ -60,6 +60,7 @@ def run(
     """
     if not under_torchrun():
         return spawn(fn, world_size, args, kwargs, **spawn_options)
+    args, kwargs = check_call_arguments(args, kwargs)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = resolve_backend(spawn_options.get("backend", "auto"), local_world)
@@ -69,12 +70,15 @@ def run(
     if owns_group:
         dist.init_process_group(backend)
     try:
-        value = fn(rank, world, *args, **(kwargs or {}))
+        value = fn(rank, world, *args, **kwargs)
+        if not dist.is_initialized():
+            raise RuntimeError("fn destroyed the process group, which dtlib.run needs to gather every "
+                               "rank's result: leave dist.destroy_process_group() to dtlib.run")
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, value)
         return gathered
     finally:
-        if owns_group:
+        if owns_group and dist.is_initialized():
             # Free what fn left behind (a DDP reducer, FSDP state) while the group still exists: freed
             # later, at interpreter exit, a C++ thread of theirs can outlive it ("terminate called
             # without an active exception", SIGABRT, about one torchrun job in six here).

@@ -80,6 +80,36 @@ def test_run_under_torchrun_runs_fn_in_this_process(monkeypatch):
     assert not dist.is_initialized()
 
 
+def destroy_the_group(rank, world_size):
+    dist.destroy_process_group()
+    return rank
+
+
+def torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    variables = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DTLIB_SPAWN", raising=False)
+
+
+@pytest.mark.timeout(60)
+def test_run_under_torchrun_says_when_fn_destroyed_the_group(monkeypatch):
+    """Under torchrun, fn that destroys the process group gets a RuntimeError saying so, not a gather failure."""
+    torchrun_variables(monkeypatch)
+    with pytest.raises(RuntimeError, match="fn destroyed the process group"):
+        dtlib.run(destroy_the_group, world_size=1)
+    assert not dist.is_initialized()
+
+
+def test_run_under_torchrun_names_bad_args(monkeypatch):
+    """Under torchrun too, args=5 is a TypeError naming args, before any process group exists."""
+    torchrun_variables(monkeypatch)
+    with pytest.raises(TypeError, match="^args must be a tuple or list"):
+        dtlib.run(pid_and_world, world_size=1, args=5)
+    assert not dist.is_initialized()
+
+
 @pytest.mark.timeout(120)
 def test_hello_under_torchrun():
     """torchrun --standalone --nproc_per_node=2 -m dtlib.examples.hello prints both ranks' all-reduced sum."""

@@ -1,0 +1,399 @@
+"""``dtlib.spawn`` under abuse, in this process: interrupts during clean-up, calls from two
+threads, broken exceptions, odd arguments, a dying forkserver. Real-kernel cases are in
+test_launch_kernel.py; the output relay's own tests are in test_launch_relay.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import multiprocessing.forkserver
+import multiprocessing.process
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtlib
+import dtlib._job
+import dtlib.compat
+import dtlib.launch
+from dtlib._processes import forkserver_pid, loopback_interface
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STORE_FACTORIES = ("loopback_listener", "store_on", "loopback_store")
+
+
+# -- functions the ranks run -----------------------------------------------------------------
+
+
+def own_rank(rank, world_size):
+    return rank
+
+
+def note_pid_and_port_then_sleep(rank, world_size, folder):
+    path = os.path.join(folder, str(rank))
+    with open(path + ".tmp", "w") as file:
+        file.write(f"{os.getpid()} {os.environ['MASTER_PORT']}")
+    os.replace(path + ".tmp", path)
+    time.sleep(120)
+
+
+def wait_for_file(path, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.path.exists(path)
+
+
+def job_a(rank, world_size, folder):
+    open(os.path.join(folder, f"a{rank}"), "w").close()
+    return wait_for_file(os.path.join(folder, "b_started"), 60)
+
+
+def job_b(rank, world_size, folder):
+    open(os.path.join(folder, "b_started"), "w").close()
+    return wait_for_file(os.path.join(folder, "a_done"), 30)  # a_done: job A's call has returned
+
+
+class BrokenMessage(Exception):
+    def __str__(self):
+        raise RuntimeError("no message for you")
+
+
+def raise_broken_message(rank, world_size):
+    raise BrokenMessage()
+
+
+def destroy_the_group_at_the_end(rank, world_size):
+    value = torch.tensor([rank + 1])
+    dist.all_reduce(value)
+    dist.destroy_process_group()  # as a torchrun script ends
+    return value.item()
+
+
+def gloo_interface_and_addresses(rank, world_size):
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    addresses = {ipaddress.ip_address(c.laddr.ip) for c in psutil.Process().net_connections(kind="tcp")}
+    on_loopback = all((a.ipv4_mapped or a).is_loopback if a.version == 6 else a.is_loopback for a in addresses)
+    return os.environ.get("GLOO_SOCKET_IFNAME"), bool(addresses) and on_loopback
+
+
+def read_gloo_variable(rank, world_size):
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def kill_the_parent_on_rank_0(rank, world_size, folder):
+    path = os.path.join(folder, f"{rank}.pid")
+    with open(path + ".tmp", "w") as file:
+        file.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    if rank == 0 and all(wait_for_file(os.path.join(folder, f"{r}.pid"), 60) for r in range(world_size)):
+        os.kill(os.getppid(), signal.SIGKILL)  # a forkserver rank's parent is the forkserver
+    time.sleep(60)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def listening_on(port: int) -> list[str]:
+    return [c.laddr.ip for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+def exited(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def interrupt_main_thread() -> None:
+    """A real SIGINT, sent to this process's main thread only (never to other processes)."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+@pytest.fixture
+def no_process_start(monkeypatch):
+    """Make starting a rank or opening the rendezvous store fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dtlib.spawn started a process or a store before rejecting its input")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    for name in STORE_FACTORIES:
+        if hasattr(dtlib.compat, name):
+            monkeypatch.setattr(dtlib.compat, name, refuse)
+
+
+# -- interrupts ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.timeout(120)
+def test_second_and_third_interrupt_during_clean_up_are_held(monkeypatch, tmp_path, leftovers):
+    """Ctrl-C while the ranks run, then twice more while they are being stopped: the call ends in
+    KeyboardInterrupt (not "ValueError: Cannot close a process while it is still running"),
+    every rank is gone, the store no longer listens, and no descriptor is left open."""
+    dtlib.spawn(own_rank, 2, output="none")  # the forkserver and resource tracker run from here on
+    before = open_fds()
+    during_clean_up = []
+    join = multiprocessing.process.BaseProcess.join
+
+    def join_interrupted(self, timeout=None):
+        if len(during_clean_up) < 2:
+            during_clean_up.append(self.pid)
+            interrupt_main_thread()
+            time.sleep(0.05)  # the interrupt arrives here, half-way through the clean-up
+        return join(self, timeout)
+
+    def first_interrupt():
+        if all(wait_for_file(tmp_path / str(rank), 60) for rank in range(2)):
+            monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", join_interrupted)
+            interrupt_main_thread()
+
+    interrupter = threading.Thread(target=first_interrupt)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dtlib.spawn(note_pid_and_port_then_sleep, 2, args=(str(tmp_path),), output="none", timeout=100)
+    finally:
+        interrupter.join()
+    assert len(during_clean_up) == 2
+    pids, ports = zip(*[(int(a), int(b)) for a, b in ((tmp_path / str(r)).read_text().split() for r in range(2))],
+                      strict=True)
+    leftovers.assert_clean(pids)
+    assert listening_on(ports[0]) == []
+    assert open_fds() == before
+
+
+# -- threads ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_calls_from_two_threads_never_touch_main_module(monkeypatch):
+    """Two threads calling dtlib.spawn at once (forkserver and spawn): every rank starts while
+    sys.modules['__main__'] is the real one, and it is still the real one afterwards."""
+    main = sys.modules["__main__"]
+    seen = []
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_and_look(self):
+        seen.append(sys.modules["__main__"] is main)
+        return start(self)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_and_look)
+    results, errors = [], []
+
+    def calls(method):
+        try:
+            for _ in range(3):
+                results.append(dtlib.spawn(own_rank, 2, start_method=method, output="none"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(method,)) for method in ("forkserver", "spawn")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert results == [[0, 1]] * 6
+    assert seen and all(seen)
+    assert sys.modules["__main__"] is main
+
+
+@pytest.mark.timeout(180)
+def test_fork_jobs_in_two_threads_do_not_hold_each_others_pipes(monkeypatch, tmp_path):
+    """Job B forks its ranks while job A runs. B's ranks must not keep A's end-of-job pipe open,
+    or A's ranks never see the end of the job: A's call would wait for B's ranks to exit, and
+    B's ranks (which wait for A's call to return) would give up waiting and return False."""
+    monkeypatch.setattr(dtlib.launch, "FINISH_GRACE_S", 120.0)  # A would wait, not kill, on a held pipe
+    outcome = {}
+
+    def run_a():
+        outcome["a"] = dtlib.spawn(job_a, 2, args=(str(tmp_path),), start_method="fork", output="none")
+        (tmp_path / "a_done").touch()
+
+    def run_b():
+        if all(wait_for_file(tmp_path / f"a{rank}", 60) for rank in range(2)):
+            outcome["b"] = dtlib.spawn(job_b, 2, args=(str(tmp_path),), start_method="fork", output="none")
+
+    threads = [threading.Thread(target=run_a), threading.Thread(target=run_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcome == {"a": [True, True], "b": [True, True]}
+
+
+# -- what the ranks report -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_exception_whose_str_raises_is_reported_with_its_type():
+    """An exception whose __str__ raises is still reported: its type, a note, its traceback."""
+    with pytest.raises(dtlib.WorkerError) as info:
+        dtlib.spawn(raise_broken_message, 1, output="none")
+    [failure] = info.value.failures
+    assert failure.exc_type == "BrokenMessage"
+    assert "str() of this BrokenMessage raised RuntimeError" in failure.message
+    assert "raise_broken_message" in failure.traceback and "BrokenMessage" in failure.traceback
+
+
+@pytest.mark.timeout(60)
+def test_fn_may_destroy_the_process_group_itself(capsys):
+    """fn ending with dist.destroy_process_group() (as torchrun scripts do): right results, no traceback."""
+    assert dtlib.spawn(destroy_the_group_at_the_end, 2) == [3, 3]
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "AssertionError" not in captured.err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_infinite_or_huge_timeout_means_no_timeout(timeout):
+    """timeout=inf or 1e10 waits as long as it takes (no OverflowError once the ranks run)."""
+    assert dtlib.spawn(own_rank, 2, timeout=timeout, output="none") == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_gloo_stays_on_the_loopback_interface(monkeypatch):
+    """Ranks get GLOO_SOCKET_IFNAME set to the loopback interface, and all their sockets are on loopback."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    loopback = loopback_interface()
+    if not loopback:
+        pytest.skip("no loopback interface found")
+    results = dtlib.spawn(gloo_interface_and_addresses, 2, output="none")
+    assert results == [(loopback, True)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_gloo_interface_the_user_chose_is_kept(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "chosen0")
+    assert dtlib.spawn(read_gloo_variable, 2, init_process_group=False, output="none") == ["chosen0"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_forkserver_is_named(tmp_path, leftovers):
+    """The forkserver killed mid-job (as the out-of-memory killer does): the error says so, every
+    rank is gone, and the next call starts a new server."""
+    with pytest.raises(dtlib.WorkerError) as info:
+        dtlib.spawn(kill_the_parent_on_rank_0, 2, args=(str(tmp_path),), start_method="forkserver",
+                    init_process_group=False, output="none", timeout=60)
+    message = str(info.value)
+    assert "the forkserver" in message and "SIGKILL" in message and "out-of-memory" in message
+    pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+    deadline = time.monotonic() + 10  # the ranks die of PR_SET_PDEATHSIG, a moment after their parent
+    while not all(exited(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(exited(pid) for pid in pids)
+    assert dtlib.spawn(own_rank, 2, output="none") == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_a_forkserver_dying_while_a_rank_starts_is_named(monkeypatch):
+    """The forkserver killed while this process waits for a new rank's pid: the error names the
+    forkserver (at the start, or as the rank's death if it was forked first), not a bare EOFError."""
+    dtlib.spawn(own_rank, 1, output="none")  # the server runs
+    read_signed = multiprocessing.forkserver.read_signed
+
+    def read_after_the_server_died(fd):
+        pid = forkserver_pid()
+        assert pid is not None and pid != os.getpid()
+        server = psutil.Process(pid)
+        server.kill()
+        while server.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        return read_signed(fd)
+
+    monkeypatch.setattr(multiprocessing.forkserver, "read_signed", read_after_the_server_died)
+    with pytest.raises(dtlib.WorkerError, match="the forkserver, the process that forks every rank,"):
+        dtlib.spawn(own_rank, 2, start_method="forkserver", init_process_group=False, output="none", timeout=60)
+    monkeypatch.undo()
+    assert dtlib.spawn(own_rank, 2, output="none") == [0, 1]
+
+
+# -- arguments -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [5, "ab", {"a": 1}, None])
+def test_args_that_are_not_a_sequence_are_named(no_process_start, args):
+    """args=5 says that args must be a tuple or list (not "'int' object is not iterable")."""
+    with pytest.raises(TypeError, match=r"^args must be a tuple or list"):
+        dtlib.spawn(own_rank, 2, args=args)
+
+
+@pytest.mark.parametrize("kwargs", [5, [("a", 1)], {1: "x"}])
+def test_kwargs_that_are_not_a_dict_are_named(no_process_start, kwargs):
+    with pytest.raises(TypeError, match=r"^kwargs must be a dict"):
+        dtlib.spawn(own_rank, 2, kwargs=kwargs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [np.int64(2), np.int32(2), torch.tensor(2)], ids=["int64", "int32", "tensor"])
+def test_any_integral_world_size_is_accepted(world_size):
+    assert dtlib.spawn(own_rank, world_size, output="none") == [0, 1]
+
+
+def test_world_size_beyond_what_this_process_can_hold_is_a_clear_error(no_process_start):
+    """world_size=2**40 is a ValueError naming the limit, not an OverflowError from listen()."""
+    with pytest.raises(ValueError, match=r"world_size=1099511627776 is more ranks than .* at most \d+"):
+        dtlib.spawn(own_rank, 2**40)
+
+
+def test_many_ranks_per_core_warn(monkeypatch, no_process_start):
+    """More than 4 ranks per usable core is a RuntimeWarning (the call goes on); 4 per core is not."""
+    monkeypatch.setattr(dtlib.launch, "usable_cores", lambda: 1)
+    with pytest.warns(RuntimeWarning, match="world_size=5 starts 5 processes on 1 CPU core"), \
+            pytest.raises(AssertionError, match="started a process"):
+        dtlib.spawn(own_rank, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AssertionError, match="started a process"):
+            dtlib.spawn(own_rank, 4)
+
+
+def test_limit_follows_the_open_file_limit(monkeypatch):
+    """The largest world_size is what the open-file limit allows at FDS_PER_RANK per rank."""
+    resource = pytest.importorskip("resource")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    assert dtlib.launch.max_world_size() == (1024 - dtlib.launch.FDS_KEPT_FREE) // dtlib.launch.FDS_PER_RANK
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.timeout(60)
+def test_descriptors_per_rank_stay_within_the_budget(tmp_path):
+    """While 4 ranks run, this process holds at most FDS_PER_RANK descriptors per rank for them
+    (the figure max_world_size divides by)."""
+    dtlib.spawn(own_rank, 2, output="none")  # helpers already running
+    before = open_fds()
+    counted = {}
+
+    def count_when_started():
+        if all(wait_for_file(tmp_path / str(rank), 60) for rank in range(4)):
+            counted["during"] = open_fds()
+            for rank in range(4):
+                pid = int((tmp_path / str(rank)).read_text().split()[0])
+                os.kill(pid, signal.SIGKILL)
+
+    counter = threading.Thread(target=count_when_started)
+    counter.start()
+    with pytest.raises(dtlib.WorkerError):
+        dtlib.spawn(note_pid_and_port_then_sleep, 4, args=(str(tmp_path),), output="none", timeout=50)
+    counter.join()
+    assert 0 < counted["during"] - before <= 4 * dtlib.launch.FDS_PER_RANK
+
