@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtlib import memory
+from dtlib.feedback import Feedback
 
 ACTIVATION_RESERVE = 0.3  # share of each GPU kept for activations, buffers and fragmentation
 CHECKPOINTING_RESERVE = 0.1  # what is left with activation checkpointing; the buffers' share with activation_gb
@@ -212,38 +213,6 @@ def table(sizes_b: tuple[float, ...] = (0.5, 1, 3, 7, 13, 30, 70), gpu_memory_gb
             for size in sizes_b for mem in gpu_memory_gb]
 
 
-def calculator() -> object:
-    """An ipywidgets calculator: sliders for model size, GPU memory, GPU count, nodes, host RAM and the link
-    between nodes; the callback draws :func:`dtlib.plots.guide_bars`. Show it as a notebook cell's value."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-
-    from dtlib import plots
-
-    def draw(params_b: float, gpu_memory_gb: int, num_gpus: int, nodes: int, host_memory_gb: int,
-             inter_node_gb_per_s: float) -> None:
-        if num_gpus % nodes:
-            num_gpus = max(nodes, num_gpus // nodes * nodes)  # keep GPUs evenly split over nodes
-        advice = recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes, host_memory_gb=host_memory_gb,
-                           inter_node_gb_per_s=inter_node_gb_per_s)
-        plots.guide_bars(advice, title=f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on "
-                                       f"{nodes} node(s)")
-        plt.show()
-
-    return widgets.interactive(
-        draw,
-        params_b=widgets.FloatLogSlider(value=7, base=10, min=-1, max=3, step=0.05, description="params (B)"),
-        gpu_memory_gb=widgets.SelectionSlider(options=[16, 24, 40, 48, 80, 96, 141, 192], value=80,
-                                              description="GPU GB"),
-        num_gpus=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=8, description="GPUs"),
-        nodes=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=1, description="nodes"),
-        host_memory_gb=widgets.SelectionSlider(options=[256, 512, 1000, 2000, 4000], value=1000,
-                                               description="host GB"),
-        inter_node_gb_per_s=widgets.SelectionSlider(options=[1.5, 6.25, 12.5, 25, 50], value=50,
-                                                    description="link GB/s"),
-    )
-
-
 def largest_model(choice: str, gpu_memory_gb: float = 80, num_gpus: int = 8, *, nodes: int = 1,
                   mixed_precision: bool = True, optimizer: str = "adamw") -> float:
     """The most parameters whose model state fits the budget (the GPU minus 30%) under ``choice``, one of
@@ -296,7 +265,6 @@ def check_choice(answer: object, num_params: float, gpu_memory_gb: float, num_gp
     A wrong answer gets the reason it fails (it does not fit its budget, or HSDP on one node), or, where it
     would work, the simpler choice that works too. Example: ``check_choice("HSDP", 20e9, 80, 8)`` says one node.
     """
-    from dtlib.checks import Feedback
 
     advice = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes)
     if answer not in CHOICES:

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from dtlib import data
-from dtlib.checks import Feedback, rank_without_communication, spawn_counting
+from dtlib.counting import rank_without_communication, spawn_counting
 from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.feedback import Feedback
 from dtlib.launch import spawn
 from dtlib.run import rank_device
 

@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtlib.feedback import Feedback
+
 
 @dataclass
 class Finished:
@@ -187,7 +189,6 @@ def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, 
     """
     import shlex
 
-    from dtlib.checks import Feedback
 
     if not isinstance(command, str) or not command.strip():
         return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")

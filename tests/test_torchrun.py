@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtlib import torchrun
-from dtlib.checks import Feedback
+from dtlib.feedback import Feedback
 
 
 def _by_rank(records):

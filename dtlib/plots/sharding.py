@@ -167,3 +167,35 @@ def guide_grid(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
     ax.set_title(title or "Strategy by model size, one node of 8 GPUs, mixed-precision AdamW")
     fig.tight_layout()
     return fig
+
+
+def guide_calculator() -> object:
+    """An ipywidgets calculator: sliders for model size, GPU memory, GPU count, nodes, host RAM and the link
+    between nodes; the callback draws :func:`dtlib.plots.guide_bars`. Show it as a notebook cell's value."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from dtlib.guide import recommend
+
+    def draw(params_b: float, gpu_memory_gb: int, num_gpus: int, nodes: int, host_memory_gb: int,
+             inter_node_gb_per_s: float) -> None:
+        if num_gpus % nodes:
+            num_gpus = max(nodes, num_gpus // nodes * nodes)  # keep GPUs evenly split over nodes
+        advice = recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes, host_memory_gb=host_memory_gb,
+                           inter_node_gb_per_s=inter_node_gb_per_s)
+        guide_bars(advice, title=f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on "
+                                f"{nodes} node(s)")
+        plt.show()
+
+    return widgets.interactive(
+        draw,
+        params_b=widgets.FloatLogSlider(value=7, base=10, min=-1, max=3, step=0.05, description="params (B)"),
+        gpu_memory_gb=widgets.SelectionSlider(options=[16, 24, 40, 48, 80, 96, 141, 192], value=80,
+                                              description="GPU GB"),
+        num_gpus=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=8, description="GPUs"),
+        nodes=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=1, description="nodes"),
+        host_memory_gb=widgets.SelectionSlider(options=[256, 512, 1000, 2000, 4000], value=1000,
+                                               description="host GB"),
+        inter_node_gb_per_s=widgets.SelectionSlider(options=[1.5, 6.25, 12.5, 25, 50], value=50,
+                                                    description="link GB/s"),
+    )
