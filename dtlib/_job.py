@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dtlib import _worker
-from dtlib._processes import HeldInterrupts, forkserver_death, forkserver_pid, send, torchrun_env
+from dtlib._processes import HeldInterrupts, end_group, forkserver_death, forkserver_pid, send, torchrun_env
 from dtlib._relay import Relay
 from dtlib.errors import RankFailure, WorkerError
 
@@ -263,6 +263,8 @@ class Job:
         for state in started:
             if state.process.exitcode is None:
                 send(state.process.pid, signal.SIGKILL, group=True)
+            else:  # finished, but a process it started may live on in its group: nothing outlives the call
+                end_group(state.process.pid)
         reap_by = time.monotonic() + REAP_S  # a process stuck in the kernel (D state) is left, not waited on
         for state in started:
             state.process.join(timeout=max(0.0, reap_by - time.monotonic()))

@@ -178,6 +178,17 @@ def send(pid: int, signum: int, *, group: bool) -> None:
         pass
 
 
+def end_group(pgid: int) -> None:
+    """Kill what is left of the process group ``pgid``: the processes that a finished rank started.
+
+    Each rank leads a group of its own (``os.setpgid(0, 0)`` as it starts), and Linux gives no new
+    process a PID that is still the ID of a group with members, so this reaches the rank's descendants
+    (those that kept its group); an empty group is fine. Example: ``end_group(rank_pid)``.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def _preparation_data(name: str) -> dict[str, Any]:
     """multiprocessing's start-up data for a child, without the caller's script while dtlib starts a rank.
 

@@ -397,3 +397,29 @@ def test_descriptors_per_rank_stay_within_the_budget(tmp_path):
     counter.join()
     assert 0 < counted["during"] - before <= 4 * dtlib.launch.FDS_PER_RANK
 
+
+
+# -- Failure 6: a process that fn started does not outlive a successful call ------------------
+
+
+def start_a_sleeper(rank, world_size):
+    import subprocess
+
+    return subprocess.Popen(["sleep", "300"], start_new_session=False).pid  # stays in the rank's group
+
+
+def _living(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_subprocess_fn_started_ends_with_a_successful_call(start_method):
+    pids = dtlib.spawn(start_a_sleeper, 2, start_method=start_method, output="none", timeout=60)
+    deadline = time.monotonic() + 30  # hang guard only: the kill is immediate, reaping by init may lag
+    while any(map(_living, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_living, pids)), f"processes that fn started outlived the call: {pids}"
