@@ -4,7 +4,6 @@ ZeRO arithmetic and the ring formulas say."""
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -68,10 +67,8 @@ def test_resume_rejects_a_bad_stop_after(monkeypatch, stop_after, steps):
 
     monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
-    started = time.perf_counter()
     with pytest.raises(ValueError, match=rf"need 0 < stop_after < steps, got {stop_after} and {steps}"):
-        fsdp_compare.resume(FSDPConfig(), steps=steps, stop_after=stop_after)
-    assert time.perf_counter() - started < 1.0
+        fsdp_compare.resume(FSDPConfig(), steps=steps, stop_after=stop_after)  # spawn, patched above, never ran
 
 
 # --- strategies side by side --------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def test_plain_spawn_stops_what_it_started_after_its_timeout(leftovers):
     began = time.monotonic()
     result = pitfalls.plain_spawn(_sleep, timeout=1)
     assert result["started"] and result["where"] == "child"
-    assert time.monotonic() - began < 20
+    assert time.monotonic() - began < 55  # the rank sleeps 60 s: it was stopped, not waited for
     leftovers.assert_clean()
 
 

@@ -257,20 +257,22 @@ class NotebookPage:
     def slider_text(slider: Locator) -> tuple[str, str]:
         """The slider's description and the value its readout shows, e.g. ("nodes", "2")."""
         widget = slider.locator("xpath=ancestor::div[contains(@class, 'widget-slider')]")
-        return widget.locator(".widget-label").inner_text(), widget.locator(".widget-readout").inner_text()
+        return (widget.locator(".widget-label").inner_text(timeout=120_000),
+                widget.locator(".widget-readout").inner_text(timeout=120_000))
 
     def move_slider(self, slider: Locator, key: str = "ArrowRight") -> str:
         """Focus ``slider`` and press ``key`` once, as a learner using the keyboard would; return the value
-        its readout shows once it changes (or, after 5 s, the unchanged one)."""
+        its readout shows once it changes (or, after 30 s, the unchanged one). Every wait is explicit and
+        generous (a hang guard): a busy machine may be slow, never wrong."""
         before = self.slider_text(slider)[1]
-        slider.focus()
-        slider.press(key)
-        deadline = time.monotonic() + 5
+        slider.focus(timeout=120_000)
+        slider.press(key, timeout=120_000)
+        deadline = time.monotonic() + 30
         while self.slider_text(slider)[1] == before and time.monotonic() < deadline:
             self.page.wait_for_timeout(100)
         return self.slider_text(slider)[1]
 
-    def figure_after(self, cell_index: int, before: str | None, timeout_s: float = 15.0) -> str | None:
+    def figure_after(self, cell_index: int, before: str | None, timeout_s: float = 60.0) -> str | None:
         """Wait until the widget figure in cell ``cell_index`` differs from ``before`` and the kernel is idle,
         and return it; after ``timeout_s`` return whatever is shown (``before`` when nothing changed)."""
         deadline = time.monotonic() + timeout_s
