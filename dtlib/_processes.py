@@ -178,6 +178,17 @@ def send(pid: int, signum: int, *, group: bool) -> None:
         pass
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a launcher that must be told one (torchrun's
+    ``--master_port``, ``mp.spawn``'s ``MASTER_PORT``). dtlib.spawn needs none: it holds its own listener.
+
+    Example: ``free_port()`` -> ``43121``.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def end_group(pgid: int) -> None:
     """Kill what is left of the process group ``pgid``: the processes that a finished rank started.
 

@@ -19,7 +19,7 @@ import numbers
 import os
 import resource
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -89,11 +89,6 @@ class RankResult:
     params: torch.Tensor | None = None  # all parameters, flattened, after the last step
     grads: torch.Tensor | None = None  # all gradients, flattened, of the last step
     buffers: torch.Tensor | None = None  # all buffers (BatchNorm statistics), flattened
-
-
-def checksum(result: RankResult) -> float:
-    """One number for the final parameters: their sum in float64 (equal replicas give equal sums)."""
-    return float(result.params.double().sum()) if result.params is not None else float("nan")
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
@@ -327,11 +322,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"DDP on {first.world_size} rank(s), {first.backend}: "
               f"losses {' '.join(f'{v:.4f}' for v in first.losses)}")
         print(f"all-reduce calls per step: {first.comm_calls[-1]}, bytes per step: {first.comm_bytes[-1]}")
-
-
-def as_dict(result: RankResult) -> dict[str, Any]:
-    """A JSON-friendly copy (tensors dropped)."""
-    return {k: v for k, v in asdict(result).items() if not isinstance(v, torch.Tensor) and v is not None}
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtlib._processes import free_port
 from dtlib.feedback import Feedback
 
 
@@ -32,13 +32,6 @@ class Finished:
     command: str
     returncode: int
     output: str
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for ``--master_port`` / ``--rdzv_endpoint``)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],

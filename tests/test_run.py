@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dtlib
+from dtlib._processes import free_port
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -39,10 +39,6 @@ def without_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.timeout(30)

@@ -14,7 +14,6 @@ import importlib.util
 import io
 import os
 import platform
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch.multiprocessing
 
 import dtlib
 from dtlib import compat
+from dtlib._processes import free_port
 from dtlib.examples.hello import sum_of_ranks
 
 # Measured in this order: the forkserver's first call must come before any other use of it.
@@ -79,22 +79,16 @@ def _accelerate_job() -> None:
     compat.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def time_once(method: str, world_size: int) -> float:
     """Seconds for one launch of the one-all-reduce job with ``method``."""
     start = time.perf_counter()
     if method == "mp.spawn":
-        torch.multiprocessing.spawn(_mp_spawn_job, args=(world_size, _free_port()), nprocs=world_size)
+        torch.multiprocessing.spawn(_mp_spawn_job, args=(world_size, free_port()), nprocs=world_size)
     elif method == "accelerate":
         from accelerate import notebook_launcher
 
         with contextlib.redirect_stdout(io.StringIO()):  # it announces every launch
-            notebook_launcher(_accelerate_job, num_processes=world_size, use_port=str(_free_port()))
+            notebook_launcher(_accelerate_job, num_processes=world_size, use_port=str(free_port()))
     else:
         start_method = "forkserver" if method == "forkserver-first" else method
         results = dtlib.spawn(sum_of_ranks, world_size, start_method=start_method, backend="gloo", output="none")
