@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -44,6 +46,67 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     targets = re.findall(r"^([a-z]+):", (ROOT / "Makefile").read_text(), flags=re.M)
     assert {"lab", "test", "notebooks", "setup"} <= set(targets)
+
+
+def test_readme_is_a_newcomer_page_and_every_local_link_resolves():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.split()) <= 1500, "the README is the newcomer's page: maintainer material goes to docs/"
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)|src=\"([^\"]+)\"", page.read_text()):
+            path = next(t for t in target if t)
+            assert (page.parent / path).exists(), f"{page.relative_to(ROOT)} links to missing {path}"
+
+
+def _dtlib_imports() -> dict[str, set[str]]:
+    """Each dtlib module and the dtlib modules it imports anywhere in it (inside functions too)."""
+    import ast
+
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+               for path in (ROOT / "dtlib").rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dtlib"):
+                graph[name] |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                                for a in node.names}
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name.startswith("dtlib")}
+        graph[name] = {target for target in graph[name] if target in modules and target != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle in ``graph`` as a path that returns to its start, or None."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return None
+        for target in sorted(graph[name]):
+            if found := visit(target, path + [name]):
+                return found
+        done.add(name)
+        return None
+
+    return next((found for name in sorted(graph) if (found := visit(name, []))), None)
+
+
+def test_dtlib_modules_import_each_other_without_a_cycle():
+    graph = _dtlib_imports()
+    assert "dtlib.guide" in graph["dtlib.plots.sharding"]  # imports inside functions count too
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert not (found := _cycle(graph)), "import cycle: " + " -> ".join(found or [])
+
+
+def test_make_lab_allows_root_and_passes_the_users_options():
+    """Jupyter refuses root without --allow-root; containers and cloud notebooks often run as root."""
+    dry_run = subprocess.run(["make", "-n", "--no-print-directory", "lab", 'LAB_ARGS=--port 9999 --no-browser'],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    (command,) = [line for line in dry_run.splitlines() if "jupyter lab" in line]
+    assert command.endswith("--port 9999 --no-browser")
+    assert ("--allow-root" in command) == (os.geteuid() == 0)
 
 
 def test_the_first_notebooks_exist():

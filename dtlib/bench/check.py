@@ -158,10 +158,11 @@ def run(only: Iterable[str] | None = None, repeats: int = 3, notebooks: Path = P
 
 def format_table(results: list[Result]) -> str:
     """One line per target: name, best measured value, limit, met or MISSED, every attempt, what was measured."""
-    lines = [f"{'target':<34} {'best':>8} {'limit':>8}  {'':<6}  attempts ; what"]
+    width = max([len("target"), *(len(r.name) for r in results)])
+    lines = [f"{'target':<{width}} {'best':>8} {'limit':>8}  {'':<6}  attempts ; what"]
     for r in results:
         attempts = ", ".join(f"{a:.3g}" for a in r.attempts)
-        lines.append(f"{r.name:<34} {r.measured:>7.3g}{r.unit} {r.limit:>7.3g}{r.unit}  "
+        lines.append(f"{r.name:<{width}} {r.measured:>7.3g}{r.unit} {r.limit:>7.3g}{r.unit}  "
                      f"{'met' if r.met else 'MISSED':<6}  {attempts} ; {r.what}")
     missed = [r.name for r in results if not r.met]
     lines.append(f"{len(results) - len(missed)} of {len(results)} targets met"
