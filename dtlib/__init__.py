@@ -8,16 +8,17 @@ The launcher's names are here; submodules (``dtlib.checks``, ``dtlib.plots``,
 import importlib
 from typing import Any
 
+from dtlib.entry import rank_device, run, under_torchrun
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import spawn
-from dtlib.run import run, under_torchrun
 
-__all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "run", "spawn", "under_torchrun"]
+__all__ = ["RankFailure", "WorkerError", "WorkerTimeout", "rank_device", "run", "spawn", "under_torchrun"]
 __version__ = "0.1.0"
 
-_SUBMODULES = {"bench", "checks", "collectives", "commlog", "compat", "data", "ddp", "ddp_options", "ddp_scratch",
-               "examples", "fsdp", "fsdp_checkpoint", "fsdp_compare", "guide", "launch", "memory", "models", "pitfalls",
-               "plots", "ring", "sysinfo", "torchrun", "train"}
+# dtlib.run is the function (the module that holds it is dtlib.entry), so that the name means one thing.
+_SUBMODULES = {"bench", "checks", "collectives", "commlog", "compat", "counting", "data", "ddp", "ddp_options",
+               "ddp_scratch", "entry", "examples", "feedback", "fsdp", "fsdp_checkpoint", "fsdp_compare", "guide",
+               "launch", "memory", "models", "pitfalls", "plots", "ring", "sysinfo", "torchrun", "train"}
 
 
 def __getattr__(name: str) -> Any:

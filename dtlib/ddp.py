@@ -18,7 +18,6 @@ import contextlib
 import numbers
 import os
 import resource
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,7 +30,7 @@ from dtlib import compat, data, models
 from dtlib._files import write_atomically
 from dtlib.commlog import CommLog, busy_seconds, hidden_share
 from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
-from dtlib.run import rank_device
+from dtlib.entry import rank_device
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
 COUNTS = ("steps", "global_batch", "grad_accum", "num_samples", "seed", "threads", "save_after_step")  # ints
@@ -63,7 +62,6 @@ class TrainConfig:
     save_after_step: int | None = None  # save a checkpoint to checkpoint_path after this many steps
     resume: bool = False  # start from the checkpoint at checkpoint_path
     checkpoint_path: str | None = None
-    progress: bool = False  # a tqdm bar on rank 0
 
 
 @dataclass
@@ -221,9 +219,6 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
                            set_epoch=config.set_epoch)
     result = RankResult(rank, world_size, dist.get_backend() if dist.is_initialized() else "none", start)
     steps = range(start, config.steps)
-    if config.progress and rank == 0:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc=f"DDP x{world_size}", file=sys.stderr, ascii=True, ncols=70)
     with log.recording():
         for step in steps:
             log.step = step
@@ -291,7 +286,7 @@ def run(config: TrainConfig, world_size: int = 2, **spawn_options: Any) -> list[
     Example: ``run(TrainConfig(steps=4), world_size=2)[0].losses``.
     """
     validate(config, world_size)
-    from dtlib.run import run as run_everywhere
+    from dtlib.entry import run as run_everywhere
 
     return run_everywhere(train, world_size, args=(config,), **spawn_options)
 

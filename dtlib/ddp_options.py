@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import data, models
 from dtlib.ddp import TrainConfig, run
+from dtlib.entry import rank_device
 from dtlib.errors import WorkerError
 from dtlib.launch import spawn
-from dtlib.run import rank_device
 
 QUIET: dict[str, Any] = {"output": "none"}
 

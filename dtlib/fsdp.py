@@ -32,7 +32,7 @@ from torch import nn
 
 from dtlib import compat, data, memory, models
 from dtlib.commlog import SIZED_BY, CommLog
-from dtlib.run import rank_device
+from dtlib.entry import rank_device
 
 APIS = ("fsdp2", "fsdp1", "ddp")
 # FSDP1's ShardingStrategy names, lower case; "hybrid_shard_zero2" is its _HYBRID_SHARD_ZERO2.
@@ -480,7 +480,7 @@ def run(config: FSDPConfig, world_size: int = 2, **spawn_options: Any) -> list[F
     Example: ``run(FSDPConfig(api="fsdp1", strategy="shard_grad_op"), 2)[0].losses``.
     """
     validate(config, world_size)
-    from dtlib.run import run as run_everywhere
+    from dtlib.entry import run as run_everywhere
 
     return run_everywhere(train, world_size, args=(config,), **spawn_options)
 
@@ -504,7 +504,7 @@ def run_many(configs: list[FSDPConfig], world_size: int = 2, **spawn_options: An
     configs = list(configs)
     for config in configs:
         validate(config, world_size)
-        from dtlib.run import run as run_everywhere
+        from dtlib.entry import run as run_everywhere
 
     by_rank = run_everywhere(_train_each, world_size, args=(configs,), **spawn_options)
     return [[results[index] for results in by_rank] for index in range(len(configs))]

@@ -185,7 +185,7 @@ def gpu_needed(row: Migration) -> bool:
 
 def _documented_route(rank: int, world_size: int) -> str:
     from dtlib import fsdp, fsdp_checkpoint, models
-    from dtlib.run import rank_device
+    from dtlib.entry import rank_device
 
     model = fsdp._wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, rank_device(), [])
     optimizer = torch.optim.Adam(model.parameters())

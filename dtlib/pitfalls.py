@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from dtlib import data
 from dtlib.counting import rank_without_communication, spawn_counting
+from dtlib.entry import rank_device
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch import spawn
-from dtlib.run import rank_device
 
 QUIET: dict[str, Any] = {"output": "none"}
 FORK_EXPLANATION = ("fork copies this process, CUDA's driver state included, but a child cannot use a CUDA "

@@ -119,7 +119,7 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     def no_processes(*args, **kwargs):
         raise AssertionError("ddp.run started processes for a config it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern) as info:  # the patched spawn proves no process started
         ddp.run(config, world_size, **QUIET)

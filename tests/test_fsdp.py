@@ -293,7 +293,7 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     def no_processes(*args, **kwargs):
         raise AssertionError("fsdp.run started processes for a config it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):  # and spawn, patched above, was never called
         fsdp.run(config, world_size, **QUIET)
@@ -342,7 +342,7 @@ def _refused_without_processes(monkeypatch, config, world_size, pattern):
     def no_processes(*args, **kwargs):
         raise AssertionError("fsdp.run started processes for a config it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):
         fsdp.run(config, world_size, **QUIET)
@@ -505,7 +505,7 @@ def test_run_many_refuses_every_bad_config_before_any_process_starts(monkeypatch
     def no_processes(*args, **kwargs):
         pytest.fail("a process was started")
 
-    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):
         fsdp.run_many(configs, world_size)
 

@@ -65,7 +65,7 @@ def test_resume_rejects_a_bad_stop_after(monkeypatch, stop_after, steps):
     def no_processes(*args, **kwargs):
         raise AssertionError("resume started processes for a stop_after it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.run"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
     with pytest.raises(ValueError, match=rf"need 0 < stop_after < steps, got {stop_after} and {steps}"):
         fsdp_compare.resume(FSDPConfig(), steps=steps, stop_after=stop_after)  # spawn, patched above, never ran

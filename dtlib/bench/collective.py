@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from dtlib import collectives, compat, ring
+from dtlib.entry import rank_device
 from dtlib.launch import spawn
-from dtlib.run import rank_device
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 

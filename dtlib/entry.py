@@ -1,4 +1,6 @@
-"""``dtlib.run``: one entry point that works in a notebook and under torchrun.
+"""``dtlib.run`` and ``dtlib.rank_device``: one entry point that works in a notebook and under torchrun.
+
+The module is ``dtlib.entry``; ``dtlib.run`` is the function, so that the name means one thing.
 
 In a notebook or a plain ``python script.py`` it starts the ranks with
 :func:`dtlib.spawn`. Started by ``torchrun`` (one process per rank already
@@ -27,7 +29,7 @@ def rank_device() -> torch.device:
     """The device this rank computes on: its own GPU (``cuda:LOCAL_RANK``, set by the launcher) under
     NCCL, else the CPU; the CPU too outside a process group (a one-process reference run).
 
-    Example: ``model.to(dtlib.run.rank_device())`` inside a rank.
+    Example: ``model.to(dtlib.rank_device())`` inside a rank.
     """
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
