@@ -351,9 +351,24 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
                                        f"by {divisor}: divide by dist.get_world_size(), not a constant.")
             return Feedback(False, f"With {size} ranks, rank {rank}'s gradients differ from DDP's by up to "
                                    f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
+    try:
+        halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none")
+    except (WorkerError, WorkerTimeout) as err:
+        return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err}")
+    if not all(torch.isfinite(half).all() for half in halves):
+        return Feedback(False, "Right in fp32, but in fp16 two gradients of 40000 summed make 80000, past fp16's "
+                               "largest number (65504), so your average is inf. DDP divides each gradient by the "
+                               "world size first, then sums: do the same.")
     return Feedback(True, f"With {sizes[0]} ranks and with {sizes[1]}, your gradients equal DistributedDataParallel's "
-                          "and those of one process training on every rank's samples: all-reduce (SUM) and divide "
-                          "by world_size is what DDP does, bucket by bucket.")
+                          "and those of one process training on every rank's samples, and fp16 does not overflow: "
+                          "divide by world_size, then all-reduce (SUM), is what DDP does, bucket by bucket.")
+
+
+def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:
+    """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
+    import torch
+
+    return hook(torch.full((4,), 40000.0, dtype=torch.float16)).float()
 
 
 #: Units an answer in bytes may have been given in by mistake: name, bytes per unit, and how to say it.
@@ -390,8 +405,9 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
                    "Adam's two moments.",
         8 * p / n: "that misses Adam's state: exp_avg and exp_avg_sq, 8 bytes per parameter in fp32.",
         12 * p / n: "that misses the gradients: 4 bytes per parameter, sharded like the rest.",
-        memory.estimate(p, n, "zero2", **fp32_adam): "that is ZeRO-2 (shard_grad_op): parameters whole, the rest "
-                                                     "sharded. FULL_SHARD shards the parameters too.",
+        memory.estimate(p, n, "zero2", **fp32_adam): "that is ZeRO-2: parameters whole on every rank, gradients "
+                                                     "and Adam's state sharded. FULL_SHARD shards the parameters "
+                                                     "too.",
     }
     for value, hint in known.items():
         if abs(answer - value) <= 0.01 * value:

@@ -518,10 +518,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="full_shard", choices=STRATEGIES)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--mixed-precision", action="store_true")
+    parser.add_argument("--shard-group-size", type=int, default=2,
+                        help="hybrid strategies: ranks per shard group (the GPUs of one node, say); the groups "
+                             "replicate")
     options = parser.parse_args(argv)
     config = FSDPConfig(api=options.api, strategy=options.strategy, steps=options.steps,
-                        mixed_precision=options.mixed_precision)
-    results = run(config, options.world_size)
+                        mixed_precision=options.mixed_precision, shard_group_size=options.shard_group_size)
+    from dtlib.entry import under_torchrun
+
+    # Under torchrun the job's size is torchrun's, and the settings are checked against it.
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
+    results = run(config, world_size)
     if int(os.environ.get("RANK", 0)) == 0:
         first = results[0]
         print(f"{first.api} {options.strategy} on {first.world_size} ranks: losses "

@@ -105,8 +105,9 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
                    timeout: float = 60.0) -> list[Finished]:
     """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.
 
-    ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the
-    first to arrive hosts the store and ranks are handed out as nodes join (elastic).
+    ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the agent on
+    the endpoint's host serves the store (here every node is on 127.0.0.1, so the first to bind the port
+    does), and node ranks are given out when the rendezvous completes, not in order of arrival.
     ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
     node 0 hosting the store, as with ``torch.distributed.launch`` of old.
     """
@@ -182,7 +183,6 @@ def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, 
     """
     import shlex
 
-
     if not isinstance(command, str) or not command.strip():
         return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")
     try:
@@ -211,6 +211,15 @@ def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, 
     if given["standalone"] is True:
         return Feedback(False, "--standalone starts a private rendezvous on this machine: one node only. "
                                "Several nodes must name the same --master_addr and --master_port.")
+    backend = given.get("rdzv_backend", _NOT_GIVEN)
+    if backend not in (_NOT_GIVEN, "static"):
+        return Feedback(False, f"--rdzv_backend={backend}: this job numbers its nodes by hand, which is the static "
+                               "rendezvous (torchrun's default). c10d ignores --node_rank and finds its store at "
+                               "--rdzv_endpoint, not --master_addr: leave --rdzv_backend out.")
+    endpoint = given.get("rdzv_endpoint", _NOT_GIVEN)
+    if endpoint not in (_NOT_GIVEN, "", f"{master_addr}:{master_port}"):
+        return Feedback(False, f"--rdzv_endpoint={endpoint} wins over --master_addr and --master_port, and this "
+                               f"job's store is at {master_addr}:{master_port}: leave --rdzv_endpoint out.")
     defaults = _torchrun_defaults()
     if defaults["master_port"] is None:  # newer torchrun fills it in after parsing: 29500 for a static rendezvous
         defaults["master_port"] = 29500

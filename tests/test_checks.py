@@ -378,8 +378,14 @@ def test_average_with_reduce_op_avg_is_right_where_gloo_has_it_and_explained_whe
 
 
 def _hook_right(grad):
+    grad = grad / dist.get_world_size()  # divide first, as DDP does: the sum of halves cannot overflow
     dist.all_reduce(grad)
-    return grad / dist.get_world_size()
+    return grad
+
+
+def _hook_sum_then_divide(grad):
+    dist.all_reduce(grad)
+    return grad / dist.get_world_size()  # right in fp32; in fp16 the sum overflows first
 
 
 def _hook_by_two(grad):
@@ -426,6 +432,7 @@ def test_gradient_hook_accepts_all_reduce_then_divide_by_the_world_size():
         (_hook_by_two, ["With 3 ranks", "divided by 2", "divide by dist.get_world_size(), not a constant"]),
         (lambda grad: grad, ["kept its own gradients", "called no collective"]),
         (_hook_sum, ["holds the sum over ranks"]),
+        (_hook_sum_then_divide, ["in fp16 two gradients of 40000", "divides each gradient by the world size first"]),
         (_hook_reduces_a_copy, ["kept its own gradients although your hook called all_reduce"]),
         ("average_gradient", ["Pass your hook function itself"]),
     ],

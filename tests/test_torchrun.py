@@ -42,6 +42,16 @@ def test_runners_start_under_torchrun(runner):
     assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
 
 
+@pytest.mark.timeout(240)
+def test_hybrid_shard_under_torchrun_checks_its_groups_against_torchruns_world_size():
+    """docs/torchrun.md's SLURM line: --shard-group-size is checked against torchrun's WORLD_SIZE (4 here),
+    not against --world-size (2 by default), which torchrun ignores."""
+    finished = torchrun.launch(["-m", "dtlib.train", "fsdp", "--strategy", "hybrid_shard", "--shard-group-size",
+                                "4", "--steps", "1"], nproc_per_node=4, timeout=200)
+    assert finished.returncode == 0, finished.output[-2000:]
+    assert "fsdp2 hybrid_shard on 4 ranks" in finished.output
+
+
 @pytest.mark.timeout(120)
 def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
     """Notebook 07: torchrun does not pass a rank's exit code on; its summary names it."""
@@ -139,6 +149,13 @@ def test_train_without_a_runner_name_says_how():
      False, "--nnodes=2 comes after train.py, so it goes to train.py"),
     ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500 main.py",
      False, "End with the script, train.py"),
+    # torchrun reads its store from --rdzv_endpoint when given (get_rdzv_endpoint), and c10d ignores node_rank:
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500 "
+     "--rdzv_endpoint=10.0.0.2:1234 train.py", False, "--rdzv_endpoint=10.0.0.2:1234 wins over --master_addr"),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --master_port=29500 "
+     "--rdzv_backend=c10d train.py", False, "--rdzv_backend=c10d: this job numbers its nodes by hand"),
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --rdzv_endpoint=10.0.0.1:29500 --rdzv_backend=static "
+     "--master_addr=10.0.0.1 train.py", True, "Right"),
 ])
 def test_exercise_checker(command, ok, says):
     verdict = torchrun.check_command(command)
