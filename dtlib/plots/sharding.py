@@ -183,8 +183,9 @@ def guide_calculator() -> object:
             num_gpus = max(nodes, num_gpus // nodes * nodes)  # keep GPUs evenly split over nodes
         advice = recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes, host_memory_gb=host_memory_gb,
                            inter_node_gb_per_s=inter_node_gb_per_s)
-        guide_bars(advice, title=f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on "
-                                f"{nodes} node(s)")
+        title = (f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on {nodes} node(s)\n"
+                 f"{host_memory_gb} GB host RAM per node, {inter_node_gb_per_s:g} GB/s between nodes")
+        guide_bars(advice, title=title)
         plt.show()
 
     return widgets.interactive(

@@ -260,11 +260,15 @@ class NotebookPage:
         return (widget.locator(".widget-label").inner_text(timeout=120_000),
                 widget.locator(".widget-readout").inner_text(timeout=120_000))
 
-    def move_slider(self, slider: Locator, key: str = "ArrowRight") -> str:
-        """Focus ``slider`` and press ``key`` once, as a learner using the keyboard would; return the value
-        its readout shows once it changes (or, after 30 s, the unchanged one). Every wait is explicit and
-        generous (a hang guard): a busy machine may be slow, never wrong."""
+    def move_slider(self, slider: Locator) -> str:
+        """Focus ``slider`` and press an arrow key once, as a learner using the keyboard would (the left arrow
+        when the handle is at its maximum); return the value its readout shows once it changes (or, after
+        30 s, the unchanged one). Every wait is explicit and generous (a hang guard): a busy machine may be
+        slow, never wrong."""
         before = self.slider_text(slider)[1]
+        at_maximum = slider.get_attribute("aria-valuenow", timeout=120_000) == slider.get_attribute(
+            "aria-valuemax", timeout=120_000)
+        key = "ArrowLeft" if at_maximum else "ArrowRight"
         slider.focus(timeout=120_000)
         slider.press(key, timeout=120_000)
         deadline = time.monotonic() + 30
