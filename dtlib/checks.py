@@ -155,7 +155,8 @@ def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout
                                    "the rank's own values, then divide by world_size.")
     return Feedback(True, f"Every rank holds the mean, with {sizes[0]} ranks and with {sizes[1]}. "
                           "all_reduce(SUM) / world_size works on every backend and torch version; DDP averages "
-                          "gradients that way.")
+                          "gradients with the same sum and division, dividing first so that fp16 sums cannot "
+                          "overflow (notebook 04).")
 
 
 def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None], which: str,

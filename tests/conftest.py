@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
 import time
@@ -78,3 +79,22 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not table.startswith("no "):
         terminalreporter.write_sep("-", "notebooks run in JupyterLab (make browser-screenshots shows this again)")
         terminalreporter.write_line(table)
+
+
+# What opens the rendezvous port (dtlib.compat), for tests that must show nothing started.
+STORE_FACTORIES = ("loopback_listener", "store_on", "loopback_store")
+
+
+@pytest.fixture
+def no_process_start(monkeypatch):
+    """Make starting a rank or opening the rendezvous store fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dtlib.spawn started a process or a store before rejecting its input")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    import dtlib.compat
+
+    for name in STORE_FACTORIES:
+        if hasattr(dtlib.compat, name):
+            monkeypatch.setattr(dtlib.compat, name, refuse)

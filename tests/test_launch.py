@@ -24,6 +24,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import STORE_FACTORIES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-STORE_FACTORIES = ("loopback_listener", "store_on", "loopback_store")  # what opens the rendezvous port
 RELAYED_LINE = re.compile(r"^\[rank (\d)\] r\1 line (\d+) x+$")
 
 
@@ -204,19 +204,6 @@ def exited(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-@pytest.fixture
-def no_process_start(monkeypatch):
-    """Make starting a rank or opening the rendezvous store fail the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("dtlib.spawn started a process or a store before rejecting its input")
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-    for name in STORE_FACTORIES:
-        if hasattr(dtlib.compat, name):
-            monkeypatch.setattr(dtlib.compat, name, refuse)
 
 
 # -- results and arguments -------------------------------------------------------------------

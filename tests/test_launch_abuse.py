@@ -30,7 +30,6 @@ from dtlib._processes import forkserver_pid, loopback_interface
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-STORE_FACTORIES = ("loopback_listener", "store_on", "loopback_store")
 
 
 # -- functions the ranks run -----------------------------------------------------------------
@@ -125,19 +124,6 @@ def exited(pid: int) -> bool:
 def interrupt_main_thread() -> None:
     """A real SIGINT, sent to this process's main thread only (never to other processes)."""
     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-
-
-@pytest.fixture
-def no_process_start(monkeypatch):
-    """Make starting a rank or opening the rendezvous store fail the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("dtlib.spawn started a process or a store before rejecting its input")
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-    for name in STORE_FACTORIES:
-        if hasattr(dtlib.compat, name):
-            monkeypatch.setattr(dtlib.compat, name, refuse)
 
 
 # -- interrupts ------------------------------------------------------------------------------
