@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -47,6 +47,7 @@ class RankState:
     outcome: tuple[str, Any] | None = None  # ("ok", value) or ("error", RankFailure)
     exited: bool = False
     server: int | None = None  # the pid of the forkserver that forked it
+    channels: list[Connection] = field(default_factory=list)  # this end of the rank's two-way channels
 
     def started(self) -> bool:
         return self.process.pid is not None
@@ -59,9 +60,10 @@ class Job:
     moment it exists, so that :meth:`stop` and :meth:`close` release it whenever the job ends.
     """
 
-    def __init__(self, world_size: int, output: str, method: str) -> None:
+    def __init__(self, world_size: int, output: str, method: str, channels: int = 0) -> None:
         self.world_size = world_size
         self.method = method
+        self.channels = channels  # two-way pipes per rank, beyond the usual ones (live ranks take commands on them)
         self.relay = Relay(output)
         self.ranks: list[RankState] = []
         self.selector = selectors.DefaultSelector()
@@ -73,9 +75,9 @@ class Job:
         self.stopped = False
 
     # -- starting ---------------------------------------------------------------
-    def _pipe(self, ctx: Any) -> tuple[Connection, Connection]:
-        """A one-way pipe, recorded for clean-up; call with ``_fd_lock`` held and interrupts held."""
-        reader, writer = ctx.Pipe(duplex=False)
+    def _pipe(self, ctx: Any, duplex: bool = False) -> tuple[Connection, Connection]:
+        """A pipe (one-way: reader, writer), recorded for clean-up; call with ``_fd_lock`` and interrupts held."""
+        reader, writer = ctx.Pipe(duplex=duplex)
         self.connections += (reader, writer)
         _job_fds.update((reader.fileno(), writer.fileno()))
         return reader, writer
@@ -94,20 +96,25 @@ class Job:
             _job_fds.add(self.listener_fd)
 
     def start(self, ctx: Any, payload: bytes, backend: str | None, sources: dict[str, list[str]],
-              start: Callable[[Any], None]) -> None:
-        """Start every rank; ``start(process)`` starts one (with SIGINT blocked, say)."""
+              start: Callable[[Any], None], env: dict[str, str] | None = None) -> None:
+        """Start every rank; ``start(process)`` starts one (with SIGINT blocked, say).
+
+        ``env`` adds variables to every rank's environment; each rank's ``channels`` (this end)
+        are in its state's ``channels``, the other end in the rank's :func:`dtlib._worker.channels`.
+        """
         assert self.listener is not None
         port = self.listener.getsockname()[1]
         with _fd_lock, HeldInterrupts() as held:
             alive_r, self.alive_w = self._pipe(ctx)
         held.deliver()
-        base_env = dict(os.environ)
+        base_env = {**os.environ, **(env or {})}
         for rank in range(self.world_size):
             with _fd_lock:
                 with HeldInterrupts() as held:
                     ends = [self._pipe(ctx) for _ in range(4)]  # result, stdout, stderr, stacks
-                    child = _worker.WorkerPipes(*[w for _, w in ends], alive=alive_r)
-                    keep = {w.fileno() for _, w in ends} | {alive_r.fileno()}
+                    both = [self._pipe(ctx, duplex=True) for _ in range(self.channels)]  # (ours, the rank's)
+                    child = _worker.WorkerPipes(*[w for _, w in ends], alive=alive_r, channels=[c for _, c in both])
+                    keep = {w.fileno() for _, w in ends} | {alive_r.fileno()} | {c.fileno() for _, c in both}
                     config = _worker.WorkerConfig(
                         rank=rank,
                         world_size=self.world_size,
@@ -118,7 +125,7 @@ class Job:
                     )
                     process = ctx.Process(target=_worker.main, args=(payload, config, child),
                                           name=f"dtlib-rank-{rank}")
-                    state = RankState(rank, process, *[r for r, _ in ends])
+                    state = RankState(rank, process, *[r for r, _ in ends], channels=[ours for ours, _ in both])
                     self.ranks.append(state)
                 held.deliver()
                 try:
@@ -131,7 +138,7 @@ class Job:
                     raise WorkerError([RankFailure(rank, None, f"could not be started: the forkserver, the "
                                                    f"process that forks every rank, {how}", "")]) from exc
                 with HeldInterrupts() as held:
-                    self._close(*[w for _, w in ends])
+                    self._close(*[w for _, w in ends], *[c for _, c in both])
                     self.selector.register(state.result.fileno(), selectors.EVENT_READ, (state, "result"))
                     self.selector.register(state.stdout.fileno(), selectors.EVENT_READ, (state, "out"))
                     self.selector.register(state.stderr.fileno(), selectors.EVENT_READ, (state, "err"))
@@ -164,8 +171,22 @@ class Job:
             self.selector.unregister(fd)
         return bool(data)
 
-    def _handle(self, state: RankState, kind: str, fd: int) -> None:
-        if kind in ("out", "err"):
+    def watch(self, state: RankState, connection: Connection, on_ready: Callable[[RankState], None]) -> None:
+        """Call ``on_ready(state)`` from the event loop whenever ``connection`` (a channel) can be read."""
+        self.selector.register(connection.fileno(), selectors.EVENT_READ, (state, on_ready))
+
+    def unwatch(self, connection: Connection) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(connection.fileno())
+
+    def step(self, timeout: float) -> None:
+        """Run the event loop once: relay output, note exits, call watchers; wait at most ``timeout`` s."""
+        self._select(timeout)
+
+    def _handle(self, state: RankState, kind: Any, fd: int) -> None:
+        if callable(kind):
+            kind(state)
+        elif kind in ("out", "err"):
             self._read(state, kind, fd)
         elif kind == "result":
             self.selector.unregister(fd)
@@ -224,9 +245,9 @@ class Job:
     def running(self) -> list[RankState]:
         return [state for state in self.ranks if state.outcome is None]
 
-    def collect_stacks(self, wait_s: float = 2.0) -> dict[int, str]:
-        """Ask every running rank for its Python stack (faulthandler on SIGUSR1)."""
-        running = [state for state in self.running() if state.started()]
+    def collect_stacks(self, wait_s: float = 2.0, ranks: list[int] | None = None) -> dict[int, str]:
+        """Ask every running rank (or those of ``ranks``) for its Python stack (faulthandler on SIGUSR1)."""
+        running = [state for state in self.running() if state.started() and (ranks is None or state.rank in ranks)]
         for state in running:
             send(state.process.pid, _worker.STACK_SIGNAL, group=False)
         chunks = {state.rank: b"" for state in running}
@@ -305,10 +326,13 @@ def _clean_stack(dump: str) -> str:
     """Keep the user's frames of a faulthandler dump: drop dtlib's watchdog thread and
     the frames below ``fn`` (dtlib's worker and multiprocessing's start-up)."""
     marker = f'{os.sep}dtlib{os.sep}_worker.py", line'
-    blocks = [b for b in dump.strip().split("\n\n") if b.strip() and "_watch_parent" not in b]
+    live = f'{os.sep}dtlib{os.sep}_live_rank.py", line'  # a live rank's loop, below the cell it runs
+    blocks = [b for b in dump.strip().split("\n\n")
+              if b.strip() and "_watch_parent" not in b and " in _answer_doctor" not in b]
     kept = []
     for block in blocks:
         lines = block.splitlines()
-        cut = next((i for i, line in enumerate(lines) if marker in line and line.endswith(" in main")), len(lines))
+        cut = next((i for i, line in enumerate(lines)
+                    if (marker in line and line.endswith(" in main")) or live in line), len(lines))
         kept.append("\n".join(lines[:cut]))
     return "\n\n".join(kept) or "(no Python stack: the rank had not finished starting)"

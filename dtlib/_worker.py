@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -56,9 +56,16 @@ class WorkerPipes:
     stderr: Connection
     stacks: Connection
     alive: Connection
+    channels: list[Connection] = field(default_factory=list)  # two-way, for a caller that asks for them
 
 
 _held: list[Any] = []  # objects that must stay alive for the life of the process
+_channels: list[Connection] = []
+
+
+def channels() -> list[Connection]:
+    """This rank's ends of the two-way channels its job asked for (``Job(channels=N)``); empty by default."""
+    return list(_channels)
 
 
 def _redirect_output(pipes: WorkerPipes) -> None:
@@ -191,6 +198,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
     _die_with_parent()
     _leave_the_forkserver_alone()
     _redirect_output(pipes)
+    _channels[:] = pipes.channels
     finished = threading.Event()
     threading.Thread(target=_watch_parent, args=(pipes.alive, finished), daemon=True).start()
 

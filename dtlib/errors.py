@@ -37,10 +37,11 @@ class WorkerError(RuntimeError):
             print(err.failures[0].rank, err.failures[0].exc_type)
     """
 
-    def __init__(self, failures: list[RankFailure]) -> None:
+    def __init__(self, failures: list[RankFailure], note: str = "") -> None:
         self.failures = sorted(failures, key=lambda failure: failure.rank)
         self.rank = self.failures[0].rank
-        super().__init__(self._describe())
+        self.note = note  # what happened to the ranks afterwards (live ranks: kept, or restarted)
+        super().__init__(self._describe() + (f"\n{note}" if note else ""))
 
     def _describe(self) -> str:
         if len(self.failures) == 1:
@@ -60,14 +61,22 @@ class WorkerTimeout(WorkerError, TimeoutError):
     """Ranks were still running after ``timeout`` seconds; every rank was stopped.
 
     ``stacks`` maps each rank that was still running to its Python stack at that
-    moment, so the report shows which rank waited in which collective.
+    moment, so the report shows which rank waited in which collective. Live ranks
+    (:class:`dtlib.LiveRanks`) add the hang doctor's findings: ``collectives``, one line
+    per rank (``"rank 0 waits in all_reduce #3 (float32[4])"``), and ``verdict``, where
+    the ranks disagree; ``outcome`` says what became of the ranks.
     """
 
-    def __init__(self, timeout: float, stacks: dict[int, str], finished: list[int]) -> None:
+    def __init__(self, timeout: float, stacks: dict[int, str], finished: list[int], *,
+                 collectives: list[str] | None = None, verdict: str = "",
+                 outcome: str = "every rank was stopped.") -> None:
         self.timeout = timeout
         self.stacks = dict(sorted(stacks.items()))
         self.running_ranks = list(self.stacks)
         self.finished_ranks = sorted(finished)
+        self.collectives = list(collectives or [])
+        self.verdict = verdict
+        self.outcome = outcome
         failures = [
             RankFailure(rank, None, f"was still running after {timeout:g} s", stack)
             for rank, stack in self.stacks.items()
@@ -77,10 +86,16 @@ class WorkerTimeout(WorkerError, TimeoutError):
     def _describe(self) -> str:
         running = ", ".join(map(str, self.running_ranks))
         done = ", ".join(map(str, self.finished_ranks)) or "none"
-        parts = [
-            f"timed out after {self.timeout:g} s: rank(s) {running} still running "
-            f"(finished: {done}); every rank was stopped."
-        ]
+        if self.collectives:  # the hang doctor's findings say more than the rank numbers
+            parts = [f"timed out after {self.timeout:g} s: {'; '.join(self.collectives)}."]
+            if self.verdict:
+                parts.append(f"The hang doctor: {self.verdict}.")
+            parts.append(self.outcome[:1].upper() + self.outcome[1:])
+        else:
+            parts = [
+                f"timed out after {self.timeout:g} s: rank(s) {running} still running "
+                f"(finished: {done}); {self.outcome}"
+            ]
         for rank, stack in self.stacks.items():
             parts.append(f"--- Python stack of rank {rank} at the timeout ---\n{stack.rstrip()}")
         return "\n".join(parts)

@@ -268,25 +268,31 @@ def spawn(
     try:
         results = _run(job, method, payload, sources, resolved_backend if init_process_group else None, timeout)
     except BaseException as exc:
-        _finish(job)  # a KeyboardInterrupt lands here too: no rank outlives the call
+        finish(job)  # a KeyboardInterrupt lands here too: no rank outlives the call
         traceback.clear_frames(exc.__traceback__)  # what dtlib's frames held (half-started processes) goes now
         raise
-    _finish(job).deliver()
+    finish(job).deliver()
     return results
 
 
-def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
-         timeout: float | None) -> list[Any]:
+def start_job(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
+              env: dict[str, str] | None = None) -> None:
+    """Start ``job``'s ranks with ``method`` and serve their rendezvous store (used by :class:`dtlib.LiveRanks` too)."""
     ctx = mp.get_context(method)
     job.listen(compat.loopback_listener(min(job.world_size, 1 << 16)))
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
         start_forkserver()
-    job.start(ctx, payload, backend, sources, start=lambda process: start_rank(process, method))
+    job.start(ctx, payload, backend, sources, start=lambda process: start_rank(process, method), env=env)
     # The store starts after the ranks: it runs a thread, and forking a process while
     # one of its threads holds a lock can deadlock the child. Ranks that connect
     # earlier wait in the socket's backlog.
     job.store = compat.store_on(job.listener)
+
+
+def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
+         timeout: float | None) -> list[Any]:
+    start_job(job, method, payload, sources, backend)
     outcome = job.wait(timeout)
     if outcome == "ok":
         job.stop(grace_s=FINISH_GRACE_S)
@@ -298,7 +304,7 @@ def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], b
     raise WorkerError(job.failures())
 
 
-def _finish(job: Job) -> HeldInterrupts:
+def finish(job: Job) -> HeldInterrupts:
     """Stop every rank and release everything, with Ctrl-C held back until it is done.
 
     A second (or third) interrupt during clean-up would otherwise cut it short and leave

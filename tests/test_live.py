@@ -1,0 +1,204 @@
+"""``dtlib.LiveRanks``: values, output, push and pull, errors, hangs explained, interrupts, close.
+
+The oracle for values is torch itself (an all-reduce's sum); for the hang doctor, the collective
+each rank was made to wait in; for clean-up, the process table.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+import dtlib
+from dtlib import _doctor
+from dtlib._doctor import Collective
+from dtlib.rankview import RankValues, compare
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    live = dtlib.LiveRanks(2, backend="gloo", timeout=60)
+    try:
+        yield live
+    finally:
+        live.close()
+
+
+def test_values_are_each_ranks_last_expression_and_output_is_prefixed(ranks, capsys):
+    assert ranks.run("x = torch.tensor([rank + 1.0])\nprint('hello from', rank)\nx") == [
+        torch.tensor([1.0]), torch.tensor([2.0])]
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert ranks.run("dist.all_reduce(x); x") == [torch.tensor([3.0])] * 2  # 1 + 2 on every rank
+    assert ranks.run("y = 5") == [None, None]  # no last expression
+    assert ranks.run("world_size, str(device), torch.distributed.get_rank()") == [(2, "cpu", 0), (2, "cpu", 1)]
+
+
+def test_push_sends_values_and_functions_by_value_and_pull_returns_them_by_rank(ranks):
+    offset = 7
+    ranks.push(scale=10, shift=lambda v: v + offset)
+    assert ranks.run("z = shift(rank * scale)\nz") == [7, 17]
+    assert ranks.pull("z") == [7, 17]
+    with pytest.raises(dtlib.WorkerError, match="name 'never_defined' is not defined on this rank"):
+        ranks.pull("never_defined")
+    with pytest.raises(ValueError, match="identifier"):
+        ranks.pull("not a name")
+    with pytest.raises(TypeError, match="cannot push 'lock'"):
+        ranks.push(lock=threading.Lock())
+
+
+def test_an_error_on_one_rank_names_it_with_its_cell_line_and_keeps_every_namespace(ranks):
+    ranks.run("kept = rank * 100")
+    with pytest.raises(dtlib.WorkerError) as caught:
+        ranks.run("a = 1\nif rank == 1:\n    raise ValueError('bad on 1')\n")
+    err = caught.value
+    assert [f.rank for f in err.failures] == [1] and err.failures[0].exc_type == "ValueError"
+    assert "line 3" in err.failures[0].traceback and "raise ValueError('bad on 1')" in err.failures[0].traceback
+    assert "still running, with their variables" in str(err)
+    assert ranks.pull("kept") == [0, 100]
+    with pytest.raises(SyntaxError):  # refused here, before any rank runs it
+        ranks.run("def broken(:")
+
+
+def test_a_value_that_cannot_travel_comes_back_as_its_repr(ranks):
+    values = ranks.run("import threading\nthreading.Lock()")
+    assert all("lock" in repr(value).lower() for value in values)
+
+
+def test_a_rank_zero_only_collective_is_explained_and_the_ranks_restart_with_a_fresh_group(ranks):
+    ranks.run("before = 1\nt = torch.ones(4)\ndist.all_reduce(t)")  # collectives #n on both ranks
+    with pytest.raises(dtlib.WorkerTimeout) as caught:
+        ranks.run("if rank == 0:\n    dist.all_reduce(t)\n", timeout=3)
+    message = str(caught.value)
+    assert "rank 0 waits in all_reduce #" in message and "(float32[4])" in message
+    assert "rank 0 is alone in collective #" in message and "rank 1 never called it" in message
+    assert "variables are gone" in message
+    assert "dist.all_reduce(t)" in caught.value.stacks[0]  # the cell's line, shown under its frame
+    with pytest.raises(dtlib.WorkerError, match="not defined"):
+        ranks.pull("before")
+    assert [t.tolist() for t in ranks.run("t = torch.ones(2)\ndist.all_reduce(t)\nt")] == [[2.0, 2.0]] * 2
+
+
+def test_mismatched_collectives_are_named_by_number(ranks):
+    with pytest.raises(dtlib.WorkerTimeout) as caught:
+        ranks.run("if rank == 0:\n    dist.all_reduce(torch.ones(3))\nelse:\n    dist.barrier()\n", timeout=3)
+    assert "the ranks disagree at collective #" in str(caught.value)
+    assert "rank 0 calls all_reduce (float32[3]), rank 1 calls barrier" in str(caught.value)
+    assert ranks.run("rank") == [0, 1]
+
+
+def test_a_loop_that_runs_too_long_is_interrupted_and_the_ranks_keep_their_variables(ranks):
+    ranks.run("kept = rank + 40")
+    with pytest.raises(dtlib.WorkerTimeout) as caught:
+        ranks.run("while True:\n    pass\n", timeout=2)
+    assert "no rank waits in a collective" in str(caught.value)
+    assert "kept their variables" in str(caught.value)
+    assert ranks.pull("kept") == [40, 41]
+
+
+def test_interrupting_the_kernel_interrupts_every_rank(ranks):
+    ranks.run("kept = rank + 50")
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        ranks.run("import time\nfor _ in range(600):\n    time.sleep(0.05)\n")
+    timer.join()
+    assert ranks.pull("kept") == [50, 51]
+
+
+def test_a_rank_that_dies_is_reported_and_the_ranks_restart(ranks):
+    ranks.run("kept = 1")
+    with pytest.raises(dtlib.WorkerError) as caught:
+        ranks.run("import os\nif rank == 1:\n    os._exit(3)\n")
+    assert caught.value.failures[0].rank == 1 and "exited with code 3" in str(caught.value)
+    assert "variables are gone" in str(caught.value)
+    assert ranks.run("rank") == [0, 1]
+
+
+def test_close_ends_every_rank_and_leaves_nothing(leftovers):
+    live = dtlib.LiveRanks(2, backend="gloo")
+    pids = live.run("import os\nos.getpid()")
+    with live:
+        assert live.run("rank * 2") == [0, 2]
+    assert live.closed
+    live.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        live.run("1")
+    leftovers.assert_clean(pids)
+
+
+def test_bad_arguments_are_refused_before_any_rank_starts(no_process_start):
+    with pytest.raises(ValueError, match="world_size"):
+        dtlib.LiveRanks(0)
+    with pytest.raises(ValueError, match="timeout"):
+        dtlib.LiveRanks(2, timeout=-1)
+    with pytest.raises(ValueError, match="backend"):
+        dtlib.LiveRanks(2, backend="tcp")
+
+
+# -- the hang doctor's reasoning, on records made by hand ----------------------------------
+def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
+    return Collective(op, seq, "default_pg", tensors, done)
+
+
+@pytest.mark.parametrize(("states", "last", "verdict"), [
+    ({0: "running", 1: "finished"}, {0: _c("all_reduce", 3, False, "float32[4]"), 1: _c("all_reduce", 2, True)},
+     "rank 0 is alone in collective #3: rank 1 never called it"),
+    ({0: "running", 1: "running"}, {0: _c("all_reduce", 1, False, "float32[4]"), 1: _c("all_reduce", 1, False,
+                                                                                       "float32[5]")},
+     "the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4]), rank 1 calls all_reduce (float32[5])"),
+    ({0: "running", 1: "running"}, {0: _c("all_reduce", 4, False), 1: _c("all_reduce", 3, False)},
+     "the ranks are at different collectives (collective #3, rank 0 at #4)"),
+    ({0: "running", 1: "running"}, {0: None, 1: None}, "no rank waits in a collective: the cell is slow"),
+    ({0: "running", 1: "running"}, {0: _c("barrier", 2, False), 1: _c("barrier", 2, False)},
+     "every rank waits in collective #2 with the same arguments"),
+])
+def test_the_doctor_finds_where_the_ranks_disagree(states, last, verdict):
+    lines, found = _doctor.explain(states, last)
+    assert found.startswith(verdict), found
+    assert len(lines) == len(states)
+
+
+def test_a_group_is_broken_when_a_rank_is_stuck_or_the_ranks_did_different_numbers_of_collectives():
+    assert _doctor.group_is_broken({0: "running", 1: "finished"}, {0: None, 1: None})
+    assert _doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 1, True)})
+    assert not _doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 2, True)})
+
+
+def test_flight_recorder_entries_become_collectives():
+    dump = {"entries": [
+        {"record_id": 0, "collective_seq_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 1,
+         "input_sizes": [[4]], "input_dtypes": ["Float"], "retired": True, "process_group": ("0", "default_pg")},
+        {"record_id": 1, "collective_seq_id": 2, "profiling_name": "gloo:broadcast", "time_created_ns": 2,
+         "input_sizes": [[2, 3]], "input_dtypes": ["BFloat16"], "retired": False, "process_group": ("1", "tp")}]}
+    assert _doctor.from_flight_recorder(dump) == Collective("broadcast", 2, "tp", ("bfloat16[2, 3]",), False)
+    assert _doctor.from_flight_recorder(dump).describe() == "broadcast #2 (bfloat16[2, 3]) on group tp"
+    assert _doctor.from_flight_recorder({"entries": []}) is None
+
+
+# -- side by side ----------------------------------------------------------------------------
+def test_rank_values_line_tensors_up_and_say_whether_the_ranks_agree():
+    same = RankValues([torch.tensor([1.0, 2.0])] * 2)
+    assert repr(same).splitlines() == ["rank 0 │ tensor([1., 2.])", "rank 1 │ tensor([1., 2.])",
+                                       "the same on every rank"]
+    differ = repr(RankValues([torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])], name="g"))
+    assert differ.splitlines()[1:] == ["rank 0 │ tensor([1. , 2. ])", "rank 1 │ tensor([1. , 2.5])",
+                                       "ranks differ: rank 1 is off rank 0 by up to 0.5"]
+    assert compare([1, 1, 2]) == "ranks differ: rank 2 is off rank 0 by up to 1"
+    assert "<table>" in RankValues([1, 2])._repr_html_()
+
+
+
+def test_ranks_that_wait_for_a_rank_that_failed_are_explained_in_its_error(ranks):
+    with pytest.raises(dtlib.WorkerError) as caught:
+        ranks.run("if rank == 1:\n    raise KeyError('x')\ndist.all_reduce(torch.ones(2))\n", timeout=60)
+    assert not isinstance(caught.value, dtlib.WorkerTimeout)
+    assert [f.rank for f in caught.value.failures] == [1]
+    assert "rank 0 waits in all_reduce #" in str(caught.value) and "rank 1 raised an error" in str(caught.value)
+    assert ranks.run("rank") == [0, 1]
