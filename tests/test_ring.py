@@ -62,17 +62,6 @@ def test_ring_all_reduce_steps_and_bytes(world_size, length):
         assert np.all(trace.bytes_sent == even_share)
 
 
-def test_ring_sends_the_bandwidth_optimal_share_and_naive_grows_with_n():
-    length = 8 * 7 * 5  # divisible by every N below
-    for world_size in (2, 4, 5, 7, 8):
-        inputs = _inputs(world_size, length)
-        s = 4 * length
-        assert (ring.simulate_all_reduce(inputs).bytes_sent == 2 * (world_size - 1) * s // world_size).all()
-        assert (ring.simulate_naive_all_reduce(inputs).bytes_sent == (world_size - 1) * s).all()
-        star = ring.simulate_star_all_reduce(inputs)
-        assert star.bytes_sent[0] == star.bytes_received[0] == (world_size - 1) * s
-
-
 def test_reduce_scatter_and_all_gather_are_the_two_halves():
     inputs = _inputs(5, 13, seed=3)  # 13 elements on 5 ranks: chunks of 3, 3, 3, 2, 2
     total = np.sum(inputs, axis=0)
@@ -117,15 +106,18 @@ def test_recursive_doubling_takes_log2_n_steps():
     assert len(ring.simulate_recursive_doubling_all_reduce(_inputs(6, 4)).steps) == 2 + 2  # fold in, hand back
 
 
-def test_halving_doubling_sends_the_rings_bytes_in_2_log2_n_steps():
+def test_halving_doubling_sends_the_rings_bytes_in_2_log2_n_steps_as_its_cost_terms_say():
     """Rabenseifner's algorithm (Thakur, Rabenseifner and Gropp, 2005): the ring's 2(N-1)/N x S per rank."""
-    length = 16 * 7 * 5  # even chunks for every N below
-    for world_size in (2, 4, 8, 16):
+    length = 32 * 7 * 5  # even chunks for every N below
+    for world_size in (2, 4, 8, 16, 32):
         inputs = _inputs(world_size, length)
         halving = ring.simulate_halving_doubling_all_reduce(inputs)
         np.testing.assert_array_equal(halving.bytes_sent, ring.simulate_all_reduce(inputs).bytes_sent)
         assert len(halving.steps) == 2 * (world_size.bit_length() - 1)
         assert all(t.dst == t.src ^ int(step.phase.split()[-1]) for step in halving.steps for t in step.transfers)
+        messages, bytes_factor = ring.COST_TERMS["halving-doubling all-reduce"](world_size)
+        assert messages == len(halving.steps)
+        assert bytes_factor == pytest.approx(halving.bytes_sent.max() / halving.buffer_bytes)
     six = ring.simulate_halving_doubling_all_reduce(_inputs(6, length))
     assert [s.phase for s in six.steps] == ["fold in", "halving at distance 2", "halving at distance 1",
                                             "doubling at distance 1", "doubling at distance 2", "hand back"]
@@ -177,20 +169,20 @@ def test_fit_reads_alpha_off_the_small_end_and_bandwidth_off_the_large_end():
     spike = list(times)
     spike[-1] *= 3  # one slow measurement at an end moves the median of its quarter only a little
     assert ring.fit_alpha_beta(sizes, spike).bandwidth_bytes_per_s > 0.8 * truth.bandwidth_bytes_per_s
-    with pytest.raises(ValueError, match="share is the part"):
-        ring.fit_alpha_beta(sizes, times, share=0.75)
 
 
-def test_halving_doublings_cost_terms_match_its_simulation():
-    for world_size in (2, 4, 8, 16, 32):
-        messages, bytes_factor = ring.COST_TERMS["halving-doubling all-reduce"](world_size)
-        assert messages == len(ring.simulate_halving_doubling_all_reduce(_inputs(world_size, 1)).steps)
-        assert bytes_factor == pytest.approx(ring.COST_TERMS["ring all-reduce"](world_size)[1])
-
-
-def test_fit_needs_two_sizes():
-    with pytest.raises(ValueError, match="two or more different sizes"):
-        ring.fit_alpha_beta([1024, 1024], [1e-4, 1.1e-4])
+@pytest.mark.parametrize(
+    ("sizes", "times", "options", "match"),
+    [
+        ([1024, 1024], [1e-4, 1.1e-4], {}, "two or more different sizes"),
+        ([1024, 2048, 4096, 8192], [1e-4] * 4, {"share": 0.75}, "share is the part"),
+        ([1024, 2048], [1e-4, 2e-4], {"world_size": 1}, "one rank sends nothing"),
+        ([1024, 2048], [2e-4, 1e-4], {}, "do not grow with size"),
+    ],
+)
+def test_fit_refuses_what_it_cannot_fit(sizes, times, options, match):
+    with pytest.raises(ValueError, match=match):
+        ring.fit_alpha_beta(sizes, times, **options)
 
 
 def test_traffic_table_matches_the_formulas():
@@ -200,6 +192,8 @@ def test_traffic_table_matches_the_formulas():
         assert table["ring all-reduce"][i] == pytest.approx(2 * (n - 1) / n)
         assert table["naive all-reduce"][i] == n - 1
         assert table["reduce + broadcast"][i] == n - 1  # rank 0 sends the result to the N-1 others
+        star = ring.simulate_star_all_reduce([np.zeros(4)] * n, keep_buffers=False)
+        assert star.bytes_received[0] == (n - 1) * star.buffer_bytes  # ... and receives every rank's buffer
     assert table["recursive doubling all-reduce"][world_sizes.index(8)] == 3  # log2(8) whole buffers
     powers = [2, 4, 8, 16, 32, 64]  # the default length divides evenly: ring and halving-doubling agree exactly
     table = ring.traffic_table(powers)

@@ -1,0 +1,45 @@
+"""Reading a learner's numbers: what a value is, and which constant a wrong one was divided by.
+
+Shared by the checkers in :mod:`dtlib.checks.ranks` and :mod:`dtlib.checks.training`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def as_number(value: Any) -> Any:
+    """A one-element tensor or array as a Python number; anything else unchanged.
+
+    Example: ``as_number(torch.tensor([3.0])) == 3.0``; ``as_number(None) is None``.
+    """
+    try:
+        return value.item()
+    except (AttributeError, RuntimeError, ValueError):
+        return value
+
+
+def equals(value: Any, number: float) -> bool:
+    """Whether ``value`` is one number equal to ``number`` (a tensor of two elements is not, and never raises).
+
+    Example: ``equals(torch.tensor([3.0]), 3)`` is True; ``equals(torch.tensor([3.0, 3.0]), 3)`` is False.
+    """
+    value = as_number(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == number
+
+
+def constant_divisor(got: Any, total: Any) -> int | None:
+    """The whole number c with got == total / c, if there is one: the constant a learner divided by.
+
+    Example: ``constant_divisor([1.0, 2.0], [4.0, 8.0]) == 4``.
+    """
+    import torch
+
+    got, total = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(total, dtype=torch.float64)
+    overlap = float((got * total).sum())
+    if not 0 < overlap < float("inf"):
+        return None
+    whole = round(float((total * total).sum()) / overlap)  # least squares fit of total = c * got
+    if whole >= 1 and torch.allclose(got, total / whole, rtol=1e-4, atol=1e-6):
+        return whole
+    return None

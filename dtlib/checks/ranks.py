@@ -1,0 +1,128 @@
+"""Checkers of a function every rank runs, ``fn(rank, world_size)``: its result and its communication.
+
+Each runs the learner's function with ``dtlib.spawn`` on two world sizes (one refuses an answer
+written for one size), compares every rank's result with the right one, and counts the collectives
+it called (:mod:`dtlib.counting`), so that an answer worked out without communicating is refused.
+
+Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dtlib.checks._numbers import as_number, constant_divisor, equals
+from dtlib.counting import rank_without_communication, spawn_counting
+from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.feedback import Feedback
+
+
+def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: float = 30.0) -> Feedback:
+    """Notebook 01: ``fn(rank, world_size)`` must return, on every rank, 0 + 1 + ... + (world_size - 1),
+    computed through a collective; it runs with ``world_size`` ranks and with one more.
+
+    Example: ``sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
+    """
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size
+    for size in sizes:
+        expected = size * (size - 1) // 2
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerError as err:
+            if any("still running" in failure.message for failure in err.failures):
+                return Feedback(False, "Your function hung: does every rank call the same collective? "
+                                       f"Details:\n{err}")
+            return Feedback(False, f"Your function raised on a rank:\n{err.failures[0].headline()}")
+        wrong = {rank: value for rank, value in enumerate(results) if not equals(value, expected)}
+        if wrong:
+            rank, value = next(iter(wrong.items()))
+            if value is None:
+                hint = "it returned None: return the tensor (or its .item()) after the all-reduce."
+            elif all(equals(v, r) for r, v in enumerate(results)):
+                hint = "each rank returned its own rank: was dist.all_reduce called before returning?"
+            elif equals(value, expected * size):
+                hint = "the sum came out world_size times too big: add each rank's number once, not the total."
+            elif size != world_size and equals(value, world_size * (world_size - 1) // 2):
+                hint = (f"it returned {as_number(value)!r}, the answer for {world_size} ranks: let the collective "
+                        "add up the ranks that are there instead of writing the answer for one world size.")
+            else:
+                hint = f"it returned {value!r}."
+            return Feedback(False, f"With {size} ranks, rank {rank} should return {expected}, but {hint}")
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, f"Rank {silent} returned {expected}, but no collective was called: each rank "
+                                   "worked the sum out alone, which no rank can do with numbers only the others "
+                                   "hold. Put the rank's own number in a tensor and use dist.all_reduce to add "
+                                   "them up.")
+    return Feedback(True, f"Every rank returned the sum, with {sizes[0]} ranks and with {sizes[1]}: the all-reduce "
+                          "added every rank's number.")
+
+
+def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout: float = 30.0) -> Feedback:
+    """Notebook 02: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
+    ``dtlib.collectives.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``),
+    computed through a collective; it runs with ``world_size`` ranks and with one more. A tensor, a
+    list, a tuple or a numpy array of the right numbers is right.
+
+    Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
+    """
+    import torch
+
+    from dtlib.collectives import starting_values
+
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
+    for size in sizes:
+        start = torch.stack([starting_values(r, size) for r in range(size)]).double()  # (ranks, slots)
+        expected, total = start.mean(0), start.sum(0)
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerTimeout:
+            return Feedback(False, "Your function hung: every rank must call the same collectives in the same "
+                                   "order.")
+        except WorkerError as err:
+            headline = err.failures[0].headline()
+            if "AVG" in headline:
+                return Feedback(False, "This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide.")
+            return Feedback(False, f"Your function raised on a rank:\n{headline}")
+        for rank, value in enumerate(results):
+            try:
+                got = torch.as_tensor(value, dtype=torch.float64)  # a list, tuple or numpy array is fine too
+            except (TypeError, ValueError, RuntimeError):
+                got = None
+            if got is None or got.shape != expected.shape:
+                return Feedback(False, f"Rank {rank} returned {value!r}; return the averaged tensor of "
+                                       f"{size} values.")
+            if torch.allclose(got, expected):
+                continue
+            if torch.allclose(got, total):
+                return Feedback(False, f"Rank {rank} holds the sum {got.tolist()}: divide by world_size.")
+            if torch.allclose(got, start[rank]):
+                return Feedback(False, f"Rank {rank} still holds its own values: call dist.all_reduce on them.")
+            divisor = constant_divisor(got, total)
+            if divisor is not None:
+                return Feedback(False, f"With {size} ranks, rank {rank} holds the sum divided by {divisor}: "
+                                       "divide by world_size (dist.get_world_size()), not by a fixed number.")
+            return Feedback(False, f"With {size} ranks, rank {rank} returned {got.tolist()}, expected "
+                                   f"{expected.tolist()}.")
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, f"Rank {silent} holds the mean, but no collective was called: it computed "
+                                   "every rank's values itself, which works only because starting_values is a "
+                                   "formula; a real rank holds data no other rank has. Use dist.all_reduce on "
+                                   "the rank's own values, then divide by world_size.")
+    return Feedback(True, f"Every rank holds the mean, with {sizes[0]} ranks and with {sizes[1]}. "
+                          "all_reduce(SUM) / world_size works on every backend and torch version; DDP averages "
+                          "gradients with the same sum and division, dividing first so that fp16 sums cannot "
+                          "overflow (notebook 04).")
+
+
+def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
+    """Notebook 08: every rank must reach the same collectives (see :func:`dtlib.pitfalls.check_fixed_barrier`)."""
+    from dtlib.pitfalls import check_fixed_barrier
+
+    return check_fixed_barrier(fn, world_size, timeout)

@@ -1,0 +1,108 @@
+"""The alpha-beta cost model: a collective's time predicted from its messages and bytes.
+
+Time = messages x alpha + bytes_factor x S / bandwidth, with each algorithm's terms (``COST_TERMS``)
+written out as formulas of N; ``fit_alpha_beta`` reads alpha and the bandwidth off measured times::
+
+    AlphaBeta(1e-5, 1e9).time("ring all-reduce", 4, 1e6)   # 6e-5 + 1.5e-3 seconds
+
+``tests/test_ring.py`` checks the ring's terms against the published formula, and halving-doubling's
+against its simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtlib.ring.simulator import largest_power_of_two
+
+#: For each algorithm: (messages in sequence, bytes in sequence per byte of S) as functions of N.
+#: Time = messages * alpha + bytes_factor * S / bandwidth. Ring: 2(N-1) steps of S/N bytes each.
+COST_TERMS = {
+    "ring all-reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+    "ring reduce-scatter": lambda n: (n - 1, (n - 1) / n),
+    "ring all-gather": lambda n: (n - 1, (n - 1) / n),
+    # A rank sends its N-1 messages one after another through one link.
+    "naive all-reduce": lambda n: (n - 1, n - 1),
+    "reduce + broadcast": lambda n: (2 * (n - 1), 2 * (n - 1)),
+    "recursive doubling all-reduce": lambda n: (_doubling_steps(n), _doubling_steps(n)),
+    "halving-doubling all-reduce": lambda n: _halving_doubling(n),
+    # Cut into many small pieces and passed down a chain: S once, after N-1 start-up hops.
+    "pipelined broadcast": lambda n: (n - 1, 1.0),
+}
+
+
+def _folded(n: int) -> bool:
+    return n > largest_power_of_two(n)
+
+
+def _doubling_steps(n: int) -> int:
+    return (largest_power_of_two(n).bit_length() - 1) + (2 if _folded(n) else 0)
+
+
+def _halving_doubling(n: int) -> tuple[int, float]:
+    """Rabenseifner: log2 P halving steps and log2 P doubling ones move 2(P-1)/P x S; other N fold in and back."""
+    p, fold = largest_power_of_two(n), 2 if _folded(n) else 0
+    return 2 * (p.bit_length() - 1) + fold, 2 * (p - 1) / p + fold
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Latency per message (seconds) and bandwidth (bytes per second) of one link."""
+
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+
+    def time(self, algorithm: str, world_size: int, nbytes: float) -> float:
+        """Predicted seconds for ``algorithm`` on ``world_size`` ranks with S = ``nbytes`` per rank.
+
+        Example: ``AlphaBeta(1e-5, 1e9).time("ring all-reduce", 4, 1e6)`` is 6e-5 + 1.5e-3 seconds.
+        """
+        if algorithm not in COST_TERMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; known: {sorted(COST_TERMS)}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        messages, bytes_factor = COST_TERMS[algorithm](world_size)
+        return messages * self.alpha_s + bytes_factor * nbytes / self.bandwidth_bytes_per_s
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, algorithm: str = "ring all-reduce",
+                   world_size: int = 2, share: float = 0.2) -> AlphaBeta:
+    """alpha and bandwidth of ``algorithm`` read off the two ends of a sweep of measured times.
+
+    Each term of the model dominates at one end, so each is read off there: the model goes through the
+    median time of the smallest ``share`` of the sizes and the median time of the largest ``share``
+    (a fifth by default: 3 of the 15 sizes from 1 KiB to 16 MiB). A least-squares fit over every size
+    would let the middle sizes, which on a CPU can move faster than the largest ones, set the
+    bandwidth, and over-predict large buffers.
+
+    Needs at least two different sizes. Example: times made by ``AlphaBeta(2e-5, 5e9)``
+    give back ``AlphaBeta(2e-5, 5e9)``.
+    """
+    sizes = np.asarray(sizes_bytes, dtype=np.float64)
+    times = np.asarray(seconds, dtype=np.float64)
+    if sizes.shape != times.shape or sizes.ndim != 1:
+        raise ValueError(f"need one time per size; got {sizes.shape} sizes and {times.shape} times")
+    if len(np.unique(sizes)) < 2:
+        raise ValueError("need timings at two or more different sizes to separate latency from bandwidth")
+    if world_size < 2:
+        raise ValueError("one rank sends nothing: fit with world_size >= 2")
+    if not 0 < share <= 0.5:
+        raise ValueError(f"share is the part of the sizes at each end, between 0 and 0.5; got {share}")
+    messages, bytes_factor = COST_TERMS[algorithm](world_size)
+    if np.any(times <= 0):
+        raise ValueError("every time must be positive")
+    order = np.argsort(sizes, kind="stable")
+    sizes, times = sizes[order], times[order]
+    k = max(1, min(len(sizes) // 2, round(share * len(sizes))))  # sizes at each end
+    small_size, small_time = np.median(sizes[:k]), np.median(times[:k])  # (s, t): t is affine in s, so
+    large_size, large_time = np.median(sizes[-k:]), np.median(times[-k:])  # exact times stay exact
+    if large_size <= small_size:
+        raise ValueError("the smallest and the largest sizes coincide: measure a wider range of sizes")
+    inverse_bandwidth = (large_time - small_time) / (bytes_factor * (large_size - small_size))  # s per byte
+    if inverse_bandwidth <= 0:
+        raise ValueError("the times do not grow with size, so no bandwidth can be fitted; measure larger sizes")
+    alpha = max(0.0, (small_time - bytes_factor * small_size * inverse_bandwidth) / messages)
+    return AlphaBeta(float(alpha), float(1 / inverse_bandwidth))
