@@ -151,14 +151,16 @@ def _error_details(exc: BaseException) -> dict[str, str]:
 
 
 def _dumps_result(value: Any) -> bytes:
-    """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA."""
+    """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA, and a tensor
+    computed with autograd (``model.weight[0]``, a loss) travels detached: its graph cannot leave the rank."""
     import cloudpickle
 
     torch = sys.modules.get("torch")
 
     class ResultPickler(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            if torch is not None and isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
+                                                                         or obj.grad_fn is not None):
                 return _identity, (obj.detach().cpu(),)
             return super().reducer_override(obj)
 

@@ -37,8 +37,7 @@ def _same(a: Any, b: Any) -> bool:
 def compare(values: Sequence[Any]) -> str:
     """One sentence: are the ranks' values the same, and if not, by how much (for tensors)?
 
-    Example: ``compare([torch.ones(2), torch.zeros(2)])`` is
-    ``"ranks differ: rank 1 is off rank 0 by up to 1"``.
+    Example: ``compare([torch.ones(2), torch.zeros(2)])`` is ``"rank 1 differs from rank 0 (by up to 1)"``.
     """
     if len(values) < 2:
         return ""
@@ -46,11 +45,11 @@ def compare(values: Sequence[Any]) -> str:
     different = [rank for rank, value in enumerate(values) if not _same(first, value)]
     if not different:
         return "the same on every rank"
-    parts = []
-    for rank in different:
-        gap = _largest_gap(first, values[rank])
-        parts.append(f"rank {rank}" + (f" is off rank 0 by up to {gap:.4g}" if gap is not None else ""))
-    return "ranks differ: " + ", ".join(parts)
+    gaps = [_largest_gap(first, values[rank]) for rank in different]
+    who = f"rank {different[0]} differs" if len(different) == 1 else \
+        f"ranks {', '.join(map(str, different))} differ"
+    by = f" (by up to {max(gaps):.4g})" if None not in gaps else ""
+    return f"{who} from rank 0{by}"
 
 
 def _largest_gap(a: Any, b: Any) -> float | None:
@@ -74,7 +73,7 @@ MAX_ALIGNED_ELEMENTS = 64  # vectors up to this long are printed one row per ran
 def _aligned_vectors(values: Sequence[Any]) -> list[str] | None:
     """Rows of one shared format (same precision, same column widths) for same-shape small vectors, else None.
 
-    Example: ``[tensor([1., 2.]), tensor([1., 2.5])]`` gives ``["tensor([1. , 2. ])", "tensor([1. , 2.5])"]``.
+    Example: ``[tensor([1., 2.]), tensor([1., 2.5])]`` gives ``["tensor([1.0, 2.0])", "tensor([1.0, 2.5])"]``.
     """
     try:
         import numpy as np
@@ -89,7 +88,8 @@ def _aligned_vectors(values: Sequence[Any]) -> list[str] | None:
         return None
     rows = torch.stack([v.detach().cpu().reshape(-1) for v in values])
     array = rows.double().numpy() if rows.is_floating_point() else rows.numpy()
-    text = np.array2string(array, max_line_width=1 << 20, precision=4, separator=", ", threshold=1 << 20)
+    text = np.array2string(array, max_line_width=1 << 20, precision=4, separator=", ", threshold=1 << 20,
+                           floatmode="maxprec_equal", suppress_small=True)
     suffix = "" if first.dtype in (torch.float32, torch.int64, torch.bool) else f", dtype={first.dtype}"
     lines = [line.strip().strip("[],") for line in text.splitlines()]  # the padding inside stays: columns line up
     if first.dim() == 0:

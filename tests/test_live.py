@@ -38,6 +38,8 @@ def test_values_are_each_ranks_last_expression_and_output_is_prefixed(ranks, cap
     assert ranks.run("dist.all_reduce(x); x") == [torch.tensor([3.0])] * 2  # 1 + 2 on every rank
     assert ranks.run("y = 5") == [None, None]  # no last expression
     assert ranks.run("world_size, str(device), torch.distributed.get_rank()") == [(2, "cpu", 0), (2, "cpu", 1)]
+    weights = ranks.run("torch.manual_seed(0)\nnn.Linear(3, 1).weight[0] * 1")  # a graph cannot leave a rank
+    assert all(w.grad_fn is None and not w.requires_grad for w in weights) and torch.equal(*weights)
 
 
 def test_push_sends_values_and_functions_by_value_and_pull_returns_them_by_rank(ranks):
@@ -188,9 +190,11 @@ def test_rank_values_line_tensors_up_and_say_whether_the_ranks_agree():
     assert repr(same).splitlines() == ["rank 0 │ tensor([1., 2.])", "rank 1 │ tensor([1., 2.])",
                                        "the same on every rank"]
     differ = repr(RankValues([torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])], name="g"))
-    assert differ.splitlines()[1:] == ["rank 0 │ tensor([1. , 2. ])", "rank 1 │ tensor([1. , 2.5])",
-                                       "ranks differ: rank 1 is off rank 0 by up to 0.5"]
-    assert compare([1, 1, 2]) == "ranks differ: rank 2 is off rank 0 by up to 1"
+    assert differ.splitlines()[1:] == ["rank 0 │ tensor([1.0, 2.0])", "rank 1 │ tensor([1.0, 2.5])",
+                                       "rank 1 differs from rank 0 (by up to 0.5)"]
+    assert compare([1, 1, 2]) == "rank 2 differs from rank 0 (by up to 1)"
+    assert compare([0, 3, 1]) == "ranks 1, 2 differ from rank 0 (by up to 3)"
+    assert compare(["a", "b"]) == "rank 1 differs from rank 0"
     assert "<table>" in RankValues([1, 2])._repr_html_()
 
 

@@ -60,7 +60,7 @@ def test_magics_step_through_code_on_live_ranks_and_no_rank_outlives_the_kernel(
         out, shown, err = session.run("%%ranks\nprint('hi from', rank)\ng = torch.tensor([rank * 1.0, 2.0])\ng")
         assert err is None and "[rank 0] hi from 0" in out and "[rank 1] hi from 1" in out
         assert shown == ["rank 0 │ tensor([0., 2.])\nrank 1 │ tensor([1., 2.])\n"
-                         "ranks differ: rank 1 is off rank 0 by up to 1"]
+                         "rank 1 differs from rank 0 (by up to 1)"]
         _, shown, err = session.run("%%ranks\ndist.all_reduce(g)\ng")
         assert err is None and shown[0].endswith("the same on every rank")
 
