@@ -3,9 +3,17 @@
 DDP's communication hooks, PowerSGD, dtlib's DDP-from-scratch, FSDP2 and FSDP1 all
 call the collectives as ``torch.distributed.<name>`` at call time; inside
 :meth:`CommLog.recording` those names are wrapped, so the log sees every call
-whoever makes it. Torch DDP's built-in C++ all-reduce bypasses Python: the DDP
-runner registers ``allreduce_hook``, the hook that does the same thing in Python,
-so that it is counted too.
+whoever makes it, on any thread, at no cost to the other operators. Torch DDP's built-in
+C++ all-reduce does not pass through Python: the DDP runner registers ``allreduce_hook``,
+the same all-reduce written in Python, so that its launch and finish can be timed.
+
+Why a wrapper and not a dispatch mode (measured on torch 2.13, gloo, 2 CPU ranks):
+``torch.distributed.tensor.debug.CommDebugMode`` (``dtlib.counting.count_collectives``) and
+any ``TorchDispatchMode`` do see DDP's built-in all-reduce (``c10d::allreduce_`` goes through
+the dispatcher), but they intercept every operator of the step (the transformer's step took
+about twice as long), which would distort the timeline, and they are thread-local: PowerSGD
+starts its later all-reduces from future callbacks on gloo's threads, which no dispatch mode
+(nor ``torch.profiler``) sees. Use ``count_collectives`` where counts are all you need.
 
 ``nbytes`` is the size of the whole buffer S, as nccl-tests counts it: the tensor of
 an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter.
@@ -55,6 +63,7 @@ class CommEvent:
     done_s: float = float("nan")
     blocking: bool = False  # async_op=False: the caller waited, so nothing else ran meanwhile
     kind: str = "all_reduce"  # all_reduce, all_gather, reduce_scatter or broadcast
+    group_size: int = 1  # ranks in the collective's process group
 
 
 @dataclass
@@ -91,7 +100,8 @@ class CommLog:
             numel = sum(t.numel() for t in pieces)
             async_op = bool(bound.arguments.get("async_op", False))
             event = CommEvent(self.step, numel, sum(t.numel() * t.element_size() for t in pieces), self.now(),
-                              blocking=not async_op, kind=KIND[name])
+                              blocking=not async_op, kind=KIND[name],
+                              group_size=dist.get_world_size(bound.arguments.get("group")))
             self.events.append(event)
             work = original(*args, **kwargs)
             if not async_op or work is None:

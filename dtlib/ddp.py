@@ -8,16 +8,12 @@ reference with the whole global batch. Settings live in :class:`TrainConfig`::
     results[0].losses             # rank 0's loss per step
     results[0].comm_calls         # all-reduce calls per step
 
-Under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.ddp --steps 8``.
+From a shell, or under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.train ddp --steps 8``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import numbers
-import os
-import resource
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,9 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import compat, data, models
 from dtlib._files import write_atomically
-from dtlib.commlog import CommLog, busy_seconds, hidden_share
+from dtlib.commlog import CommLog, hidden_share
 from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
 from dtlib.entry import rank_device
+from dtlib.runs import check_checkpointing, check_whole_numbers
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
 COUNTS = ("steps", "global_batch", "grad_accum", "num_samples", "seed", "threads", "save_after_step")  # ints
@@ -77,13 +74,8 @@ class RankResult:
     comm_calls: list[int] = field(default_factory=list)
     comm_bytes: list[int] = field(default_factory=list)
     comm_sizes: list[list[int]] = field(default_factory=list)  # bytes of each all-reduce, per step
-    comm_seconds: list[float] = field(default_factory=list)
-    hidden_share: list[float] = field(default_factory=list)
+    hidden_share: list[float] = field(default_factory=list)  # of the time with an all-reduce in flight
     timeline: dict[str, Any] = field(default_factory=dict)  # the last step: compute span, each all-reduce
-    bucket_bytes: list[int] = field(default_factory=list)  # torch DDP: each bucket of the last step
-    grad_bytes_separate: int = 0  # gradient bytes not stored inside a DDP bucket
-    model_state_bytes: int = 0  # parameters + gradients + optimizer state
-    peak_memory_bytes: int = 0  # CUDA allocator peak, or the process's peak RSS on the CPU
     params: torch.Tensor | None = None  # all parameters, flattened, after the last step
     grads: torch.Tensor | None = None  # all gradients, flattened, of the last step
     buffers: torch.Tensor | None = None  # all buffers (BatchNorm statistics), flattened
@@ -101,14 +93,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {config.wrapper!r}")
     if config.comm_hook not in COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {config.comm_hook!r}")
-    counts = {"world_size": world_size, **{name: getattr(config, name) for name in COUNTS}}
-    for name, value in counts.items():  # numpy ints are fine; 2.5 or 32.0 would fail later inside every rank
-        if value is None and name == "save_after_step":
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
-        if name != "world_size":
-            setattr(config, name, int(value))
+    check_whole_numbers(config, world_size, COUNTS)  # 2.5 or 32.0 would fail later inside every rank
     if world_size < 1 or config.steps < 1 or config.grad_accum < 1 or config.global_batch < 1:
         raise ValueError(f"world_size, steps, grad_accum and global_batch must all be >= 1, got {world_size}, "
                          f"{config.steps}, {config.grad_accum} and {config.global_batch}")
@@ -122,14 +107,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
                          f"{max(1, config.global_batch // unit) * unit}")
     if config.global_batch > config.num_samples:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
-    if (config.save_after_step is not None or config.resume) and not config.checkpoint_path:
-        raise ValueError("saving or resuming needs checkpoint_path")
-    if config.save_after_step is not None and not 1 <= config.save_after_step <= config.steps:
-        raise ValueError(f"save_after_step={config.save_after_step} is not one of the steps 1..{config.steps}, so "
-                         f"nothing would be saved; use a value from 1 to steps={config.steps}")
+    check_checkpointing(config, "checkpoint_path")
 
 
-def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, bucket_buffers: dict[int, int]) -> nn.Module:
+def _wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
     if config.wrapper == "none":
         return model
     if config.wrapper == "naive":
@@ -151,11 +132,11 @@ def _wrap(model: nn.Module, config: TrainConfig, device: torch.device, bucket_bu
     state, inner = _comm_hook(config.comm_hook)
 
     def hook(hook_state, bucket):  # noqa: ANN001 - DDP rejects string annotations (from __future__)
-        buffer = bucket.buffer()
-        bucket_buffers[buffer.untyped_storage().data_ptr()] = buffer.numel() * buffer.element_size()
         return inner(hook_state, bucket)
 
-    ddp.register_comm_hook(state, hook)  # every all-reduce then goes through Python, where CommLog sees it
+    # Every all-reduce then goes through Python, where CommLog times it. Under its own name: DDP refuses a hook
+    # named bf16_compress_hook without CUDA and NCCL, though gloo reduces bf16 tensors on the CPU.
+    ddp.register_comm_hook(state, hook)
     return ddp
 
 
@@ -177,35 +158,14 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
 
 
-def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    params = list(model.parameters())
-    total = sum(p.numel() * p.element_size() for p in params)
-    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    for state in optimizer.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-    return total
-
-
-def _grad_bytes_outside(model: nn.Module, bucket_storages: set[int]) -> int:
-    """Bytes of gradients with storage of their own, not views into a DDP bucket."""
-    return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-               if p.grad is not None and p.grad.untyped_storage().data_ptr() not in bucket_storages)
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     """Train on this rank (the process group exists unless world_size is 1 with ``wrapper="none"``)."""
     validate(config, world_size)
     torch.set_num_threads(config.threads)
     device = rank_device()
     base = models.build(config.model, seed=config.seed).to(device)
-    log, bucket_buffers = CommLog(), {}
-    model = _wrap(base, config, device, bucket_buffers)
+    log = CommLog()
+    model = _wrap(base, config, device)
     optimizer = torch.optim.SGD(base.parameters(), lr=config.lr, momentum=config.momentum)
     start = 0
     if config.resume:  # every rank reads the file; map_location puts tensors on this rank's device
@@ -222,7 +182,6 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     with log.recording():
         for step in steps:
             log.step = step
-            bucket_buffers.clear()  # DDP rebuilds its buckets after the first step: keep this step's only
             x, y = next(batches)
             step_start = log.now()
             loss_value = 0.0
@@ -238,16 +197,12 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
                 model.finish_gradient_sync()
             optimizer.step()
             result.grads = _flat([p.grad for p in base.parameters() if p.grad is not None])
-            result.grad_bytes_separate = _grad_bytes_outside(base, set(bucket_buffers))
-            result.model_state_bytes = _state_bytes(base, optimizer)  # before zero_grad frees the gradients
             optimizer.zero_grad(set_to_none=not config.gradient_as_bucket_view)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             _record_step(result, log, step, step_start, loss_value)
             if config.save_after_step == step + 1:
                 _save(base, optimizer, step + 1, config.checkpoint_path, rank)
-    result.bucket_bytes = list(bucket_buffers.values())
-    result.peak_memory_bytes = _peak_memory(device)
     result.params = _flat(list(base.parameters()))
     result.buffers = _flat(list(base.buffers()))
     return result
@@ -261,7 +216,6 @@ def _record_step(result: RankResult, log: CommLog, step: int, step_start: float,
     result.comm_calls.append(len(events))
     result.comm_bytes.append(sum(e.nbytes for e in events))
     result.comm_sizes.append([e.nbytes for e in events])
-    result.comm_seconds.append(busy_seconds([(e.launched_s, e.done_s) for e in events]))
     result.hidden_share.append(hidden_share(events, compute_end))
     result.timeline = {"step": step, "start_s": step_start, "compute_end_s": compute_end,
                        "end_s": log.now(), "comm": [(e.launched_s, e.done_s, e.nbytes) for e in events]}
@@ -299,25 +253,3 @@ def train_single(config: TrainConfig, world_size: int = 1) -> RankResult:
     """
     validate(config, world_size)
     return train(0, 1, replace(config, wrapper="none", grad_accum=1, save_after_step=None, resume=False))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m dtlib.ddp`` (spawns) or ``torchrun ... -m dtlib.ddp``: train, print rank 0's losses."""
-    parser = argparse.ArgumentParser(description="Train a toy model with DDP on N ranks.")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
-    for name in ("model", "steps", "global_batch", "wrapper", "bucket_cap_mb"):
-        default = getattr(TrainConfig, name)
-        parser.add_argument(f"--{name.replace('_', '-')}", default=default,
-                            type=type(default) if default is not None else float)
-    options = vars(parser.parse_args(argv))
-    world_size = options.pop("world_size")
-    results = run(TrainConfig(**options), world_size)
-    if int(os.environ.get("RANK", 0)) == 0:
-        first = results[0]
-        print(f"DDP on {first.world_size} rank(s), {first.backend}: "
-              f"losses {' '.join(f'{v:.4f}' for v in first.losses)}")
-        print(f"all-reduce calls per step: {first.comm_calls[-1]}, bytes per step: {first.comm_bytes[-1]}")
-
-
-if __name__ == "__main__":
-    main()

@@ -8,9 +8,7 @@ plain numbers; ``dtlib.plots`` draws them. Example::
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +22,7 @@ from dtlib.ddp import TrainConfig, run
 from dtlib.entry import rank_device
 from dtlib.errors import WorkerError
 from dtlib.launch import spawn
+from dtlib.runs import stop_and_resume
 
 QUIET: dict[str, Any] = {"output": "none"}
 
@@ -212,18 +211,11 @@ def resume_from_checkpoint(world_size: int = 2, steps: int = 10, stop_after: int
     """Train ``steps`` straight through, and again stopping after ``stop_after`` steps: rank 0 saves,
     a new job loads the file on every rank (``map_location``, ``weights_only=True``) and goes on.
 
-    Returns rank 0's losses both ways; the resumed ones must equal the uninterrupted ones.
+    Returns rank 0's losses both ways (``dtlib.runs.stop_and_resume``); the resumed ones must equal the
+    uninterrupted ones.
     """
-    if not 0 < stop_after < steps:
-        raise ValueError(f"need 0 < stop_after < steps, got {stop_after} and {steps}")
-    straight = run(TrainConfig(model=model, steps=steps), world_size, **QUIET)[0].losses
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "checkpoint.pt")
-        first = run(TrainConfig(model=model, steps=stop_after, save_after_step=stop_after, checkpoint_path=path),
-                    world_size, **QUIET)[0].losses
-        second = run(TrainConfig(model=model, steps=steps, resume=True, checkpoint_path=path),
-                     world_size, **QUIET)[0].losses
-    return {"straight": straight, "stopped_and_resumed": first + second}
+    return stop_and_resume(run, TrainConfig(model=model), world_size, steps=steps, stop_after=stop_after,
+                           location="checkpoint_path")
 
 
 def sampler_coverage(dataset_len: int, world_size: int, *, drop_last: bool = False) -> dict[str, Any]:

@@ -11,18 +11,15 @@ the model-state bytes this rank holds, and the ZeRO formula's estimate beside th
 FSDP2 maps FSDP1's strategies: ``full_shard`` reshards after forward, ``shard_grad_op`` does not, and
 ``hybrid_shard`` / ``hybrid_shard_zero2`` do the same on a 2-D (replicate, shard) mesh.
 
-Under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.fsdp --api fsdp2``.
+From a shell, or under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.train fsdp --api fsdp2``.
+Wrapping lives in :mod:`dtlib.fsdp_wrap`, the in-rank measurements in :mod:`dtlib.fsdp_measure`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
-import inspect
-import os
-import warnings
-from collections.abc import Iterator
+import numbers
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +27,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib import compat, data, memory, models
+from dtlib import compat, data, fsdp_checkpoint, memory, models
 from dtlib.commlog import SIZED_BY, CommLog
 from dtlib.entry import rank_device
+from dtlib.entry import run as run_everywhere
+from dtlib.fsdp_measure import instrument_blocks, parameter_peak, saved_for_backward, shard_example
+from dtlib.fsdp_wrap import HYBRID, build
+from dtlib.runs import check_checkpointing, check_whole_numbers
+
+__all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "parameter_peak", "run", "run_many",
+           "saved_for_backward", "train", "validate"]
 
 APIS = ("fsdp2", "fsdp1", "ddp")
 # FSDP1's ShardingStrategy names, lower case; "hybrid_shard_zero2" is its _HYBRID_SHARD_ZERO2.
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
-HYBRID = ("hybrid_shard", "hybrid_shard_zero2")  # a 2-D (replicate, shard) mesh
 
 
 @dataclass
@@ -90,7 +93,6 @@ class FSDPResult:
     # gathered weights in internal buffers that its parameters do not show, so None there).
     parameters_after_forward: int | None = None
     estimate: dict[str, float] = field(default_factory=dict)  # dtlib.memory.breakdown for this setting
-    peak_memory_bytes: int = 0  # CUDA allocator peak (0 on the CPU)
     shard_example: dict[str, Any] = field(default_factory=dict)
     block_forward_calls: int = 0  # per step; twice the blocks with activation checkpointing
     # The last step's all-gathers in launch order, each as the size of its process group: FSDP2 full shard
@@ -108,17 +110,8 @@ def validate(config: FSDPConfig, world_size: int) -> None:
     Counts must be whole numbers: ``steps=2.5`` or ``global_batch=32.0`` are refused. Other integral
     types (numpy's) are accepted and stored back into ``config`` as ``int``, which torch's samplers need.
     """
-    import numbers
-
-    counts = ("steps", "global_batch", "grad_accum", "num_samples", "seed", "threads", "shard_group_size",
-              "save_after_step")
-    for name, value in {"world_size": world_size, **{name: getattr(config, name) for name in counts}}.items():
-        if value is None and name == "save_after_step":
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are fine; 2.5 is not
-            raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
-        if name != "world_size":
-            setattr(config, name, int(value))
+    check_whole_numbers(config, world_size, ("steps", "global_batch", "grad_accum", "num_samples", "seed",
+                                             "threads", "shard_group_size", "save_after_step"))
     if config.api not in APIS:
         raise ValueError(f"api must be one of {APIS}, got {config.api!r}")
     if config.model != "transformer":
@@ -150,9 +143,6 @@ def validate(config: FSDPConfig, world_size: int) -> None:
         raise ValueError(f"auto_wrap must be 'transformer' or 'size', got {config.auto_wrap!r}")
     if config.checkpoint_kind not in ("sharded", "full"):
         raise ValueError(f"checkpoint_kind must be 'sharded' or 'full', got {config.checkpoint_kind!r}")
-    if (config.save_after_step is not None or config.resume) and not config.checkpoint_dir:
-        raise ValueError("saving or resuming needs checkpoint_dir, e.g. dtlib.fsdp_checkpoint.default_directory() "
-                         "(private to you)")
     if (config.meta_init or config.activation_checkpointing) and config.api != "fsdp2":
         raise ValueError("meta_init and activation_checkpointing are shown with FSDP2 only (api='fsdp2')")
     if config.steps < 1 or config.grad_accum < 1:
@@ -162,9 +152,7 @@ def validate(config: FSDPConfig, world_size: int) -> None:
                          f"grad_accum = {world_size * config.grad_accum}")
     if config.global_batch > config.num_samples:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
-    if config.save_after_step is not None and not 1 <= config.save_after_step <= config.steps:
-        raise ValueError(f"save_after_step={config.save_after_step} is not one of the steps 1..{config.steps}, so "
-                         f"nothing would be saved; use a value from 1 to steps={config.steps}")
+    check_checkpointing(config, "checkpoint_dir", ", e.g. dtlib.fsdp_checkpoint.default_directory() (private to you)")
     reshard = config.reshard_after_forward
     if reshard is not None and config.api != "fsdp2":
         raise ValueError("reshard_after_forward is FSDP2's; for FSDP1 choose strategy='full_shard' or 'shard_grad_op'")
@@ -178,128 +166,6 @@ def validate(config: FSDPConfig, world_size: int) -> None:
                              f"each parameter, e.g. {[d for d in range(1, group + 1) if group % d == 0]}")
 
 
-def _mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
-    """A 2-D (replicate, shard) mesh for hybrid sharding, else None (FSDP's default 1-D mesh)."""
-    if config.strategy not in HYBRID:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (world_size // config.shard_group_size, config.shard_group_size)
-    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-
-
-def _instrument_blocks(model: nn.Module, checkpointing: bool) -> list[int]:
-    """Count the blocks' forward calls in a one-element list; with ``checkpointing``, each block's
-    forward runs under ``torch.utils.checkpoint`` and so runs again in backward (the count doubles)."""
-    from torch.utils.checkpoint import checkpoint
-
-    calls = [0]
-    for block in model.blocks:
-        original = block.forward
-
-        def counted(*args: Any, _original: Any = original) -> Any:
-            calls[0] += 1
-            return _original(*args)
-
-        block.forward = functools.partial(checkpoint, counted, use_reentrant=False) if checkpointing else counted
-    return calls
-
-
-def _wrap_fsdp2(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
-                notes: list[str]) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    reshard = config.reshard_after_forward
-    if reshard is None:
-        reshard = config.strategy not in ("shard_grad_op", "hybrid_shard_zero2")
-    options: dict[str, Any] = {"reshard_after_forward": reshard, "mesh": _mesh(config, world_size, device)}
-    if config.mixed_precision:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if config.cpu_offload:
-        pin = torch.cuda.is_available()  # pinning needs an accelerator
-        options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-        if not pin:
-            notes.append("CPUOffloadPolicy(pin_memory=False): on a CPU-only machine the parameters already live in "
-                         "host memory, so offloading changes nothing here")
-    for block in model.blocks:
-        fully_shard(block, **options)
-    if config.mixed_precision:  # the root hands fp32 logits to the loss; blocks must not (their LayerNorm is bf16)
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                    output_dtype=torch.float32)
-    if config.root_reshard_after_forward != "blocks":
-        options["reshard_after_forward"] = config.root_reshard_after_forward
-    model = fully_shard(model, **options)
-    if config.prefetch:  # all-gather the next block while this one computes (forward), the previous one (backward)
-        blocks = list(model.blocks)
-        for block, following in zip(blocks, blocks[1:], strict=False):
-            block.set_modules_to_forward_prefetch([following])
-            following.set_modules_to_backward_prefetch([block])
-    return model
-
-
-def _wrap_fsdp1(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
-                notes: list[str]) -> nn.Module:
-    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    if config.auto_wrap == "transformer":
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={models.Block})
-    else:
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=5_000)
-    strategy = "_HYBRID_SHARD_ZERO2" if config.strategy == "hybrid_shard_zero2" else config.strategy.upper()
-    # device_id: where FSDP1 puts this rank's shards (it moves a CPU-built module there); without it, a
-    # CPU-only torch refuses ("FSDP needs a non-CPU accelerator device"). FSDP2 follows its mesh's device.
-    options: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy], "auto_wrap_policy": policy,
-                               "device_id": device}
-    if config.strategy in HYBRID:  # without a mesh FSDP1 sizes the shard group by local GPUs (0 here)
-        options["device_mesh"] = _mesh(config, world_size, device)
-    if config.prefetch:
-        options.update(forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
-    if config.mixed_precision:
-        options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                    buffer_dtype=torch.float32)
-    if config.cpu_offload:
-        options["cpu_offload"] = CPUOffload(offload_params=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", FutureWarning)
-        wrapped = FSDP(model, **options)
-    said = {f"torch {torch.__version__} says: {w.message}" for w in caught if w.category is FutureWarning}
-    notes.extend(sorted(said))  # one line per message, not one per FSDP unit
-    return wrapped
-
-
-def _wrap(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
-          notes: list[str]) -> nn.Module:
-    if config.api == "fsdp2":
-        return _wrap_fsdp2(model, config, world_size, device, notes)
-    if config.api == "fsdp1":
-        return _wrap_fsdp1(model, config, world_size, device, notes)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    wrapped.register_comm_hook(None, default_hooks.allreduce_hook)  # so that CommLog sees the all-reduce
-    return wrapped
-
-
-def _build(config: FSDPConfig, world_size: int, device: torch.device, notes: list[str]) -> nn.Module:
-    if not config.meta_init:
-        return _wrap(models.build(config.model, seed=config.seed).to(device), config, world_size, device, notes)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    with torch.device("meta"):  # shapes only: no rank allocates the full model here
-        model = models.build(config.model, seed=config.seed)
-    model = _wrap(model, config, world_size, device, notes)
-    model.to_empty(device=device)  # allocates this rank's shards only
-    # Rank 0 stands for "the checkpoint on disk": it alone materialises full weights and sends each rank its
-    # shard. (reset_parameters on a CPU mesh would give every rank the same random shard.)
-    full = models.build(config.model, seed=config.seed).state_dict() if dist.get_rank() == 0 else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    notes.append("meta init: the model was built on the meta device, sharded, then filled from rank 0's weights")
-    return model
-
-
 def _gradient_sync(model: nn.Module, config: FSDPConfig, enabled: bool) -> Any:
     """FSDP2: set_requires_gradient_sync; FSDP1 and DDP: the no_sync() context."""
     if config.api == "fsdp2":
@@ -308,106 +174,8 @@ def _gradient_sync(model: nn.Module, config: FSDPConfig, enabled: bool) -> Any:
     return contextlib.nullcontext() if enabled else model.no_sync()
 
 
-def _shard_example(model: nn.Module) -> dict[str, Any]:
-    name, param = next(iter(model.named_parameters()))
-    local = param.to_local() if hasattr(param, "to_local") else param
-    return {"name": name, "full_shape": tuple(param.shape), "local_shape": tuple(local.shape),
-            "placements": str(getattr(param, "placements", "flat parameter" if local.dim() == 1 else "replicated"))}
-
-
-@dataclass
-class Measured:
-    """Bytes that :func:`saved_for_backward` or :func:`parameter_peak` measured in its block."""
-
-    nbytes: int = 0
-
-
-def _storage(tensor: torch.Tensor) -> Any:
-    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
-
-
-@contextlib.contextmanager
-def saved_for_backward(model: nn.Module) -> Iterator[Measured]:
-    """Measure the bytes of the tensors autograd saves for backward inside the block: activations and the
-    inputs backward needs, each storage once, ``model``'s parameters left out. Activation checkpointing
-    cuts it: a checkpointed block keeps only its input. Example (inside a rank)::
-
-        with saved_for_backward(model) as saved:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        saved.nbytes
-    """
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        parameters = {_storage(p).data_ptr() for p in model.parameters()}  # FSDP swaps them: ask each time
-        storage = _storage(tensor)
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    measured = Measured()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield measured
-    measured.nbytes = sum(storages.values())
-
-
-@contextlib.contextmanager
-def parameter_peak(model: nn.Module) -> Iterator[Measured]:
-    """Measure the most parameter bytes ``model`` holds (``dtlib.memory.measured``) as any of its layers
-    finishes its forward inside the block: under FSDP, every shard plus the units gathered at that moment.
-    Example (inside a rank)::
-
-        with parameter_peak(model) as peak:
-            model(x)
-        peak.nbytes    # 4 bytes x every parameter if the root is the only unit
-    """
-    measured = Measured()
-
-    def record(module: nn.Module, inputs: Any, output: Any) -> None:
-        measured.nbytes = max(measured.nbytes, memory.measured(model)["parameters"])
-
-    handles = [module.register_forward_hook(record) for module in model.modules()]
-    try:
-        yield measured
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def _gather_group_sizes() -> Iterator[list[int]]:
-    """Append the size of the process group of every all-gather made in the block (FSDP2 calls
-    ``torch.distributed.all_gather_single``; FSDP1 that on GPUs, ``all_gather`` on the CPU)."""
-    from torch.distributed import distributed_c10d
-
-    sizes: list[int] = []
-    names = [name for name in ("all_gather_single", "all_gather_into_tensor", "all_gather") if hasattr(dist, name)]
-    current = {name: getattr(dist, name) for name in names}
-
-    def counting(name: str) -> Any:
-        signature = inspect.signature(getattr(distributed_c10d, name))  # the wrapped one may be CommLog's
-
-        def gather(*args: Any, **kwargs: Any) -> Any:
-            sizes.append(dist.get_world_size(signature.bind(*args, **kwargs).arguments.get("group")))
-            return current[name](*args, **kwargs)
-
-        return gather
-
-    for name in names:
-        setattr(dist, name, counting(name))
-    try:
-        yield sizes
-    finally:
-        for name, function in current.items():
-            setattr(dist, name, function)
-
-
 def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     """Train on this rank inside an initialised process group."""
-    import time
-
-    from dtlib import fsdp_checkpoint
-
     validate(config, world_size)
     torch.set_num_threads(config.threads)
     device = rank_device()
@@ -417,22 +185,21 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
                          f"{torch.__version__} lacks; use a newer torch, GPUs (NCCL), or api='fsdp1'")
     notes: list[str] = []
     num_params = sum(p.numel() for p in models.build(config.model, seed=config.seed).parameters())
-    model = _build(config, world_size, device, notes)
+    model = build(config, world_size, device, notes)
     # After fully_shard: FSDP2's hooks on each block stay outside the recomputed part.
-    calls = _instrument_blocks(model, config.activation_checkpointing) if config.api == "fsdp2" else [0]
+    calls = instrument_blocks(model, config.activation_checkpointing) if config.api == "fsdp2" else [0]
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     start = fsdp_checkpoint.load(model, optimizer, config.checkpoint_dir, config.checkpoint_kind, notes) \
         if config.resume else 0
-    result = FSDPResult(rank, world_size, config.api, num_params, first_step=start, shard_example=_shard_example(model),
+    result = FSDPResult(rank, world_size, config.api, num_params, first_step=start, shard_example=shard_example(model),
                         notes=notes)
     micro = config.global_batch // world_size // config.grad_accum
     batches = data.batches(data.for_model(config.model, config.num_samples, seed=config.seed), world_size, rank,
                            micro * config.grad_accum, seed=config.seed, first_step=start)
     log = CommLog()
-    with log.recording(tuple(SIZED_BY)), _gather_group_sizes() as gather_groups:
+    with log.recording(tuple(SIZED_BY)):
         for step in range(start, config.steps):
             log.step, calls[0] = step, 0
-            gather_groups.clear()
             began = time.perf_counter()
             x, y = next(batches)
             loss_sum = torch.zeros((), device=device)
@@ -452,7 +219,7 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
             optimizer.zero_grad()
             result.step_times_s.append(time.perf_counter() - began)
             result.comm.append(log.totals(step))
-            result.all_gather_group_sizes = list(gather_groups)
+            result.all_gather_group_sizes = [e.group_size for e in log.in_step(step) if e.kind == "all_gather"]
             result.block_forward_calls = calls[0]
             log.step = -1  # the loss all-reduce below is bookkeeping, not training traffic
             dist.all_reduce(loss_sum)
@@ -461,8 +228,6 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
                 fsdp_checkpoint.save(model, optimizer, step + 1, config.checkpoint_dir, config.checkpoint_kind,
                                      notes)
     result.estimate = _estimate(config, world_size, num_params)
-    if device.type == "cuda":
-        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     return result
 
 
@@ -480,8 +245,6 @@ def run(config: FSDPConfig, world_size: int = 2, **spawn_options: Any) -> list[F
     Example: ``run(FSDPConfig(api="fsdp1", strategy="shard_grad_op"), 2)[0].losses``.
     """
     validate(config, world_size)
-    from dtlib.entry import run as run_everywhere
-
     return run_everywhere(train, world_size, args=(config,), **spawn_options)
 
 
@@ -504,38 +267,5 @@ def run_many(configs: list[FSDPConfig], world_size: int = 2, **spawn_options: An
     configs = list(configs)
     for config in configs:
         validate(config, world_size)
-        from dtlib.entry import run as run_everywhere
-
     by_rank = run_everywhere(_train_each, world_size, args=(configs,), **spawn_options)
     return [[results[index] for results in by_rank] for index in range(len(configs))]
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m dtlib.fsdp`` (spawns) or ``torchrun ... -m dtlib.fsdp``: train, print rank 0's view."""
-    parser = argparse.ArgumentParser(description="Train a tiny transformer with FSDP2, FSDP1 or DDP.")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
-    parser.add_argument("--api", default="fsdp2", choices=APIS)
-    parser.add_argument("--strategy", default="full_shard", choices=STRATEGIES)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--mixed-precision", action="store_true")
-    parser.add_argument("--shard-group-size", type=int, default=2,
-                        help="hybrid strategies: ranks per shard group (the GPUs of one node, say); the groups "
-                             "replicate")
-    options = parser.parse_args(argv)
-    config = FSDPConfig(api=options.api, strategy=options.strategy, steps=options.steps,
-                        mixed_precision=options.mixed_precision, shard_group_size=options.shard_group_size)
-    from dtlib.entry import under_torchrun
-
-    # Under torchrun the job's size is torchrun's, and the settings are checked against it.
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else options.world_size
-    results = run(config, world_size)
-    if int(os.environ.get("RANK", 0)) == 0:
-        first = results[0]
-        print(f"{first.api} {options.strategy} on {first.world_size} ranks: losses "
-              f"{' '.join(f'{v:.4f}' for v in first.losses)}")
-        print(f"model state on rank 0: {sum(first.memory_at_rest.values())} bytes "
-              f"(formula {sum(first.estimate.values()):.0f}); collectives per step: {first.comm[-1]}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,100 +1,29 @@
-"""FSDP side by side: FSDP1 against FSDP2, each sharding strategy against DDP, resuming from checkpoints.
+"""FSDP side by side: each sharding strategy against DDP, and the usual comparison table.
 
 Every function runs ranks through :func:`dtlib.fsdp.run` and returns plain rows::
 
-    for row in dtlib.fsdp_compare.MIGRATION:
-        print(row.fsdp1, "->", row.fsdp2)
-    dtlib.fsdp_compare.strategies(world_size=2)      # memory, traffic, time and loss per strategy
+    rows = dtlib.fsdp_compare.strategies(world_size=2)      # memory, traffic, time and loss per strategy
+    dtlib.fsdp_compare.comparison_table(rows)
 """
 
 from __future__ import annotations
 
-import statistics
-import tempfile
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dtlib import memory
 from dtlib.fsdp import FSDPConfig, FSDPResult, run
+from dtlib.runs import slowest_median_step_s
 
 QUIET: dict[str, Any] = {"output": "none"}
-
-
-@dataclass(frozen=True)
-class Migration:
-    """One row of the FSDP1-to-FSDP2 table, with a config on each side that must train alike."""
-
-    fsdp1: str
-    fsdp2: str
-    world_size: int
-    fsdp1_config: FSDPConfig
-    fsdp2_config: FSDPConfig
-    needs_gpu: bool = False
-
-
-def _pair(world_size: int, **changes: Any) -> tuple[FSDPConfig, FSDPConfig]:
-    return FSDPConfig(api="fsdp1", **changes), FSDPConfig(api="fsdp2", **changes)
-
-
-MIGRATION = [
-    Migration("ShardingStrategy.FULL_SHARD", "fully_shard(reshard_after_forward=True)", 2, *_pair(2)),
-    Migration("ShardingStrategy.SHARD_GRAD_OP", "fully_shard(reshard_after_forward=False)", 2,
-              *_pair(2, strategy="shard_grad_op")),
-    Migration("ShardingStrategy.HYBRID_SHARD", "fully_shard(mesh=2-D (replicate, shard) mesh)", 4,
-              *_pair(4, strategy="hybrid_shard")),
-    Migration("ShardingStrategy.NO_SHARD", "DistributedDataParallel (FSDP2 has no NO_SHARD)", 2,
-              FSDPConfig(api="fsdp1", strategy="no_shard"), FSDPConfig(api="ddp")),
-    Migration("auto_wrap_policy=transformer_auto_wrap_policy", "fully_shard(block) for each block, then the root",
-              2, *_pair(2)),
-    Migration("MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)",
-              "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)", 2, *_pair(2, mixed_precision=True)),
-    Migration("CPUOffload(offload_params=True)", "CPUOffloadPolicy()", 2, *_pair(2, cpu_offload=True),
-              needs_gpu=True),
-    Migration("with model.no_sync(): ...", "model.set_requires_gradient_sync(False)", 2, *_pair(2, grad_accum=2)),
-    Migration("StateDictType.FULL_STATE_DICT", "get_state_dict(..., StateDictOptions(full_state_dict=True))", 2,
-              *_pair(2, checkpoint_kind="full")),
-    Migration("StateDictType.SHARDED_STATE_DICT", "get_state_dict(...) + torch.distributed.checkpoint.save", 2,
-              *_pair(2, checkpoint_kind="sharded")),
-]
-
-
-def resume(config: FSDPConfig, world_size: int = 2, steps: int = 6, stop_after: int = 3,
-           **spawn_options: Any) -> dict[str, list[float]]:
-    """Losses straight through, and stopped after ``stop_after`` steps, saved (``config.checkpoint_kind``),
-    and resumed by a new job. The two lists must be equal."""
-    if not 0 < stop_after < steps:
-        raise ValueError(f"need 0 < stop_after < steps, got {stop_after} and {steps}")
-    spawn_options = {**QUIET, **spawn_options}
-    straight = run(replace(config, steps=steps), world_size, **spawn_options)[0].losses
-    with tempfile.TemporaryDirectory() as folder:
-        first = run(replace(config, steps=stop_after, save_after_step=stop_after, checkpoint_dir=folder),
-                    world_size, **spawn_options)[0].losses
-        second = run(replace(config, steps=steps, resume=True, checkpoint_dir=folder), world_size,
-                     **spawn_options)[0].losses
-    return {"straight": straight, "resumed": first + second}
 
 
 def max_difference(first: list[float], second: list[float]) -> float:
     """The largest difference between two loss curves of equal length."""
     return max(abs(a - b) for a, b in zip(first, second, strict=True))
-
-
-def compare(row: Migration, **spawn_options: Any) -> dict[str, Any]:
-    """Both sides of one migration row: their losses (after resuming, for the state-dict rows), the
-    largest difference, and whether it is within tolerance (1e-5; bf16 rounding, 0.05, for mixed precision)."""
-    spawn_options = {**QUIET, **spawn_options}
-    if "STATE_DICT" in row.fsdp1:
-        losses = [resume(config, row.world_size, **spawn_options)["resumed"]
-                  for config in (row.fsdp1_config, row.fsdp2_config)]
-    else:
-        losses = [run(config, row.world_size, **spawn_options)[0].losses
-                  for config in (row.fsdp1_config, row.fsdp2_config)]
-    difference = max_difference(*losses)
-    tolerance = 0.05 if row.fsdp1_config.mixed_precision else 1e-5
-    return {"fsdp1": losses[0], "fsdp2": losses[1], "max_difference": difference, "same": difference < tolerance}
 
 
 @dataclass
@@ -132,7 +61,7 @@ def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
     # parameters are a second copy: the fp32 shards stay beside them (dtlib.memory.fsdp_breakdown).
     keeps_gathered = first.api != "ddp" and after_forward != first.memory_at_rest["parameters"]
     peak = None if after_forward is None else at_rest + (after_forward if keeps_gathered else 0)
-    step_s = max(statistics.median(r.step_times_s[1:] or r.step_times_s) for r in results)
+    step_s = slowest_median_step_s(results)
     shard_group = 1 if first.api == "ddp" else 2 if "HSDP" in label else first.world_size
     if first.api == "ddp":
         estimate = memory.estimate(first.num_params, first.world_size, "ddp", param_bytes=4, grad_bytes=4,
@@ -178,16 +107,11 @@ def bytes_sent_per_rank(row: StrategyRow) -> float:
     return sent
 
 
-def gpu_needed(row: Migration) -> bool:
-    """True where the row cannot run here (CPU offload in FSDP1 needs an accelerator)."""
-    return row.needs_gpu and not torch.cuda.is_available()
-
-
 def _documented_route(rank: int, world_size: int) -> str:
-    from dtlib import fsdp, fsdp_checkpoint, models
+    from dtlib import fsdp_checkpoint, fsdp_wrap, models
     from dtlib.entry import rank_device
 
-    model = fsdp._wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, rank_device(), [])
+    model = fsdp_wrap.wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, rank_device(), [])
     optimizer = torch.optim.Adam(model.parameters())
     models.loss_fn("transformer", model(torch.zeros(2, 16, dtype=torch.long)), torch.zeros(2, 16, dtype=torch.long)
                    ).backward()

@@ -119,3 +119,43 @@ def test_recording_wraps_only_inside_the_block(recorded):
     for report in recorded:
         assert report["wrapped_inside"]
         assert report["restored"] and report["restored_after_error"]
+
+
+def _ddp_steps_both_ways(rank, world_size):
+    """Torch DDP's step, counted by torch's CommDebugMode (which sees the built-in C++ all-reduce through the
+    dispatcher) and, with DDP's all-reduce written as a Python hook, recorded by CommLog."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlib import models
+    from dtlib.counting import count_collectives
+
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    counted, logged = [], []
+    for python_hook in (False, True):
+        model = DistributedDataParallel(models.build("wide_mlp", seed=0), bucket_cap_mb=1)
+        if python_hook:
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        for _ in range(3):  # DDP rebuilds its buckets after step 0
+            if python_hook:
+                log = CommLog()
+                with log.recording():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                logged.append([(e.kind, e.group_size) for e in log.events])
+            else:
+                counted.append(count_collectives(lambda m=model: torch.nn.functional.mse_loss(m(x), y).backward())[1])
+    sub = dist.new_group([0, 1])
+    log = CommLog()
+    with log.recording(("all_reduce", "all_gather_into_tensor")):
+        dist.all_reduce(torch.ones(1), group=sub)
+        dist.all_gather_into_tensor(torch.empty(world_size), torch.ones(1))
+    return counted, logged, [(e.kind, e.group_size, e.nbytes) for e in log.events]
+
+
+@pytest.mark.timeout(90)
+def test_commlog_counts_what_commdebugmode_counts_for_ddp():
+    counted, logged, sized = dtlib.spawn(_ddp_steps_both_ways, 2, output="none")[0]
+    assert [len(step) for step in logged] == [calls.get("all_reduce", 0) for calls in counted]
+    assert [len(step) for step in logged] == [1, 4, 4]  # one bucket in step 0; 1 MiB buckets after the rebuild
+    assert {event for step in logged for event in step} == {("all_reduce", 2)}
+    assert sized == [("all_reduce", 2, 4), ("all_gather", 2, 8)]  # S: the gathered output, 2 x 4 bytes

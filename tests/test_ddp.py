@@ -80,7 +80,7 @@ def test_no_sync_communicates_once_per_step_and_without_it_once_per_micro_batch(
 @pytest.mark.timeout(180)
 def test_transformer_on_four_ranks_matches_one_process():
     """Four ranks, the transformer, and ``gradient_as_bucket_view`` (gradients live in DDP's buckets and are
-    zeroed, not freed): one run for three claims, to keep the suite fast."""
+    zeroed, not freed): one run for two claims, to keep the suite fast."""
     config = ddp.TrainConfig(model="transformer", steps=3, global_batch=16, gradient_as_bucket_view=True)
     results = ddp.run(config, 4, **QUIET)
     assert [r.rank for r in results] == [0, 1, 2, 3] and {r.world_size for r in results} == {4}
@@ -90,8 +90,6 @@ def test_transformer_on_four_ranks_matches_one_process():
     params = _num_params("transformer")
     for result in results:
         assert result.comm_bytes == [4 * params] * config.steps
-        assert result.grad_bytes_separate == 0
-        assert result.model_state_bytes == 3 * 4 * params  # parameters, gradients kept, momentum
 
 
 @pytest.mark.timeout(120)
@@ -99,18 +97,14 @@ def test_rank_result_sanity(plain):
     params = _num_params("mlp")
     for rank, result in enumerate(plain):
         assert (result.rank, result.world_size, result.backend, result.first_step) == (rank, 2, "gloo", 0)
-        for name in ("losses", "step_times_s", "comm_calls", "comm_bytes", "comm_sizes", "comm_seconds",
-                     "hidden_share"):
+        for name in ("losses", "step_times_s", "comm_calls", "comm_bytes", "comm_sizes", "hidden_share"):
             assert len(getattr(result, name)) == CONFIG.steps, name
         assert all(math.isfinite(loss) for loss in result.losses)
         assert result.comm_bytes[-1] == 4 * params  # float32 gradients, once, with the default allreduce hook
         assert result.comm_sizes == [[4 * params]] * CONFIG.steps  # the mlp fits one bucket
-        assert result.bucket_bytes == [4 * params]
-        assert result.grad_bytes_separate == 4 * params  # without gradient_as_bucket_view: a copy outside
         assert all(t > 0 for t in result.step_times_s)
-        assert all(s >= 0 for s in result.comm_seconds) and all(0 <= h <= 1 for h in result.hidden_share)
-        assert result.peak_memory_bytes > 0
-        assert result.model_state_bytes == 3 * 4 * params  # parameters, gradients, SGD momentum (all float32)
+        assert all(0 <= h <= 1 for h in result.hidden_share)
+        assert len(result.timeline["comm"]) == 1 and result.timeline["step"] == CONFIG.steps - 1
         assert result.params.shape == result.grads.shape == (params,)
         assert result.buffers.numel() == 0  # the mlp has no buffers
 
@@ -200,7 +194,7 @@ def test_a_model_without_trainable_parameters_is_refused():
 
 @pytest.mark.timeout(120)
 def test_command_line_prints_the_losses(plain):
-    completed = subprocess.run([sys.executable, "-m", "dtlib.ddp", "--world-size", "2", "--steps", "3"],
+    completed = subprocess.run([sys.executable, "-m", "dtlib.train", "ddp", "--world-size", "2", "--steps", "3"],
                                capture_output=True, text=True, timeout=100)
     assert completed.returncode == 0, completed.stderr
     match = re.search(r"DDP on 2 rank\(s\), gloo: losses ((?:[-\d.]+ ?){3})$", completed.stdout, re.MULTILINE)

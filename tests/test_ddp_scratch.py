@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dtlib
 from dtlib import data, models
-from dtlib.commlog import CommLog
+from dtlib.counting import count_collectives
 from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
 
 CAPS_MB = (0.0001, 0.001, 25.0)  # 0.0001 MB = 105 bytes: nearly one bucket per parameter
@@ -61,16 +61,20 @@ def _scratch_against_torch(rank, world_size):
                 out["layouts"][(name, label)] = [[(index[id(p)], p.numel() * p.element_size()) for p in bucket]
                                                  for bucket in ours.buckets]
             ours = wrap(models.build(name, seed=0))
-            log = CommLog()
-            with log.recording():
-                with ours.no_sync():
-                    _backward(ours, name, batch)
-                    ours.finish_gradient_sync()  # nothing in flight: must be a no-op
-                local = _grads(ours.module)
-                calls_inside = len(log.events)
-                _backward(ours, name, later)
-                ours.finish_gradient_sync()
-            out["no_sync"][(name, label)] = {"calls_inside": calls_inside, "calls_after": len(log.events),
+
+            def accumulate(model=ours, name=name, batch=batch):
+                with model.no_sync():
+                    _backward(model, name, batch)
+                    model.finish_gradient_sync()  # nothing in flight: must be a no-op
+
+            def synchronise(model=ours, name=name, later=later):
+                _backward(model, name, later)
+                model.finish_gradient_sync()
+
+            calls_inside = count_collectives(accumulate)[1].get("all_reduce", 0)  # torch's CommDebugMode
+            local = _grads(ours.module)
+            calls_after = calls_inside + count_collectives(synchronise)[1].get("all_reduce", 0)
+            out["no_sync"][(name, label)] = {"calls_inside": calls_inside, "calls_after": calls_after,
                                              "local": local, "synced": _grads(ours.module),
                                              "buckets": len(getattr(ours, "buckets", ours.params))}
     # the constructor broadcasts rank 0's parameters and buffers

@@ -394,7 +394,7 @@ def test_validate_accepts_what_runs():
 
 @pytest.mark.timeout(120)
 def test_command_line_prints_the_losses(runs):
-    completed = subprocess.run([sys.executable, "-m", "dtlib.fsdp", "--world-size", "2", "--api", "fsdp2",
+    completed = subprocess.run([sys.executable, "-m", "dtlib.train", "fsdp", "--world-size", "2", "--api", "fsdp2",
                                 "--steps", "2"], capture_output=True, text=True, timeout=100)
     assert completed.returncode == 0, completed.stderr
     match = re.search(r"^fsdp2 full_shard on 2 ranks: losses ([-\d.]+) ([-\d.]+)$", completed.stdout, re.MULTILINE)

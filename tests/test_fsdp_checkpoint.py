@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dtlib
-from dtlib import data, fsdp, fsdp_checkpoint, fsdp_compare, models
+from dtlib import data, fsdp, fsdp_checkpoint, fsdp_wrap, models, runs
 from dtlib.fsdp import FSDPConfig
 
 SAVED_AT = 3
@@ -30,7 +30,7 @@ CASES = [(api, kind) for api in ("fsdp2", "fsdp1") for kind in ("sharded", "full
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """``{(api, kind): (directory, losses, printed)}``: ``fsdp_compare.resume`` on 2 ranks, 6 steps, stopped
+    """``{(api, kind): (directory, losses, printed)}``: ``runs.stop_and_resume`` on 2 ranks, 6 steps, stopped
     after SAVED_AT; its checkpoint directory is kept to look at, and the ranks' output relayed and caught."""
     out = {}
     for api, kind in CASES:
@@ -39,9 +39,9 @@ def resumed(tmp_path_factory):
         printed = io.StringIO()
         with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed), \
                 contextlib.redirect_stderr(printed):
-            patch.setattr(fsdp_compare, "tempfile", kept)  # only resume() sees it
-            losses = fsdp_compare.resume(FSDPConfig(api=api, checkpoint_kind=kind), steps=6, stop_after=SAVED_AT,
-                                         output="all")
+            patch.setattr(runs, "tempfile", kept)  # only stop_and_resume() sees it
+            losses = runs.stop_and_resume(fsdp.run, FSDPConfig(api=api, checkpoint_kind=kind), steps=6,
+                                          stop_after=SAVED_AT, location="checkpoint_dir", output="all")
         out[api, kind] = directory, losses, printed.getvalue()
     return out
 
@@ -66,7 +66,7 @@ def single_process(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_resumed_training_equals_uninterrupted_training(api, kind, resumed):
     losses = resumed[api, kind][1]
     assert len(losses["straight"]) == 6
-    assert losses["resumed"] == losses["straight"]  # exactly: same data, same weights, same Adam moments
+    assert losses["stopped_and_resumed"] == losses["straight"]  # exactly: same data, same weights, same Adam moments
     assert losses["straight"][-1] < losses["straight"][0] - 0.5  # it trained (a fresh start would not match)
 
 
@@ -146,7 +146,7 @@ def _documented_route(rank: int, world_size: int) -> dict[str, object]:
     """One Adam step of the FSDP1-wrapped transformer on the CPU, then FSDP1's documented full state dict."""
     torch.set_num_threads(1)
     config = FSDPConfig(api="fsdp1")
-    model = fsdp._wrap_fsdp1(models.build("transformer", seed=0), config, world_size, torch.device("cpu"), [])
+    model = fsdp_wrap.wrap_fsdp1(models.build("transformer", seed=0), config, world_size, torch.device("cpu"), [])
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     tokens = torch.randint(models.VOCAB, (4, models.SEQ_LEN), generator=torch.Generator().manual_seed(rank))
     models.loss_fn("transformer", model(tokens), tokens).backward()
@@ -172,7 +172,7 @@ def test_documented_fsdp1_full_state_dict_works_on_gpus():
         torch.cuda.set_device(rank)
         config = FSDPConfig(api="fsdp1")
         device = torch.device("cuda", rank)
-        model = fsdp._wrap_fsdp1(models.build("transformer", seed=0).to(device), config, world_size, device, [])
+        model = fsdp_wrap.wrap_fsdp1(models.build("transformer", seed=0).to(device), config, world_size, device, [])
         optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
         tokens = torch.randint(models.VOCAB, (4, models.SEQ_LEN), device=device)
         models.loss_fn("transformer", model(tokens), tokens).backward()
@@ -301,7 +301,7 @@ def _save_then_fail_half_way(rank: int, world_size: int, directory: str) -> None
     filling up after three tensors: the second save fails on every rank."""
     torch.set_num_threads(1)
     config = FSDPConfig()
-    model = fsdp._wrap_fsdp2(models.build("transformer", seed=0), config, world_size, torch.device("cpu"), [])
+    model = fsdp_wrap.wrap_fsdp2(models.build("transformer", seed=0), config, world_size, torch.device("cpu"), [])
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     with torch.no_grad():
         for param in model.parameters():
@@ -327,7 +327,7 @@ def _save_then_fail_half_way(rank: int, world_size: int, directory: str) -> None
 def _load_full_weights(rank: int, world_size: int, directory: str) -> tuple[int, dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
     config = FSDPConfig()
-    model = fsdp._wrap_fsdp2(models.build("transformer", seed=1), config, world_size, torch.device("cpu"), [])
+    model = fsdp_wrap.wrap_fsdp2(models.build("transformer", seed=1), config, world_size, torch.device("cpu"), [])
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     step = fsdp_checkpoint.load(model, optimizer, directory)
     return step, {name: param.full_tensor() for name, param in model.named_parameters()}
