@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numbers
 import os
-import statistics
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
+
+from dtlib.bench._timing import slowest_median
 
 
 def check_whole_numbers(config: Any, world_size: Any, names: Sequence[str]) -> None:
@@ -48,8 +49,7 @@ def slowest_median_step_s(results: Sequence[Any], skip_first: bool = True) -> fl
     ``skip_first`` leaves out step 0 (DDP builds its buckets there, FSDP allocates), unless it is the only one.
     Example: ``slowest_median_step_s(dtlib.ddp.run(config, 2)) * 1e3`` (ms).
     """
-    return max(statistics.median(r.step_times_s[1:] if skip_first and len(r.step_times_s) > 1 else r.step_times_s)
-               for r in results)
+    return slowest_median((r.step_times_s for r in results), skip=1 if skip_first else 0)
 
 
 def stop_and_resume(run: Callable[..., list[Any]], config: Any, world_size: int = 2, *, steps: int = 6,

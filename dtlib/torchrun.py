@@ -4,7 +4,7 @@ Each call runs ``python -m torch.distributed.run`` (that is ``torchrun``) with t
 at most ``timeout`` seconds, and returns the command and its output; a hang kills the whole
 process group instead of blocking the cell::
 
-    out = dtlib.torchrun.launch(["-m", "dtlib.examples.env"], nproc_per_node=2)
+    out = dtlib.torchrun.single_node(["-m", "dtlib.examples.env"], nproc_per_node=2)
     print(out.command); print(out.output)
     nodes = dtlib.torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2)   # two "machines"
 """
@@ -81,7 +81,8 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
     return [Finished(cmd, p.returncode, out) for cmd, p, out in zip(shown, processes, outputs, strict=True)]
 
 
-def launch(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0, legacy: bool = False) -> Finished:
+def single_node(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0,
+                legacy: bool = False) -> Finished:
     """``torchrun --standalone --nproc_per_node=N <target>``: one node, a fresh rendezvous on a free port.
 
     ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or

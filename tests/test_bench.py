@@ -1,45 +1,51 @@
-"""dtlib.bench launch: the measurements, the command line, and the issue's targets."""
+"""dtlib.bench itself: the one table writer, the slowest rank's median, and the command line's refusals."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
-from dtlib.bench import launch
+from dtlib.bench._table import Column, as_records, format_table
+from dtlib.bench._timing import slowest_median
 
 
-@pytest.mark.timeout(60)
-def test_measure_times_each_method_the_asked_number_of_times():
-    timings = launch.measure(world_size=2, repeats=2, methods=["forkserver", "fork"])
-    assert [t.method for t in timings] == ["forkserver", "fork"]
-    for timing in timings:
-        assert len(timing.seconds) == 2 and all(s > 0 for s in timing.seconds)
+@dataclass
+class _Row:
+    name: str
+    seconds: float | None
+    calls: int
 
 
-def test_measure_refuses_unknown_methods_and_bad_counts():
-    with pytest.raises(ValueError, match="unknown methods"):
-        launch.measure(methods=["teleport"])
-    with pytest.raises(ValueError):
-        launch.measure(repeats=0, methods=["fork"])
+def test_a_table_is_a_title_a_header_and_one_aligned_line_per_row():
+    rows = [_Row("short", 0.5, 3), _Row("a name longer than its column", None, 12)]
+    columns = [Column("name", 8, lambda r: r.name, align="<"), Column("seconds", 8, lambda r: r.seconds, ".3f", " s"),
+               Column("calls", 5, lambda r: r.calls)]
+    lines = format_table("dtlib.bench demo: two rows", columns, rows, footer="2 rows").splitlines()
+    # the name column widens from 8 to its longest name (29); None is written "-"
+    assert lines == ["# dtlib.bench demo: two rows",
+                     f"# {'name':<29} {'seconds':>8} {'calls':>5}",
+                     f"  {'short':<29} {'0.500 s':>8} {'3':>5}",
+                     f"  {'a name longer than its column':<29} {'-':>8} {'12':>5}",
+                     "2 rows"]
 
 
-def test_table_reports_the_ratio_to_mp_spawn():
-    timings = [launch.LaunchTiming("spawn", [1.1, 1.2, 1.3]), launch.LaunchTiming("mp.spawn", [1.0, 1.0, 1.0])]
-    table = launch.format_table(timings, world_size=2)
-    assert "1.20x" in table and "1.00x" in table and "dtlib spawn" in table
+def test_records_are_the_rows_fields_then_the_computed_ones():
+    rows = [_Row("a", 0.5, 3)]
+    assert as_records(rows) == [{"name": "a", "seconds": 0.5, "calls": 3}]
+    records = as_records(rows, per_call=lambda r: r.seconds / r.calls, seconds=lambda r: [r.seconds])
+    assert list(records[0].items()) == [("name", "a"), ("calls", 3), ("per_call", 0.5 / 3), ("seconds", [0.5])]
 
 
-@pytest.mark.timeout(120)
-def test_command_line_prints_json():
-    command = [sys.executable, "-m", "dtlib.bench", "launch", "--repeats", "1", "--methods", "forkserver,fork",
-               "--json"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=100, check=True).stdout
-    records = json.loads(out)
-    assert [r["method"] for r in records] == ["forkserver", "fork"]
-    assert all(r["world_size"] == 2 and r["median_s"] > 0 for r in records)
+def test_the_slowest_ranks_median():
+    assert slowest_median([[9.0, 1.0, 2.0], [9.0, 3.0, 3.0]], skip=1) == 3.0  # step 0 left out on every rank
+    assert slowest_median([[1.0, 100.0, 2.0], [5.0]]) == 5.0  # one rank's outlier moves its median, not the max
+    assert slowest_median([[4.0]], skip=1) == 4.0  # nothing after the skipped ones: the times themselves
+    assert slowest_median(iter([[1.0], [2.0]])) == 2.0  # any iterable of ranks
+    with pytest.raises(ValueError, match="no rank"):
+        slowest_median([])
 
 
 @pytest.mark.timeout(120)
@@ -64,8 +70,3 @@ def test_command_line_refuses_bad_settings_in_one_line_with_status_2(arguments, 
     assert completed.stderr.count("\n") == 1 and completed.stderr.endswith("\n"), completed.stderr  # no traceback
     assert what in completed.stderr
     assert completed.stdout == ""
-
-
-def test_measure_refuses_an_empty_method_list():
-    with pytest.raises(ValueError, match="no method to measure"):
-        launch.measure(methods=[])

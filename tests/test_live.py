@@ -206,3 +206,17 @@ def test_ranks_that_wait_for_a_rank_that_failed_are_explained_in_its_error(ranks
     assert [f.rank for f in caught.value.failures] == [1]
     assert "rank 0 waits in all_reduce #" in str(caught.value) and "rank 1 raised an error" in str(caught.value)
     assert ranks.run("rank") == [0, 1]
+
+
+def test_the_live_benchmark_reports_every_row_with_its_target(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dtlib.bench", "live", "--samples", "3", "--starts", "1", "--json"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {row["what"]: row for row in json.loads(done.stdout)}
+    assert rows["ranks.run round trip"]["target_ms"] == 20.0 and rows["ranks.run round trip"]["samples"] == 3
+    assert rows["%%ranks cell round trip"]["median_ms"] > 0
+    assert "warm LiveRanks start and close" in rows and any(name.startswith("nbdistributed") for name in rows)

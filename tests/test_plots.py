@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from dtlib import plots, sysinfo  # noqa: E402
-from dtlib.bench.launch import LaunchTiming  # noqa: E402
+from dtlib.bench.startup import LaunchTiming  # noqa: E402
 
 
 def _texts(fig) -> str:
@@ -98,7 +98,7 @@ def test_ring_grid_has_a_panel_per_step_and_traffic_a_line_per_algorithm():
 
 def test_busbw_plot_shows_the_sweep_and_the_fit():
     from dtlib import ring
-    from dtlib.bench.collective import Row
+    from dtlib.bench.bandwidth import Row
 
     truth = ring.AlphaBeta(1e-4, 2e9)
     rows = []
@@ -120,11 +120,11 @@ def test_busbw_plot_shows_the_sweep_and_the_fit():
     assert list(ring_line.get_ydata()) == [r.busbw_gbs for r in by_ring]
 
 
-def test_collective_figure_shows_every_value_before_and_after():
+def test_before_after_shows_every_value_on_every_rank():
     from dtlib.collectives import CollectiveResult
 
     result = CollectiveResult("gather", "gloo", [[0.0, 1.0], [10.0, 11.0]], [[0.0, 1.0, 10.0, 11.0], []])
-    before, after = plots.collective(result).axes
+    before, after = plots.before_after(result).axes
     assert sorted(t.get_text() for t in before.texts) == ["0", "1", "10", "11"]
     assert [t.get_text() for t in after.texts if t.get_text()] == ["0", "1", "10", "11", "nothing received"]
     assert after.get_title() == "after gather (gloo)" and before.get_xlabel() == "position in the tensor"

@@ -34,8 +34,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from dtlib import data, fsdp_compare, guide, plots, ring  # noqa: E402
-from dtlib.bench.collective import Row  # noqa: E402
-from dtlib.bench.launch import LaunchTiming  # noqa: E402
+from dtlib.bench.bandwidth import Row  # noqa: E402
+from dtlib.bench.startup import LaunchTiming  # noqa: E402
 from dtlib.collectives import CollectiveResult  # noqa: E402
 from dtlib.ddp import RankResult  # noqa: E402
 from dtlib.fsdp_compare import StrategyRow  # noqa: E402
@@ -197,7 +197,7 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "traffic": {"2 to 64 ranks": lambda: call([2, 4, 8, 16, 32, 64], ring.traffic_table([2, 4, 8, 16, 32, 64]))},
     "busbw": {"sweep and fit": lambda: call(_busbw_rows("library"), ring.AlphaBeta(1e-4, 2e9)),
               "ring sweep only": lambda: call(_busbw_rows("ring"))},
-    "collective": {"all_reduce_sum": lambda: call(_all_reduce_sum(4)), "all_gather": lambda: call(_all_gather(4)),
+    "before_after": {"all_reduce_sum": lambda: call(_all_reduce_sum(4)), "all_gather": lambda: call(_all_gather(4)),
                    "gather": lambda: call(_gather())},
     "shard": {"notebook 05": lambda: call((96, 32), world_size=2, name="blocks.0.qkv.weight"),
               "uneven": lambda: call((10, 4), world_size=4)},
@@ -257,7 +257,7 @@ def _figures_closed_at_the_end():
     with plt.rc_context({"figure.max_open_warning": 0}):  # every case's figure stays open for the checks
         yield
     figure.cache_clear()
-    drawn_texts.cache_clear()
+    rendered.cache_clear()
     plt.close("all")
 
 
@@ -374,13 +374,13 @@ class DrawnText:
 
 
 @functools.cache
-def drawn_texts(fig: Figure) -> tuple[DrawnText, ...]:
-    """Every text the renderer draws (titles, labels, ticks, legends, annotations), recorded at draw time.
+def rendered(fig: Figure) -> tuple[Any, tuple[DrawnText, ...]]:
+    """Draw ``fig`` once: the renderer (text extents are final after it) and every text it drew (titles,
+    labels, ticks, legends, annotations), recorded at draw time.
 
     Recording the draw calls sees exactly what is shown: no stale tick label out of view, no empty title.
     """
     canvas = FigureCanvasAgg(fig)  # its own canvas: pyplot's is gone if another test closed the figure
-    canvas.draw()
     renderer = canvas.get_renderer()
     drawn: list[DrawnText] = []
     original = renderer.draw_text
@@ -397,7 +397,11 @@ def drawn_texts(fig: Figure) -> tuple[DrawnText, ...]:
         fig.draw(renderer)
     finally:
         del renderer.draw_text
-    return tuple(drawn)
+    return renderer, tuple(drawn)
+
+
+def drawn_texts(fig: Figure) -> tuple[DrawnText, ...]:
+    return rendered(fig)[1]
 
 
 def size_problems(fig: Figure) -> list[str]:
@@ -431,9 +435,7 @@ def overflow_problems(fig: Figure) -> list[str]:
 
 def tick_overlap_problems(fig: Figure) -> list[str]:
     """No two tick labels of one axis overlap (long category names run into each other unless wrapped)."""
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
+    renderer = rendered(fig)[0]
     problems = []
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
@@ -457,48 +459,32 @@ def test_every_plot_function_has_inputs():
         assert getattr(plots, name) is function, f"dtlib.plots.{name} is not the function of {function.__module__}"
 
 
-@cases()
-def test_figure_has_a_title(name, case):
-    assert title_problems(figure(name, case)) == []
+CHECKS = (title_problems, label_problems, legend_problems, size_problems, overflow_problems, tick_overlap_problems)
 
 
 @cases()
-def test_axes_are_labelled_with_units(name, case):
-    assert label_problems(figure(name, case)) == []
-
-
-@cases()
-def test_series_are_named_in_a_legend(name, case):
-    assert legend_problems(figure(name, case)) == []
-
-
-@cases()
-def test_text_is_large_enough_and_the_figure_a_readable_width(name, case):
-    assert size_problems(figure(name, case)) == []
-
-
-@cases()
-def test_text_stays_inside_the_figure(name, case):
-    assert overflow_problems(figure(name, case)) == []
-
-
-@cases()
-def test_tick_labels_do_not_overlap(name, case):
-    assert tick_overlap_problems(figure(name, case)) == []
+def test_figure_reads_well(name, case):
+    """Titled; axes labelled with units; series named in a legend; text of MIN_FONT_PT or more, inside the
+    figure, tick labels apart; a readable width. Every check runs, so one failure lists every problem."""
+    problems = {check.__name__: found for check in CHECKS if (found := check(figure(name, case)))}
+    assert problems == {}
 
 
 # -- the checks can fail ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("label", "ok"), [
-    ("model state per rank (GB)", True), ("ms per step", True), ("message size S (bytes, log scale)", True),
-    ("bus bandwidth (GB/s, 1 GB = 1e9 B)", True), ("world size N (ranks)", True), ("step", True),
-    ("MiB (2^20 bytes)", True), ("Rank", True),
-    ("model state per rank", False), ("time (median)", False), ("bandwidth", False),
-    ("size in bytes", False), ("stepwise time", False),
-])
-def test_unit_rule(label, ok):
-    assert (unit_problem(label) is None) == ok
+UNIT_RULE = {  # label: does it pass the unit rule?
+    "model state per rank (GB)": True, "ms per step": True, "message size S (bytes, log scale)": True,
+    "bus bandwidth (GB/s, 1 GB = 1e9 B)": True, "world size N (ranks)": True, "step": True,
+    "MiB (2^20 bytes)": True, "Rank": True,
+    "model state per rank": False, "time (median)": False, "bandwidth": False,
+    "size in bytes": False, "stepwise time": False,
+}
+
+
+def test_unit_rule():
+    judged = {label: unit_problem(label) is None for label in UNIT_RULE}
+    assert judged == UNIT_RULE
 
 
 def test_check_finds_missing_title_labels_and_legend():

@@ -36,7 +36,7 @@ def test_two_nodes_on_one_machine(rendezvous):
 @pytest.mark.parametrize("runner", [["ddp", "--steps", "2"], ["fsdp", "--api", "fsdp2", "--steps", "2"]])
 def test_runners_start_under_torchrun(runner):
     """The course's runners under torchrun --standalone: they train on the ranks torchrun started."""
-    finished = torchrun.launch(["-m", "dtlib.train", *runner], nproc_per_node=2, timeout=90)
+    finished = torchrun.single_node(["-m", "dtlib.train", *runner], nproc_per_node=2, timeout=90)
     assert finished.returncode == 0, finished.output[-2000:]
     assert "on 2 rank" in finished.output and "losses" in finished.output
     assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
@@ -46,7 +46,7 @@ def test_runners_start_under_torchrun(runner):
 def test_hybrid_shard_under_torchrun_checks_its_groups_against_torchruns_world_size():
     """docs/torchrun.md's SLURM line: --shard-group-size is checked against torchrun's WORLD_SIZE (4 here),
     not against --world-size (2 by default), which torchrun ignores."""
-    finished = torchrun.launch(["-m", "dtlib.train", "fsdp", "--strategy", "hybrid_shard", "--shard-group-size",
+    finished = torchrun.single_node(["-m", "dtlib.train", "fsdp", "--strategy", "hybrid_shard", "--shard-group-size",
                                 "4", "--steps", "1"], nproc_per_node=4, timeout=200)
     assert finished.returncode == 0, finished.output[-2000:]
     assert "fsdp2 hybrid_shard on 4 ranks" in finished.output
@@ -55,7 +55,7 @@ def test_hybrid_shard_under_torchrun_checks_its_groups_against_torchruns_world_s
 @pytest.mark.timeout(120)
 def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
     """Notebook 07: torchrun does not pass a rank's exit code on; its summary names it."""
-    failed = torchrun.launch(["-m", "dtlib.examples.exit_code", "--rank", "1", "--code", "3"], nproc_per_node=2,
+    failed = torchrun.single_node(["-m", "dtlib.examples.exit_code", "--rank", "1", "--code", "3"], nproc_per_node=2,
                              timeout=90)
     assert failed.returncode == 1, failed.output[-2000:]
     assert torchrun.exit_codes(failed) == {0: -15, 1: 3}  # rank 0, still working, was stopped with SIGTERM
@@ -66,7 +66,7 @@ def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
 @pytest.mark.timeout(150)
 def test_the_deprecated_launcher_adds_local_rank_to_the_arguments_and_torchrun_does_not():
     target = ["-m", "dtlib.examples.local_rank", "--lr", "0.1"]
-    old, new = torchrun.launch(target, legacy=True, timeout=90), torchrun.launch(target, timeout=90)
+    old, new = torchrun.single_node(target, legacy=True, timeout=90), torchrun.single_node(target, timeout=90)
     assert old.returncode == new.returncode == 0, (old.output[-2000:], new.output[-2000:])
     assert old.command.startswith("python -m torch.distributed.launch --standalone")
     assert "torch.distributed.launch is deprecated" in old.output
@@ -100,7 +100,7 @@ def test_each_ranks_loader_workers_read_only_its_indices():
 
 @pytest.mark.timeout(60)
 def test_a_hanging_job_is_stopped_at_the_timeout():
-    finished = torchrun.launch(["--no-python", "sleep", "60"], nproc_per_node=1, timeout=8)
+    finished = torchrun.single_node(["--no-python", "sleep", "60"], nproc_per_node=1, timeout=8)
     assert finished.returncode != 0 and "stopped after 8 s" in finished.output
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from dtlib.bench import check, collective, ddp, fsdp, launch
+from dtlib.bench import bandwidth, check, ddp, fsdp, live, startup
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,9 +39,9 @@ def _count(minimum: int) -> Callable[[str], int]:
 
 
 def _size(text: str) -> int:
-    """An argparse type: a message size such as 1K or 64M (collective.parse_size)."""
+    """An argparse type: a message size such as 1K or 64M (bandwidth.parse_size)."""
     try:
-        return collective.parse_size(text)
+        return bandwidth.parse_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     launch_parser = commands.add_parser("launch", help="time from dtlib.spawn's call to its results")
     launch_parser.add_argument("--world-size", type=_count(1), default=2)
     launch_parser.add_argument("--repeats", type=_count(1), default=5, help="timed launches per method")
-    launch_parser.add_argument("--methods", default=",".join(launch.default_methods()),
-                               help=f"comma-separated subset of {','.join(launch.METHODS)} "
+    launch_parser.add_argument("--methods", default=",".join(startup.default_methods()),
+                               help=f"comma-separated subset of {','.join(startup.METHODS)} "
                                     "(accelerate only where it is installed)")
     launch_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    for op in collective.OPS:
+    for op in bandwidth.OPS:
         sweep_parser = commands.add_parser(op, help=f"nccl-tests-style {op} sweep over message sizes")
         sweep_parser.add_argument("--world-size", type=_count(1), default=2)
         sweep_parser.add_argument("--min-bytes", type=_size, default="1K",
@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                              help=f"a divisor of the {fsdp.GLOBAL_BATCH}-sample global batch")
     fsdp_parser.add_argument("--steps", type=_count(1), default=6)
     fsdp_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    live_parser = commands.add_parser("live", help="live ranks: a start against a warm spawn, a cell's round trip")
+    live_parser.add_argument("--world-size", type=_count(1), default=2)
+    live_parser.add_argument("--samples", type=_count(1), default=50, help="round trips timed (the median counts)")
+    live_parser.add_argument("--starts", type=_count(1), default=5, help="starts and spawns timed")
+    live_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     check_parser = commands.add_parser("check", help="every speed target against its limit; exit 1 on a miss")
     check_parser.add_argument("--only", default=",".join(check.TARGETS),
                               help=f"comma-separated subset of {','.join(check.TARGETS)}")
@@ -99,23 +104,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(options: argparse.Namespace) -> str:
-    """Run the chosen benchmark; its table, or JSON with ``--json``."""
+    """Run the chosen benchmark; its table, or JSON records with ``--json``."""
     if options.what == "launch":
         methods = [m.strip() for m in options.methods.split(",") if m.strip()]
-        timings = launch.measure(options.world_size, options.repeats, methods)
+        timings = startup.measure(options.world_size, options.repeats, methods)
         if options.json:
-            return json.dumps(launch.as_records(timings, options.world_size), indent=2)
-        return launch.format_table(timings, options.world_size)
+            return json.dumps(startup.as_records(timings, options.world_size), indent=2)
+        return startup.format_table(timings, options.world_size)
+    if options.what == "live":
+        rows = live.measure(options.world_size, options.samples, options.starts)
+        return json.dumps(live.as_records(rows), indent=2) if options.json else live.format_table(rows)
     if options.what == "fsdp":
-        fsdp_rows = fsdp.measure(options.world_size, options.steps)
-        return json.dumps(fsdp.as_records(fsdp_rows), indent=2) if options.json else fsdp.format_table(fsdp_rows)
-    if options.what == "ddp":
-        ddp_rows = ddp.measure(options.world_size, model=options.model, global_batch=options.global_batch,
-                               steps=options.steps, threads=options.threads)
-        return json.dumps(ddp.as_records(ddp_rows), indent=2) if options.json else ddp.format_table(ddp_rows)
-    rows = collective.sweep(options.what, options.world_size, options.min_bytes, options.max_bytes,
-                            iters=options.iters, warmup=options.warmup, algo=options.algo)
-    return json.dumps(collective.as_records(rows), indent=2) if options.json else collective.format_table(rows)
+        bench, rows = fsdp, fsdp.measure(options.world_size, options.steps)
+    elif options.what == "ddp":
+        bench, rows = ddp, ddp.measure(options.world_size, model=options.model, global_batch=options.global_batch,
+                                       steps=options.steps, threads=options.threads)
+    else:
+        bench, rows = bandwidth, bandwidth.sweep(options.what, options.world_size, options.min_bytes,
+                                                 options.max_bytes, iters=options.iters, warmup=options.warmup,
+                                                 algo=options.algo)
+    return json.dumps(bench.as_records(rows), indent=2) if options.json else bench.format_table(rows)
 
 
 if __name__ == "__main__":

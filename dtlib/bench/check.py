@@ -6,7 +6,7 @@ code. The targets live here instead. Each one is measured ``--repeats`` times in
 exits 1 when any target misses. Run it on a quiet machine::
 
     python -m dtlib.bench check                      # every target (about 10 minutes; notebooks last)
-    python -m dtlib.bench check --only launch,ring   # a subset, by name
+    python -m dtlib.bench check --only spawn,ring    # a subset, by name
 
 Targets (each a ratio or seconds, lower is better):
 
@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from dtlib.bench._table import Column
+from dtlib.bench._table import format_table as _format_table
 
 
 @dataclass(frozen=True)
@@ -58,28 +61,28 @@ def best_of(name: str, what: str, limit: float, unit: str, attempts: Iterable[fl
 
 
 def _spawn(repeats: int) -> list[Result]:
-    from dtlib.bench import launch
+    from dtlib.bench import startup
 
     ratios = []
     for _ in range(repeats):
-        timings = {t.method: t for t in launch.measure(world_size=2, repeats=3, methods=["spawn", "mp.spawn"])}
+        timings = {t.method: t for t in startup.measure(world_size=2, repeats=3, methods=["spawn", "mp.spawn"])}
         ratios.append(min(timings["spawn"].seconds) / min(timings["mp.spawn"].seconds))
     return [best_of("spawn", 'spawn(start_method="spawn") / torch.multiprocessing.spawn', 1.15, "x", ratios)]
 
 
 def _forkserver(repeats: int) -> list[Result]:
-    from dtlib.bench import launch
+    from dtlib.bench import startup
 
-    medians = [launch.measure(world_size=2, repeats=5, methods=["forkserver"])[0].median for _ in range(repeats)]
+    medians = [startup.measure(world_size=2, repeats=5, methods=["forkserver"])[0].median for _ in range(repeats)]
     return [best_of("forkserver", "a warm forkserver launch of 2 ranks (median of 5)", 0.15, "s", medians)]
 
 
 def _overhead_and_ring(repeats: int) -> list[Result]:
-    from dtlib.bench import collective
+    from dtlib.bench import bandwidth
 
     overheads, ring_ratios = [], []
     for _ in range(repeats):
-        busbw = collective.reference(2, "16M", output="none")  # GB/s, each the median of interleaved rounds
+        busbw = bandwidth.reference(2, "16M", output="none")  # GB/s, each the median of interleaved rounds
         overheads.append(busbw["bare loop"] / busbw["sweep"])
         ring_ratios.append(busbw["sweep"] / busbw["sweep, ring"])
     return [best_of("overhead", "bare dist.all_reduce loop / the sweep, busbw at 16 MiB", 1.05, "x", overheads),
@@ -157,14 +160,16 @@ def run(only: Iterable[str] | None = None, repeats: int = 3, notebooks: Path = P
 
 
 def format_table(results: list[Result]) -> str:
-    """One line per target: name, best measured value, limit, met or MISSED, every attempt, what was measured."""
-    width = max([len("target"), *(len(r.name) for r in results)])
-    lines = [f"{'target':<{width}} {'best':>8} {'limit':>8}  {'':<6}  attempts ; what"]
-    for r in results:
-        attempts = ", ".join(f"{a:.3g}" for a in r.attempts)
-        lines.append(f"{r.name:<{width}} {r.measured:>7.3g}{r.unit} {r.limit:>7.3g}{r.unit}  "
-                     f"{'met' if r.met else 'MISSED':<6}  {attempts} ; {r.what}")
+    """One line per target: name, best measured value, limit, met or MISSED, every attempt, what was measured;
+    then how many targets were met."""
     missed = [r.name for r in results if not r.met]
-    lines.append(f"{len(results) - len(missed)} of {len(results)} targets met"
-                 + (f"; missed: {', '.join(missed)}" if missed else ""))
-    return "\n".join(lines)
+    return _format_table(
+        "dtlib.bench check: each target's best attempt against its limit (lower is better)",
+        [Column("target", 0, lambda r: r.name, align="<"), Column("best", 8, lambda r: f"{r.measured:.3g}{r.unit}"),
+         Column("limit", 8, lambda r: f"{r.limit:.3g}{r.unit}"),
+         Column("status", 6, lambda r: "met" if r.met else "MISSED", align="<"),
+         Column("attempts ; what", 0, lambda r: f"{', '.join(f'{a:.3g}' for a in r.attempts)} ; {r.what}",
+                align="<")],
+        results,
+        footer=f"{len(results) - len(missed)} of {len(results)} targets met"
+               + (f"; missed: {', '.join(missed)}" if missed else ""))

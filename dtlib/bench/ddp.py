@@ -9,12 +9,16 @@ Every rank uses ``threads`` torch threads (1 by default), so N ranks use N cores
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from dtlib import ddp
+from dtlib.bench._table import Column
+from dtlib.bench._table import as_records as as_records
+from dtlib.bench._table import format_table as _format_table
+from dtlib.bench._timing import slowest_median
 
 
 @dataclass
@@ -32,7 +36,7 @@ class Row:
 
 
 def _row(setting: str, results: list[ddp.RankResult], config: ddp.TrainConfig) -> Row:
-    step_s = max(statistics.median(r.step_times_s[1:]) for r in results)
+    step_s = slowest_median((r.step_times_s for r in results), skip=1)  # step 0 builds the buckets
     first = results[0]
     mean_loss = sum(r.losses[-1] for r in results) / len(results)
     return Row(setting, first.world_size, config.global_batch // first.world_size, step_s * 1e3,
@@ -57,19 +61,16 @@ def measure(world_size: int = 2, *, model: str = "wide_mlp", global_batch: int =
     return rows
 
 
-def as_records(rows: list[Row]) -> list[dict[str, Any]]:
-    return [asdict(row) for row in rows]
-
-
 def format_table(rows: list[Row]) -> str:
     """A table with the speed-up of each N-rank setting over one rank."""
     single = rows[0].step_ms
-    lines = [f"# dtlib.bench ddp: torch {torch.__version__}, global batch split over ranks, median step "
-             f"(slowest rank, step 0 skipped)",
-             f"# {'setting':<46} {'ranks':>5} {'batch/rank':>10} {'step ms':>8} {'speed-up':>8} "
-             f"{'calls/step':>10} {'MiB/step':>8} {'hidden':>6} {'loss':>7}"]
-    for r in rows:
-        lines.append(f"  {r.setting:<46} {r.world_size:>5} {r.per_rank_batch:>10} {r.step_ms:>8.2f} "
-                     f"{single / r.step_ms:>7.2f}x {r.allreduce_calls_per_step:>10} {r.allreduce_mb_per_step:>8.2f} "
-                     f"{r.hidden_share:>6.0%} {r.final_loss:>7.4f}")
-    return "\n".join(lines)
+    return _format_table(
+        f"dtlib.bench ddp: torch {torch.__version__}, global batch split over ranks, median step "
+        "(slowest rank, step 0 skipped)",
+        [Column("setting", 46, lambda r: r.setting, align="<"), Column("ranks", 5, lambda r: r.world_size),
+         Column("batch/rank", 10, lambda r: r.per_rank_batch), Column("step ms", 8, lambda r: r.step_ms, ".2f"),
+         Column("speed-up", 8, lambda r: single / r.step_ms, ".2f", "x"),
+         Column("calls/step", 10, lambda r: r.allreduce_calls_per_step),
+         Column("MiB/step", 8, lambda r: r.allreduce_mb_per_step, ".2f"),
+         Column("hidden", 6, lambda r: r.hidden_share, ".0%"), Column("loss", 7, lambda r: r.final_loss, ".4f")],
+        rows)

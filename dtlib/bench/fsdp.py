@@ -6,12 +6,14 @@ formula, collectives per step, bytes each rank sends, step time. Run it::
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from dtlib import fsdp_compare
+from dtlib.bench._table import Column
+from dtlib.bench._table import as_records as _as_records
+from dtlib.bench._table import format_table as _format_table
 from dtlib.fsdp import FSDPConfig
 from dtlib.fsdp_compare import StrategyRow
 
@@ -34,7 +36,14 @@ def measure(world_size: int = 2, steps: int = 6, **spawn_options: Any) -> list[S
 
 
 def as_records(rows: list[StrategyRow]) -> list[dict[str, Any]]:
-    return [{**asdict(row), "bytes_sent_per_rank": fsdp_compare.bytes_sent_per_rank(row)} for row in rows]
+    """The rows' fields, and the bytes each rank sends in a ring (``fsdp_compare.bytes_sent_per_rank``)."""
+    return _as_records(rows, bytes_sent_per_rank=fsdp_compare.bytes_sent_per_rank)
+
+
+def _comm(kind: str, what: str) -> Column:
+    """A column of one kind of collective's calls or bytes per step (rank 0)."""
+    header = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}[kind]
+    return Column(f"{header} {what}", 8 if what == "calls" else 9, lambda r: r.comm.get(kind, {}).get(what, 0))
 
 
 def format_table(rows: list[StrategyRow]) -> str:
@@ -44,16 +53,15 @@ def format_table(rows: list[StrategyRow]) -> str:
     """
     ddp = next((r for r in rows if r.label == "DDP"), rows[0])
     ddp_sent = fsdp_compare.bytes_sent_per_rank(ddp) or 1.0
-    lines = [f"# dtlib.bench fsdp: tiny transformer, fp32 + Adam, world_size={rows[0].world_size}, "
-             f"torch {torch.__version__}; bytes per rank, ring traffic",
-             f"# {'setting':<31} {'at rest':>8} {'peak':>8} {'formula':>8} {'meas/f':>6} {'AG calls':>8} "
-             f"{'AG bytes':>9} {'RS bytes':>9} {'AR bytes':>9} {'sent/rank':>9} {'vs DDP':>6} {'step ms':>8}"]
-    for r in rows:
-        sent = fsdp_compare.bytes_sent_per_rank(r)
-        ag, rs, ar = (r.comm.get(kind, {"calls": 0, "bytes": 0}) for kind in ("all_gather", "reduce_scatter",
-                                                                              "all_reduce"))
-        peak, ratio = ("-", "-") if r.peak is None else (r.peak, f"{r.peak / r.estimate:.3f}")
-        lines.append(f"  {r.label:<31} {r.at_rest:>8} {peak:>8} {r.estimate:>8.0f} {ratio:>6} "
-                     f"{ag['calls']:>8} {ag['bytes']:>9} {rs['bytes']:>9} {ar['bytes']:>9} {sent:>9.0f} "
-                     f"{sent / ddp_sent:>5.2f}x {r.step_ms:>8.2f}")
-    return "\n".join(lines)
+    return _format_table(
+        f"dtlib.bench fsdp: tiny transformer, fp32 + Adam, world_size={rows[0].world_size}, "
+        f"torch {torch.__version__}; bytes per rank, ring traffic",
+        [Column("setting", 31, lambda r: r.label, align="<"), Column("at rest", 8, lambda r: r.at_rest),
+         Column("peak", 8, lambda r: r.peak), Column("formula", 8, lambda r: r.estimate, ".0f"),
+         Column("meas/f", 6, lambda r: None if r.peak is None else r.peak / r.estimate, ".3f"),
+         _comm("all_gather", "calls"), _comm("all_gather", "bytes"), _comm("reduce_scatter", "bytes"),
+         _comm("all_reduce", "bytes"),
+         Column("sent/rank", 9, fsdp_compare.bytes_sent_per_rank, ".0f"),
+         Column("vs DDP", 6, lambda r: fsdp_compare.bytes_sent_per_rank(r) / ddp_sent, ".2f", "x"),
+         Column("step ms", 8, lambda r: r.step_ms, ".2f")],
+        rows)

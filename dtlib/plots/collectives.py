@@ -142,12 +142,12 @@ def _sweep_label(rows: Sequence[Any]) -> str:
 
 
 def busbw(rows: Sequence[Any], model: Any = None, compare: Sequence[Any] | None = None) -> Figure:
-    """Bus bandwidth against message size (a ``dtlib.bench.collective.sweep``), with the fitted
+    """Bus bandwidth against message size (a ``dtlib.bench.bandwidth.sweep``), with the fitted
     alpha-beta model's prediction laid over it and, optionally, a second sweep of the same sizes.
 
     Example: ``rows = sweep("allreduce"); dtlib.plots.busbw(rows, fit(rows), compare=sweep("allreduce", algo="ring"))``.
     """
-    from dtlib.bench.collective import BUS_FACTOR, MODEL
+    from dtlib.bench.bandwidth import BUS_FACTOR, MODEL
 
     first = rows[0]
     fig, ax = plt.subplots(figsize=(7.5, 4))
@@ -191,10 +191,10 @@ def _value_table(ax: Any, rows: list[list[float]], title: str, vmax: float) -> N
     ax.set_title(title)
 
 
-def collective(result: Any) -> Figure:
+def before_after(result: Any) -> Figure:
     """A collective's tensors on every rank, before and after (a ``dtlib.collectives.demo`` result).
 
-    Example: ``dtlib.plots.collective(dtlib.collectives.demo("all_reduce_sum"))``.
+    Example: ``dtlib.plots.before_after(dtlib.collectives.demo("all_reduce_sum"))``.
     """
     width = max(len(r) for r in result.after + result.before)
     size = (min(12.0, 2.5 + 0.5 * (len(result.before[0]) + width)), 1.0 + 0.45 * len(result.before))

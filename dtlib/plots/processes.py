@@ -94,7 +94,7 @@ def dp_vs_ddp(n_devices: int = 3) -> Figure:
 
 
 def launch_times(timings: Sequence[Any]) -> Figure:
-    """Median launch time per start method (from :func:`dtlib.bench.launch.measure`).
+    """Median launch time per start method (from :func:`dtlib.bench.startup.measure`).
 
     The axis is linear and starts at 0, so a bar's length is its time: a launch that takes 2% of
     another's shows as a bar 2% as long, with its median and its ratio to plain ``mp.spawn`` beside it.

@@ -1,4 +1,4 @@
-"""Launch overhead: the time from the call to the returned results of a tiny job.
+"""Start-up cost: the time from the call to the returned results of a tiny job, per start method.
 
 The job initialises the process group, does one all-reduce of one number and
 returns. Plain ``torch.multiprocessing.spawn`` of a module-level function is the
@@ -25,6 +25,9 @@ import torch.multiprocessing
 import dtlib
 from dtlib import compat
 from dtlib._processes import free_port
+from dtlib.bench._table import Column
+from dtlib.bench._table import as_records as _as_records
+from dtlib.bench._table import format_table as _format_table
 from dtlib.examples.hello import sum_of_ranks
 
 # Measured in this order: the forkserver's first call must come before any other use of it.
@@ -128,25 +131,21 @@ def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = N
 
 
 def as_records(timings: list[LaunchTiming], world_size: int) -> list[dict[str, object]]:
-    """Plain dicts for ``--json``."""
-    return [
-        {"method": t.method, "label": t.label, "world_size": world_size, "median_s": t.median,
-         "min_s": min(t.seconds), "max_s": max(t.seconds), "seconds": t.seconds}
-        for t in timings
-    ]
+    """Plain dicts for ``--json``: each method, its label, the world size, median, min, max and every time."""
+    return _as_records(timings, label=lambda t: t.label, world_size=lambda t: world_size,
+                       median_s=lambda t: t.median, min_s=lambda t: min(t.seconds), max_s=lambda t: max(t.seconds),
+                       seconds=lambda t: t.seconds)
 
 
 def format_table(timings: list[LaunchTiming], world_size: int) -> str:
     """An nccl-tests-like table with the ratio to plain mp.spawn where it was measured."""
     floor = next((t.median for t in timings if t.method == "mp.spawn"), None)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    lines = [
-        f"# dtlib.bench launch: world_size={world_size}, one gloo all-reduce per job, "
+    return _format_table(
+        f"dtlib.bench launch: world_size={world_size}, one gloo all-reduce per job, "
         f"torch {torch.__version__}, Python {platform.python_version()}, {cpus} CPUs",
-        f"# {'method':<50} {'n':>3} {'median_s':>9} {'min_s':>8} {'max_s':>8} {'vs mp.spawn':>12}",
-    ]
-    for t in timings:
-        ratio = f"{t.median / floor:.2f}x" if floor else "-"
-        lines.append(f"  {t.label:<50} {len(t.seconds):>3} {t.median:>9.3f} {min(t.seconds):>8.3f} "
-                     f"{max(t.seconds):>8.3f} {ratio:>12}")
-    return "\n".join(lines)
+        [Column("method", 50, lambda t: t.label, align="<"), Column("n", 3, lambda t: len(t.seconds)),
+         Column("median_s", 9, lambda t: t.median, ".3f"), Column("min_s", 8, lambda t: min(t.seconds), ".3f"),
+         Column("max_s", 8, lambda t: max(t.seconds), ".3f"),
+         Column("vs mp.spawn", 12, lambda t: t.median / floor if floor else None, ".2f", "x")],
+        timings)

@@ -16,13 +16,17 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dtlib import collectives, compat, ring
+from dtlib.bench._table import Column
+from dtlib.bench._table import as_records as as_records
+from dtlib.bench._table import format_table as _format_table
+from dtlib.bench._timing import slowest_median
 from dtlib.entry import rank_device
 from dtlib.launch import spawn
 
@@ -126,11 +130,11 @@ def _operation(op: str, algo: str, size_bytes: int, world_size: int, device: tor
 
 
 def _sweep_rank(rank: int, world_size: int, op: str, algo: str, sizes: list[int], iters: int,
-                warmup: int) -> list[float]:
-    """Median seconds per size on this rank."""
+                warmup: int) -> list[list[float]]:
+    """This rank's seconds per timed call, one list per size."""
     device = rank_device()
     timed = _clock(device)
-    medians = []
+    per_size = []
     for size in sizes:
         run = _operation(op, algo, size, world_size, device)
         for _ in range(warmup):
@@ -141,8 +145,8 @@ def _sweep_rank(rank: int, world_size: int, op: str, algo: str, sizes: list[int]
                 torch.cuda.synchronize()
             dist.barrier()  # everyone starts together; not timed
             seconds.append(timed(run))
-        medians.append(statistics.median(seconds))
-    return medians
+        per_size.append(seconds)
+    return per_size
 
 
 def sweep(op: str, world_size: int = 2, min_bytes: int | str = "1K", max_bytes: int | str = "64M", *,
@@ -164,20 +168,21 @@ def sweep(op: str, world_size: int = 2, min_bytes: int | str = "1K", max_bytes: 
     per_rank = spawn(_sweep_rank, world_size, args=(op, algo, sizes, iters, warmup), **spawn_options)
     rows = []
     for i, size in enumerate(sizes):
-        seconds = max(medians[i] for medians in per_rank)  # the collective ends with its slowest rank
+        seconds = slowest_median(times[i] for times in per_rank)  # the collective ends with its slowest rank
         algbw = size / seconds / 1e9
         rows.append(Row(op, algo, world_size, size, size // 4, "float32", seconds * 1e6, algbw,
                         algbw * BUS_FACTOR[op](world_size)))
     return rows
 
 
-def _reference_rank(rank: int, world_size: int, size: int, iters: int, rounds: int) -> dict[str, float]:
-    """Seconds per all-reduce, three ways, as the median over ``rounds`` interleaved rounds.
+def _reference_rank(rank: int, world_size: int, size: int, iters: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per all-reduce, three ways, one sample per each of ``rounds`` interleaved rounds.
 
     Each round times the sweep's method (a barrier, then one timed call; the median of
     ``iters``), the same for the send/recv ring, and a bare loop of ``iters`` calls timed
     as a whole. The order alternates from round to round so that drift and noise on a
-    busy machine hit all three alike; the median over rounds throws out the unlucky ones.
+    busy machine hit all three alike; the median over rounds (taken by the caller) throws out
+    the unlucky ones.
     """
     device = rank_device()
     timed = _clock(device)
@@ -203,7 +208,7 @@ def _reference_rank(rank: int, world_size: int, size: int, iters: int, rounds: i
         names = list(ways) if round_index % 2 == 0 else list(reversed(ways))
         for name in names:
             samples[name].append(ways[name]())
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
 
 
 def reference(world_size: int = 2, size_bytes: int | str = "16M", *, iters: int = 10, rounds: int = 9,
@@ -216,7 +221,7 @@ def reference(world_size: int = 2, size_bytes: int | str = "16M", *, iters: int 
     size = sizes_between(parse_size(size_bytes), parse_size(size_bytes), world_size)[0]
     per_rank = spawn(_reference_rank, world_size, args=(size, iters, rounds), **spawn_options)
     factor = BUS_FACTOR["allreduce"](world_size)
-    return {name: size / max(r[name] for r in per_rank) / 1e9 * factor for name in per_rank[0]}
+    return {name: size / slowest_median(r[name] for r in per_rank) / 1e9 * factor for name in per_rank[0]}
 
 
 def fit(rows: list[Row]) -> ring.AlphaBeta:
@@ -230,20 +235,17 @@ def fit(rows: list[Row]) -> ring.AlphaBeta:
                                algorithm=MODEL[rows[0].op], world_size=rows[0].world_size)
 
 
-def as_records(rows: list[Row]) -> list[dict[str, Any]]:
-    return [asdict(row) for row in rows]
-
-
 def format_table(rows: list[Row]) -> str:
     """An nccl-tests-like table: size, count, type, time (us), algbw and busbw (GB/s)."""
     first = rows[0]
-    lines = [f"# dtlib.bench {first.op}{' --algo ring' if first.algo == 'ring' else ''}: "
-             f"world_size={first.world_size}, torch {torch.__version__}, slowest rank's median per size",
-             f"# {'size':>12} {'count':>12} {'type':>8} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
-    for r in rows:
-        lines.append(f"  {r.size_bytes:>12} {r.count:>12} {r.dtype:>8} {r.time_us:>11.1f} "
-                     f"{r.algbw_gbs:>12.3f} {r.busbw_gbs:>12.3f}")
-    return "\n".join(lines)
+    title = (f"dtlib.bench {first.op}{' --algo ring' if first.algo == 'ring' else ''}: "
+             f"world_size={first.world_size}, torch {torch.__version__}, slowest rank's median per size")
+    return _format_table(title, [
+        Column("size", 12, lambda r: r.size_bytes), Column("count", 12, lambda r: r.count),
+        Column("type", 8, lambda r: r.dtype), Column("time(us)", 11, lambda r: r.time_us, ".1f"),
+        Column("algbw(GB/s)", 12, lambda r: r.algbw_gbs, ".3f"),
+        Column("busbw(GB/s)", 12, lambda r: r.busbw_gbs, ".3f"),
+    ], rows)
 
 
 def format_comparison(rows: list[Row], others: list[Row], model: ring.AlphaBeta | None = None, last: int = 3) -> str:
@@ -256,13 +258,18 @@ def format_comparison(rows: list[Row], others: list[Row], model: ring.AlphaBeta 
     if [r.size_bytes for r in rows] != [r.size_bytes for r in others]:
         raise ValueError("the two sweeps must cover the same sizes")
     first, second = rows[0].algo, others[0].algo
-    lines = [f"# busbw (GB/s) at the {last} largest sizes, {rows[0].op} on {rows[0].world_size} ranks",
-             f"# {'size':>8} {'model' if model else '':>7} {first:>8} {second:>8} {f'{second}/{first}':>14}"]
-    for row, other in zip(rows[-last:], others[-last:], strict=True):
-        factor = BUS_FACTOR[row.op](row.world_size)
-        predicted = (f"{row.size_bytes / model.time(MODEL[row.op], row.world_size, row.size_bytes) / 1e9 * factor:7.2f}"
-                     if model else "")
-        lines.append(f"  {row.size_bytes / 2**20:4.0f} MiB {predicted:>7} {row.busbw_gbs:8.2f} {other.busbw_gbs:8.2f} "
-                     f"{other.busbw_gbs / row.busbw_gbs:14.2f}")
-    return "\n".join(lines)
+    pairs = list(zip(rows[-last:], others[-last:], strict=True))
+    columns = [Column("size", 8, lambda pair: f"{pair[0].size_bytes / 2**20:.0f} MiB")]
+    if model is not None:
+        columns.append(Column("model", 7, lambda pair: _model_busbw(model, pair[0]), ".2f"))
+    columns += [Column(first, 8, lambda pair: pair[0].busbw_gbs, ".2f"),
+                Column(second, 8, lambda pair: pair[1].busbw_gbs, ".2f"),
+                Column(f"{second}/{first}", 14, lambda pair: pair[1].busbw_gbs / pair[0].busbw_gbs, ".2f")]
+    return _format_table(f"busbw (GB/s) at the {last} largest sizes, {rows[0].op} on {rows[0].world_size} ranks",
+                         columns, pairs)
 
+
+def _model_busbw(model: ring.AlphaBeta, row: Row) -> float:
+    """The busbw (GB/s) that ``model`` predicts at ``row``'s size."""
+    seconds = model.time(MODEL[row.op], row.world_size, row.size_bytes)
+    return row.size_bytes / seconds / 1e9 * BUS_FACTOR[row.op](row.world_size)
