@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import pickle
 import re
-import signal
 import sys
 import time
 import weakref
@@ -29,129 +28,14 @@ from typing import Any
 import cloudpickle
 
 from dtlib import _doctor, _live_rank
-from dtlib._job import Job, RankState
+from dtlib._live_job import Ranks, close_quietly
 from dtlib._live_rank import RemoteRepr
-from dtlib._processes import HeldInterrupts, send
+from dtlib._processes import HeldInterrupts
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
-from dtlib.launch import (
-    _check_timeout,
-    _check_world_size,
-    finish,
-    resolve_backend,
-    resolve_start_method,
-    start_job,
-)
+from dtlib.launch import _check_timeout, _check_world_size, resolve_backend, resolve_start_method
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
-INTERRUPT_WAIT_S = 2.0  # after SIGINT, how long a rank may take to stop its cell before the ranks restart
-DOCTOR_WAIT_S = 1.0  # how long to wait for the ranks' Flight Recorder answers
-ERROR_GRACE_S = 1.0  # after one rank's error, how long the others may take to finish the cell
-EXIT_GRACE_S = 10.0  # at close, how long ranks may take to leave their process group
 LOST = "the ranks were restarted with a fresh process group, so every rank's variables are gone"
-
-
-class _Ranks:
-    """One generation of live ranks: the job, and what each rank answered to the current command."""
-
-    def __init__(self, world_size: int, backend: str, method: str) -> None:
-        self.job = Job(world_size, "all", method, channels=2)
-        self.answers: dict[int, tuple[str, Any]] = {}
-        self.doctor: dict[int, Any] = {}
-        payload = cloudpickle.dumps((_live_rank.serve, (), {}))
-        try:
-            start_job(self.job, method, payload, {}, backend, env=dict(_doctor.FR_ENV))
-            for state in self.job.ranks:
-                commands, doctor = state.channels
-                self.job.watch(state, commands, self._take_answer)
-                self.job.watch(state, doctor, self._take_doctor)
-        except BaseException:
-            self.close()
-            raise
-
-    def _take_answer(self, state: RankState) -> None:
-        try:
-            self.answers[state.rank] = pickle.loads(state.channels[0].recv_bytes())
-        except (EOFError, OSError):
-            self.job.unwatch(state.channels[0])  # the rank died: its exit is reported by the job
-
-    def _take_doctor(self, state: RankState) -> None:
-        try:
-            self.doctor[state.rank] = pickle.loads(state.channels[1].recv_bytes())
-        except (EOFError, OSError):
-            self.job.unwatch(state.channels[1])
-        except Exception:  # noqa: BLE001 - an answer this kernel cannot read is no answer
-            self.doctor[state.rank] = None
-
-    def dead(self) -> list[RankFailure]:
-        return self.job.failures()
-
-    def send(self, message: tuple[str, Any], ranks: list[int] | None = None) -> None:
-        data = pickle.dumps(message)
-        for state in self.job.ranks:
-            if ranks is None or state.rank in ranks:
-                self.answers.pop(state.rank, None)
-                state.channels[0].send_bytes(data)
-
-    def wait(self, ranks: set[int], until: float, stop_early: bool = False) -> set[int]:
-        """Run the event loop until ``ranks`` have answered, a rank died, or ``until``; the ranks still owing.
-
-        With ``stop_early``, an error answer shortens the wait to ``ERROR_GRACE_S``.
-        """
-        while True:
-            owing = {rank for rank in ranks if rank not in self.answers}
-            now = time.monotonic()
-            if not owing or self.dead() or now >= until:
-                return owing
-            if stop_early and any(self.answers[r][0] == "error" for r in ranks if r in self.answers):
-                until = min(until, now + ERROR_GRACE_S)
-                stop_early = False
-            self.job.step(until - now)
-
-    def flush_output(self) -> None:
-        """Relay what the ranks wrote before they answered (it is in the pipes already)."""
-        self.job.step(0.0)
-        self.job.relay.flush(final=True)
-
-    def ask_doctor(self) -> dict[int, _doctor.Collective | None]:
-        self.doctor.clear()
-        for state in self.job.ranks:
-            try:
-                state.channels[1].send_bytes(b"?")
-            except OSError:
-                pass
-        until = time.monotonic() + DOCTOR_WAIT_S
-        while len(self.doctor) < len(self.job.ranks) and time.monotonic() < until:
-            self.job.step(until - time.monotonic())
-        return {rank: self.doctor.get(rank) for rank in range(len(self.job.ranks))}
-
-    def interrupt(self, ranks: set[int]) -> set[int]:
-        """SIGINT the ranks still in a cell and wait for them to stop; the ranks that did not."""
-        for state in self.job.ranks:
-            if state.rank in ranks and state.started():
-                send(state.process.pid, signal.SIGINT, group=False)  # KeyboardInterrupt inside the cell
-        return self.wait(ranks, time.monotonic() + INTERRUPT_WAIT_S)
-
-    def close(self, graceful: bool = False) -> None:
-        """Stop every rank (politely first with ``graceful``) and release everything; safe to repeat."""
-        with HeldInterrupts() as held:
-            try:
-                if graceful and not self.dead() and not self.job.stopped:
-                    try:
-                        self.send(("exit", None))
-                        self.job.wait(EXIT_GRACE_S)
-                        self.job.stop(grace_s=EXIT_GRACE_S)
-                    except OSError:
-                        pass
-            finally:
-                finish(self.job)
-        held.deliver()
-
-
-def _close_quietly(holder: list[_Ranks | None]) -> None:
-    """At garbage collection or interpreter exit: no rank outlives the kernel."""
-    ranks, holder[0] = holder[0], None
-    if ranks is not None:
-        ranks.close()
 
 
 class LiveRanks:
@@ -177,14 +61,14 @@ class LiveRanks:
         self._method = resolve_start_method("auto")
         self._cells = 0
         self._sources: dict[str, list[str]] = {}
-        self._holder: list[_Ranks | None] = [None]
-        self._finalizer = weakref.finalize(self, _close_quietly, self._holder)
+        self._holder: list[Ranks | None] = [None]
+        self._finalizer = weakref.finalize(self, close_quietly, self._holder)
         self.started_in_s = self._start()
 
     # -- life -----------------------------------------------------------------
     def _start(self) -> float:
         began = time.monotonic()
-        ranks = _Ranks(self.world_size, self.backend, self._method)
+        ranks = Ranks(self.world_size, self.backend, self._method)
         self._holder[0] = ranks
         owing = ranks.wait(set(range(self.world_size)), began + START_TIMEOUT_S)
         dead = ranks.dead()
@@ -197,7 +81,7 @@ class LiveRanks:
         ranks.flush_output()
         return time.monotonic() - began
 
-    def _ranks(self) -> _Ranks:
+    def _ranks(self) -> Ranks:
         ranks = self._holder[0]
         if ranks is None:
             raise RuntimeError("these live ranks are closed; start new ones with dtlib.LiveRanks(...)")
@@ -300,7 +184,7 @@ class LiveRanks:
             raise WorkerError(errors, note="the ranks are still running, with their variables.")
         return [self._unpickle(rank, ranks.answers[rank][1]) for rank in range(self.world_size)]
 
-    def _after_interrupt(self, ranks: _Ranks, everyone: set[int]) -> str:
+    def _after_interrupt(self, ranks: Ranks, everyone: set[int]) -> str:
         owing = everyone - set(ranks.answers)
         last = ranks.ask_doctor()
         stuck = ranks.interrupt(owing) if owing else set()
@@ -311,7 +195,7 @@ class LiveRanks:
             return f"{LOST}."
         return "every rank stopped its cell and kept its variables."
 
-    def _stop(self, ranks: _Ranks, owing: set[int]) -> tuple[list[str], str, dict[int, str], str]:
+    def _stop(self, ranks: Ranks, owing: set[int]) -> tuple[list[str], str, dict[int, str], str]:
         """Explain why ``owing`` ranks are still in the cell, then stop them: by an interrupt when
         none waits inside a collective (SIGINT cannot reach a rank blocked in gloo or NCCL), else
         by restarting every rank. Returns the doctor's lines and verdict, the stacks, and the outcome."""
@@ -328,13 +212,13 @@ class LiveRanks:
             return lines, verdict, stacks, f"{LOST}."
         return lines, verdict, stacks, "each rank's cell was interrupted; the ranks kept their variables."
 
-    def _states(self, ranks: _Ranks, owing: set[int]) -> dict[int, str]:
+    def _states(self, ranks: Ranks, owing: set[int]) -> dict[int, str]:
         """Each rank's state for the doctor: died, running (still in the cell), failed or finished."""
         dead = {failure.rank for failure in ranks.dead()}
         return {rank: "died" if rank in dead else "running" if rank in owing else
                 "failed" if ranks.answers[rank][0] == "error" else "finished" for rank in range(self.world_size)}
 
-    def _errors(self, ranks: _Ranks) -> list[RankFailure]:
+    def _errors(self, ranks: Ranks) -> list[RankFailure]:
         failures = []
         for rank, (status, body) in sorted(ranks.answers.items()):
             if status == "error":
