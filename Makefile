@@ -10,7 +10,8 @@
 #   make bench-check  set up, then measure every speed target against its limit (python -m dtlib.bench check);
 #                   exits non-zero on a miss. Run it on a quiet machine: the test gate never asserts a time.
 VENV ?= .venv
-# pytest-xdist workers; whole files go to one worker (--dist loadfile), since a notebook's cells run in order.
+# pytest-xdist workers; whole files go to one worker (--dist loadfile), since a notebook's cells run in order,
+# longest first (tests/conftest.py orders them; --no-loadscope-reorder in pyproject.toml keeps that order).
 PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 LAB_ARGS ?=

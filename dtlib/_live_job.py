@@ -61,11 +61,16 @@ class Ranks:
         return self.job.failures()
 
     def send(self, message: tuple[str, Any], ranks: list[int] | None = None) -> None:
+        """Send one command to every rank (or those of ``ranks``). A rank that died just now cannot take it;
+        the event loop then reports its exit."""
         data = pickle.dumps(message)
         for state in self.job.ranks:
             if ranks is None or state.rank in ranks:
                 self.answers.pop(state.rank, None)
-                state.channels[0].send_bytes(data)
+                try:
+                    state.channels[0].send_bytes(data)
+                except OSError:  # BrokenPipeError and the like: the rank is gone
+                    pass
 
     def wait(self, ranks: set[int], until: float, stop_early: bool = False) -> set[int]:
         """Run the event loop until ``ranks`` have answered, a rank died, or ``until``; the ranks still owing.

@@ -1,13 +1,15 @@
-"""Shared fixtures: check that a test left no processes or shared-memory files behind."""
+"""Shared fixtures: check that a test left no processes or shared-memory files behind; the order of the files."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -62,6 +64,44 @@ def leftovers() -> Leftovers:
 
 
 _SESSION_STARTED = time.time()
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _time_budget_s(notebook: Path) -> float:
+    """A notebook's Run All budget (metadata.dtlib.time_budget_s): a rough measure of how long it runs."""
+    try:
+        return float(json.loads(notebook.read_text())["metadata"]["dtlib"]["time_budget_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+# The slowest test files, in seconds on a quiet 2-core machine: half of what `pytest -n 2 --dist loadfile
+# --durations=60` measured under load. Only their order matters; a file not named here is short.
+SLOW_FILES_S = {"test_launch.py": 185, "test_checks.py": 125, "test_fsdp_compare.py": 125, "test_torchrun.py": 120,
+                "test_fsdp.py": 110, "test_launch_abuse.py": 90, "test_bench_startup.py": 50, "test_ddp.py": 45,
+                "test_live_kernel.py": 45, "test_live.py": 40, "test_pitfalls.py": 40, "test_run.py": 35,
+                "test_fsdp_checkpoint.py": 35, "test_launch_kernel.py": 25}
+
+
+def _expected_s(path: Path) -> float:
+    """How long a file's tests run, roughly: the browser tests run every notebook, nbval runs one."""
+    if path.suffix == ".ipynb":
+        return _time_budget_s(path)
+    if path.name == "test_notebooks_in_lab.py":
+        return sum(map(_time_budget_s, NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+    return SLOW_FILES_S.get(path.name, 0.0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first, each file's tests kept together and in order.
+
+    ``make test`` hands whole files to two pytest-xdist workers (``--dist loadfile --no-loadscope-reorder``),
+    in this order. Started last, the browser tests (every notebook run in JupyterLab, one after another)
+    would run alone at the end while the other worker idles; started first, they run beside everything else.
+    """
+    expected = {path: _expected_s(path) for path in {Path(str(item.path)) for item in items}}
+    items.sort(key=lambda item: -expected[Path(str(item.path))])  # stable: files stay in their order
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

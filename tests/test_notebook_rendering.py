@@ -77,18 +77,11 @@ def widget_state_problems(notebook: nbformat.NotebookNode) -> list[str]:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
-def test_stored_notebook_is_valid_nbformat(path: Path) -> None:
-    nbformat.validate(nbformat.read(path, as_version=4))
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
-def test_every_stored_figure_is_a_readable_png(path: Path) -> None:
-    assert not figure_problems(nbformat.read(path, as_version=4))
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
-def test_saved_widget_state_is_valid_or_absent(path: Path) -> None:
-    assert not widget_state_problems(nbformat.read(path, as_version=4))
+def test_stored_notebook_renders_statically(path: Path) -> None:
+    """Valid nbformat, every figure a readable PNG, widget state complete or absent."""
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    assert figure_problems(notebook) + widget_state_problems(notebook) == []
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)

@@ -1,13 +1,15 @@
 """Every notebook opened in JupyterLab in headless Chromium and run with Run > Run All Cells, as a learner does.
 
-nbval proves that the cells execute in a kernel; these tests look at what the page shows: no error output,
-every figure the stored notebook has drawn again as a loaded image, the run inside the notebook's time budget
+They check in JupyterLab what nbval checks in a bare kernel (every cell runs, in order, without an error, and
+each cell nbval checks shows what the notebook stores), and they look at what the page shows: every figure the
+stored notebook has drawn again as a loaded image, the Run All time reported against the notebook's budget
 (``metadata.dtlib.time_budget_s``), and every ipywidgets slider driving the figure beside it.
 Run them with ``make test-browser``; screenshots land in build/browser/.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -29,6 +31,39 @@ def _figures_per_cell(notebook: nbformat.NotebookNode) -> dict[int, int]:
     return {index: count for index, count in counts.items() if count}
 
 
+# What nbval --nbval-lax leaves out when it compares a # NBVAL_CHECK_OUTPUT cell's outputs with the stored ones.
+NOT_COMPARED = {"image/png", "image/jpeg", "application/vnd.jupyter.widget-view+json"}
+
+
+def _checked_outputs(cell: nbformat.NotebookNode) -> tuple[dict[str, str], list[dict[str, object]]]:
+    """What nbval compares: each stream's text (its chunks joined, a carriage return's overwrite applied) and
+    every other output's data but images and widget views, in order."""
+    streams: dict[str, str] = {}
+    shown: list[dict[str, object]] = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            streams[output.name] = streams.get(output.name, "") + output.text
+        elif output.output_type == "error":
+            shown.append({"error": f"{output.ename}: {output.evalue}"})
+        else:
+            shown.append({key: value for key, value in output.get("data", {}).items() if key not in NOT_COMPARED})
+    return {name: re.sub(r"^.*\r(?=[^\n])", "", text, flags=re.M) for name, text in streams.items()}, shown
+
+
+def _checked(cell: nbformat.NotebookNode) -> bool:
+    """Whether nbval --nbval-lax compares this cell: a ``# NBVAL_CHECK_OUTPUT`` comment or the
+    ``nbval-check-output`` tag (a ``%%ranks`` cell's first line must be the magic, so those use the tag)."""
+    return cell.cell_type == "code" and ("# NBVAL_CHECK_OUTPUT" in cell.source
+                                         or "nbval-check-output" in cell.metadata.get("tags", []))
+
+
+def checked_output_problems(stored: nbformat.NotebookNode, saved: nbformat.NotebookNode) -> list[str]:
+    """Each cell nbval checks whose outputs after the run differ from the stored ones."""
+    return [f"cell {index}: printed {_checked_outputs(after)}, the notebook stores {_checked_outputs(before)}"
+            for index, (before, after) in enumerate(zip(stored.cells, saved.cells, strict=True))
+            if _checked(before) and _checked_outputs(before) != _checked_outputs(after)]
+
+
 def _has_widgets(notebook: str) -> bool:
     return bool(status.widget_cells(_stored(notebook)))
 
@@ -42,6 +77,7 @@ def test_run_all_shows_no_error_and_every_figure_within_budget(notebook: str, no
     errors = [f"cell {index}: {output.ename}: {output.evalue}" for index, cell in enumerate(run.saved.cells)
               if cell.cell_type == "code" for output in cell.outputs if output.output_type == "error"]
     assert not errors, "error outputs after Run All:\n" + "\n".join(errors)
+    assert not (changed := checked_output_problems(run.stored, run.saved)), "\n".join(changed)
     assert run.images == _figures_per_cell(run.stored), (
         f"figures per cell: the page shows {run.images}, the notebook stores {_figures_per_cell(run.stored)}")
     # The budget is a target, reported beside each screenshot (make browser-screenshots). The gate only guards
