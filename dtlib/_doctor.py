@@ -57,7 +57,7 @@ def _tensor(size: list[int], dtype: str) -> str:
 
 def from_flight_recorder(dump: dict[str, Any]) -> Collective | None:
     """The newest collective of a Flight Recorder dump (``pickle.loads(_dump_fr_trace(...))``), or None."""
-    entries = [entry for entry in dump.get("entries", []) if not entry.get("is_p2p")] or dump.get("entries", [])
+    entries = dump.get("entries", [])  # collectives and point-to-point calls (send, recv) alike
     if not entries:
         return None
     entry = max(entries, key=lambda e: (e.get("time_created_ns") or 0, e.get("record_id") or 0))
@@ -124,8 +124,8 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
                if states.get(rank) == "running" and record is not None and not record.done}
     if not waiting:
         if any(state == "running" for state in states.values()):
-            return ("no rank waits in a collective: the cell is slow or loops in Python "
-                    "(its stack below shows where)")
+            return ("no rank waits in a collective that the Flight Recorder saw: the stacks below show where each "
+                    "running rank is (slow code, a Python loop, or a send or recv, which gloo does not record)")
         return "no rank waits in a collective"
     first = min(record.seq for record in waiting.values())
     at_first = {rank: record for rank, record in waiting.items() if record.seq == first}

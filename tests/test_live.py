@@ -157,7 +157,7 @@ def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
      "the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4]), rank 1 calls all_reduce (float32[5])"),
     ({0: "running", 1: "running"}, {0: _c("all_reduce", 4, False), 1: _c("all_reduce", 3, False)},
      "the ranks are at different collectives (collective #3, rank 0 at #4)"),
-    ({0: "running", 1: "running"}, {0: None, 1: None}, "no rank waits in a collective: the cell is slow"),
+    ({0: "running", 1: "running"}, {0: None, 1: None}, "no rank waits in a collective that the Flight Recorder"),
     ({0: "running", 1: "running"}, {0: _c("barrier", 2, False), 1: _c("barrier", 2, False)},
      "every rank waits in collective #2 with the same arguments"),
 ])
