@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dtlib import _pickling
+
 CELL_FILENAME = "<rank cell {number}>"
 
 
@@ -134,7 +136,9 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
                 interrupts.armed = False
             return "ok", _value(value)
         if kind == "push":
-            namespace.update(cloudpickle.loads(body))
+            data, sources = body
+            _pickling.install_sources(sources)
+            namespace.update(cloudpickle.loads(data))
             return "ok", _value(None)
         if kind == "pull":
             if body not in namespace:

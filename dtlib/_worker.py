@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import io
-import linecache
 import os
 import signal
 import sys
@@ -30,6 +29,8 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
+
+from dtlib import _pickling
 
 STACK_SIGNAL = signal.SIGUSR1
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -206,8 +207,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
 
     os.environ.clear()
     os.environ.update(config.env)
-    for filename, lines in config.source_lines.items():
-        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    _pickling.install_sources(config.source_lines)
 
     message: tuple[str, Any]
     initialised = False

@@ -14,24 +14,20 @@ Example::
 
 from __future__ import annotations
 
-import io
-import linecache
 import math
 import multiprocessing as mp
 import numbers
 import operator
 import os
 import traceback
-import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-from dtlib import compat
+from dtlib import _pickling, compat
 from dtlib._job import Job
 from dtlib._processes import HeldInterrupts, start_forkserver, start_rank
 from dtlib.errors import WorkerError, WorkerTimeout
@@ -89,19 +85,6 @@ def resolve_start_method(start_method: str) -> str:
     return start_method
 
 
-class _PayloadPickler(cloudpickle.Pickler):
-    """cloudpickle's pickler, noting the file of every code object it ships by value."""
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self.filenames: set[str] = set()
-
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is types.CodeType:
-            self.filenames.add(obj.co_filename)
-        return super().reducer_override(obj)
-
-
 def _payload(fn: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> tuple[bytes, dict[str, list[str]]]:
     """Pickle the call by value, naming the part that cannot be pickled.
@@ -109,27 +92,9 @@ def _payload(fn: Callable[..., Any], args: tuple[Any, ...],
     Also returns the source lines of the notebook cells whose code travels in it, so that
     a remote traceback shows them; every other cell's source (the whole history) stays here.
     """
-    buffer = io.BytesIO()
-    pickler = _PayloadPickler(buffer)
-    try:
-        pickler.dump((fn, args, kwargs))
-    except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
-        parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
-        parts += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
-        culprit = "the call"
-        for name, value in parts:
-            try:
-                cloudpickle.dumps(value)
-            except Exception:  # noqa: BLE001
-                culprit = f"{name} ({type(value).__name__})"
-                break
-        raise TypeError(f"dtlib.spawn cannot send {culprit} to the ranks: it cannot be pickled: {exc}") from exc
-    sources = {}
-    for filename in pickler.filenames:
-        entry = linecache.cache.get(filename)
-        if entry is not None and len(entry) == 4 and entry[1] is None and not os.path.exists(filename):
-            sources[filename] = entry[2]  # code that lives only in memory, as a cell's does
-    return buffer.getvalue(), sources
+    parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
+    parts += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    return _pickling.dumps((fn, args, kwargs), parts=parts, refusal="dtlib.spawn cannot send {part} to the ranks")
 
 
 def usable_cores() -> int:

@@ -25,9 +25,7 @@ import time
 import weakref
 from typing import Any
 
-import cloudpickle
-
-from dtlib import _doctor, _live_rank
+from dtlib import _doctor, _live_rank, _pickling
 from dtlib._live_job import Ranks, close_quietly
 from dtlib._live_rank import RemoteRepr
 from dtlib._processes import HeldInterrupts
@@ -137,12 +135,9 @@ class LiveRanks:
 
         Example: ``ranks.push(lr=0.1, model=model)``.
         """
-        try:
-            data = cloudpickle.dumps(values)
-        except Exception as exc:  # noqa: BLE001 - name the value that cannot travel
-            bad = next((name for name, value in values.items() if not _picklable(value)), "a value")
-            raise TypeError(f"cannot push {bad!r} to the ranks: it cannot be pickled: {exc}") from exc
-        self._call(("push", data), None, "push")
+        payload = _pickling.dumps(values, parts=[(repr(name), value) for name, value in values.items()],
+                                  refusal="cannot push {part} to the ranks")
+        self._call(("push", payload), None, "push")
 
     def pull(self, name: str) -> list[Any]:
         """Every rank's value of ``name``, by rank. Example: ``ranks.pull("loss")`` -> ``[0.71, 0.69]``."""
@@ -240,14 +235,6 @@ class LiveRanks:
             return match.group(0) + (f"\n      {source}" if source else "")
 
         return re.sub(r'File "(<rank cell \d+>)", line (\d+)[^\n]*', add_source, stack)
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        cloudpickle.dumps(value)
-    except Exception:  # noqa: BLE001
-        return False
-    return True
 
 
 def _unique(failures: list[RankFailure]) -> list[RankFailure]:
