@@ -6,6 +6,8 @@
 #   make test-browser         set up (Chromium included, with apt-get), then only the browser tests
 #   make browser-screenshots  where the browser tests left their screenshots, with each notebook's time
 #   make notebooks  set up, then execute every notebook in a fresh kernel and store the outputs
+#   make lock       regenerate requirements.lock (uv pip compile) and environment.yml's pins; set-up installs
+#                   exactly the lock. LOCK_ARGS="--upgrade-package NAME" tries a newer release of one package
 #   make bench      set up, then measure the launcher (python -m dtlib.bench launch)
 #   make bench-check  set up, then measure every speed target against its limit (python -m dtlib.bench check);
 #                   exits non-zero on a miss. Run it on a quiet machine: the test gate never asserts a time.
@@ -19,10 +21,14 @@ LAB_ARGS ?=
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 export VENV
 
-.PHONY: setup lab test test-browser browser-screenshots notebooks bench bench-check clean
+LOCK_ARGS ?=
+.PHONY: setup lock lab test test-browser browser-screenshots notebooks bench bench-check clean
 
 setup:
 	@scripts/setup.sh
+
+lock: setup
+	@scripts/lock.sh $(LOCK_ARGS)
 
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ALLOW_ROOT) $(LAB_ARGS)

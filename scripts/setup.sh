@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Create or reuse the local virtual environment and install dtlib with its dev extra.
+# Create or reuse the local virtual environment and install dtlib with its dev extra, every package
+# at the exact version requirements.lock gives (make lock regenerates it; docs/testing.md says how).
 #   scripts/setup.sh            # uses $VENV (default .venv) and $PYTHON (default python3)
-# A torch that the base Python already has (your own CUDA build, say) is kept: the venv
-# then sees the base site-packages. Otherwise torch comes from constraints.txt (CPU build).
+# A torch that the base Python already has (your own CUDA build, say) is kept, with the dependencies it
+# wants: the venv then sees the base site-packages. Otherwise torch comes from constraints.txt (CPU build),
+# and whatever an older lock left in the venv is removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 stamp="$VENV/.dtlib-installed"
+LOCK=requirements.lock
 
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ] && [ "$stamp" -nt "$LOCK" ]; then
     exit 0  # up to date
 fi
 
@@ -27,7 +30,10 @@ fi
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-if "$PY" -c 'import torch' 2>/dev/null; then
+if grep -q '^include-system-site-packages *= *true' "$VENV/pyvenv.cfg"; then
+    # The user's own torch: check it, and lock everything but torch's own dependencies.
+    "$PY" -c 'import torch' 2>/dev/null \
+        || { echo "setup: $VENV sees the base Python's packages but no torch there; remove $VENV and retry" >&2; exit 1; }
     "$PY" - <<'PYCHECK'
 import sys, torch
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -35,9 +41,16 @@ if (major, minor) < (2, 6):
     sys.exit(f"setup: torch {torch.__version__} is too old for dtlib (needs >= 2.6); "
              "upgrade it, or use a Python without torch so that set-up installs the CPU build")
 PYCHECK
-    "$PY" -m pip install -q -e ".[dev]"
+    "$PY" scripts/lockfile.py without-torch-deps "$LOCK" "$VENV/lock-without-torch-deps.txt"
+    "$PY" -m pip install -q -c "$VENV/lock-without-torch-deps.txt" -e ".[dev]"
 else
-    "$PY" -m pip install -q -c constraints.txt -e ".[dev]"
+    "$PY" -m pip install -q -c constraints.txt -r "$LOCK" -e ".[dev]"
+    unlocked=$("$PY" scripts/lockfile.py unlocked "$LOCK")
+    if [ -n "$unlocked" ]; then
+        echo "setup: removing what requirements.lock no longer names: $unlocked"
+        # shellcheck disable=SC2086  # one word per package
+        "$PY" -m pip uninstall -q -y $unlocked
+    fi
 fi
 "$PY" -m ipykernel install --sys-prefix --name python3 >/dev/null
 touch "$stamp"
