@@ -83,6 +83,38 @@ SLOW_FILES_S = {"test_launch.py": 185, "test_checks.py": 125, "test_fsdp_compare
                 "test_fsdp_checkpoint.py": 35, "test_launch_kernel.py": 25}
 
 
+BROWSER_TESTS = Path(__file__).resolve().parent / "browser"
+
+
+def _browser_tests_collected(config: pytest.Config) -> bool:
+    """Whether this run collects the browser tests: one of its paths holds tests/browser (``pytest``, ``pytest tests``)."""
+    paths = [Path(arg.split("::")[0]).resolve() for arg in config.args] or [Path(config.rootpath)]
+    return any(BROWSER_TESTS == path or BROWSER_TESTS.is_relative_to(path) for path in paths)
+
+
+class NotebooksRunOnce:
+    """Each notebook runs once: when the browser tests will run it in JupyterLab, nbval leaves it out.
+
+    The browser tests then check what nbval would (tests/browser/nbval_compare.py). Without a Chromium, or in
+    a run that leaves the browser tests out (``pytest notebooks/02_collectives.ipynb``), nbval runs them all.
+    A plugin rather than a hook of this file: a conftest's collection hooks reach only its own folder.
+    """
+
+    @staticmethod
+    def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+        if collection_path.suffix != ".ipynb" or not collection_path.is_relative_to(NOTEBOOKS):
+            return None
+        from browser import status
+
+        if _browser_tests_collected(config) and status.why_skipped() is None:
+            return True
+        return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(NotebooksRunOnce(), "dtlib-notebooks-run-once")
+
+
 def _expected_s(path: Path) -> float:
     """How long a file's tests run, roughly: the browser tests run every notebook, nbval runs one."""
     if path.suffix == ".ipynb":

@@ -236,3 +236,20 @@ def test_notebook_solutions_are_out_of_sight(path):
         assert "click the collapsed cell" in _text(note), _text(note)
         assert solution["cell_type"] == "code" and solution["metadata"].get("jupyter", {}).get("source_hidden"), \
             f"{path.name}: the solution under {_text(note)[:40]!r} is visible"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("browser_starts", [True, False])
+def test_each_notebook_runs_once_nbval_leaves_out_what_the_browser_tests_run(tmp_path, browser_starts):
+    """With a Chromium the browser tests run every notebook and nbval collects none; without one, nbval runs all."""
+    fake = tmp_path / "chromium"
+    fake.write_text(f"#!/bin/sh\necho 'Chromium 1.0'\nexit {0 if browser_starts else 1}\n")
+    fake.chmod(0o755)
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=150,
+                               env={**os.environ, "CHROMIUM": str(fake)}).stdout
+    notebook_items = {line.split("::")[0] for line in collected.splitlines() if ".ipynb::" in line}
+    browser_items = [line for line in collected.splitlines() if line.startswith("tests/browser/")]
+    assert len(browser_items) >= len(NOTEBOOKS)  # collected either way (skipped, with the reason, without a browser)
+    expected = set() if browser_starts else {str(path.relative_to(ROOT)) for path in NOTEBOOKS}
+    assert notebook_items == expected

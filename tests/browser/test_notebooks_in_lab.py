@@ -9,12 +9,12 @@ Run them with ``make test-browser``; screenshots land in build/browser/.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import nbformat
 import pytest
 import status
+from nbval_compare import checked_output_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -29,39 +29,6 @@ def _figures_per_cell(notebook: nbformat.NotebookNode) -> dict[int, int]:
     counts = {index: sum("image/png" in output.get("data", {}) for output in cell.outputs)
               for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"}
     return {index: count for index, count in counts.items() if count}
-
-
-# What nbval --nbval-lax leaves out when it compares a # NBVAL_CHECK_OUTPUT cell's outputs with the stored ones.
-NOT_COMPARED = {"image/png", "image/jpeg", "application/vnd.jupyter.widget-view+json"}
-
-
-def _checked_outputs(cell: nbformat.NotebookNode) -> tuple[dict[str, str], list[dict[str, object]]]:
-    """What nbval compares: each stream's text (its chunks joined, a carriage return's overwrite applied) and
-    every other output's data but images and widget views, in order."""
-    streams: dict[str, str] = {}
-    shown: list[dict[str, object]] = []
-    for output in cell.outputs:
-        if output.output_type == "stream":
-            streams[output.name] = streams.get(output.name, "") + output.text
-        elif output.output_type == "error":
-            shown.append({"error": f"{output.ename}: {output.evalue}"})
-        else:
-            shown.append({key: value for key, value in output.get("data", {}).items() if key not in NOT_COMPARED})
-    return {name: re.sub(r"^.*\r(?=[^\n])", "", text, flags=re.M) for name, text in streams.items()}, shown
-
-
-def _checked(cell: nbformat.NotebookNode) -> bool:
-    """Whether nbval --nbval-lax compares this cell: a ``# NBVAL_CHECK_OUTPUT`` comment or the
-    ``nbval-check-output`` tag (a ``%%ranks`` cell's first line must be the magic, so those use the tag)."""
-    return cell.cell_type == "code" and ("# NBVAL_CHECK_OUTPUT" in cell.source
-                                         or "nbval-check-output" in cell.metadata.get("tags", []))
-
-
-def checked_output_problems(stored: nbformat.NotebookNode, saved: nbformat.NotebookNode) -> list[str]:
-    """Each cell nbval checks whose outputs after the run differ from the stored ones."""
-    return [f"cell {index}: printed {_checked_outputs(after)}, the notebook stores {_checked_outputs(before)}"
-            for index, (before, after) in enumerate(zip(stored.cells, saved.cells, strict=True))
-            if _checked(before) and _checked_outputs(before) != _checked_outputs(after)]
 
 
 def _has_widgets(notebook: str) -> bool:
