@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from dtlib.bench._timing import slowest_median
+from dtlib.timing import slowest_median
 
 
 def check_whole_numbers(config: Any, world_size: Any, names: Sequence[str]) -> None:

@@ -87,7 +87,7 @@ BROWSER_TESTS = Path(__file__).resolve().parent / "browser"
 
 
 def _browser_tests_collected(config: pytest.Config) -> bool:
-    """Whether this run collects the browser tests: one of its paths holds tests/browser (``pytest``, ``pytest tests``)."""
+    """Whether this run collects the browser tests: one of its paths holds tests/browser (``pytest tests``, say)."""
     paths = [Path(arg.split("::")[0]).resolve() for arg in config.args] or [Path(config.rootpath)]
     return any(BROWSER_TESTS == path or BROWSER_TESTS.is_relative_to(path) for path in paths)
 

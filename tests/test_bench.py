@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from dtlib.bench._table import Column, as_records, format_table
-from dtlib.bench._timing import slowest_median
+from dtlib.timing import slowest_median
 
 
 @dataclass

@@ -26,27 +26,14 @@ from dtlib import collectives, compat, ring
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as as_records
 from dtlib.bench._table import format_table as _format_table
-from dtlib.bench._timing import slowest_median
 from dtlib.entry import rank_device
 from dtlib.launch import spawn
+from dtlib.timing import slowest_median
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 
-#: busbw / algbw: the share of S that crosses the busiest link (nccl-tests' factors).
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "allreduce": lambda n: 2 * (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-    "reducescatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
-
-#: The alpha-beta model (``dtlib.ring.COST_TERMS``) fitted to each operation's times.
-MODEL = {
-    "allreduce": "ring all-reduce",
-    "allgather": "ring all-gather",
-    "reducescatter": "ring reduce-scatter",
-    "broadcast": "pipelined broadcast",
-}
+BUS_FACTOR = ring.BUS_FACTOR  # re-exported: the sweep's rows use them
+MODEL = ring.COLLECTIVE_MODEL
 
 
 @dataclass

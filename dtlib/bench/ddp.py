@@ -18,7 +18,7 @@ from dtlib import ddp
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as as_records
 from dtlib.bench._table import format_table as _format_table
-from dtlib.bench._timing import slowest_median
+from dtlib.timing import slowest_median
 
 
 @dataclass

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 
 from dtlib.plots._style import COLORS, _arrow, _box
+from dtlib.ring import BUS_FACTOR, COLLECTIVE_MODEL
 
 
 def _ring_positions(n: int, radius: float = 2.6, center: tuple[float, float] = (3.4, 3.4)) -> list[tuple[float, float]]:
@@ -147,8 +148,6 @@ def busbw(rows: Sequence[Any], model: Any = None, compare: Sequence[Any] | None 
 
     Example: ``rows = sweep("allreduce"); dtlib.plots.busbw(rows, fit(rows), compare=sweep("allreduce", algo="ring"))``.
     """
-    from dtlib.bench.bandwidth import BUS_FACTOR, MODEL
-
     first = rows[0]
     fig, ax = plt.subplots(figsize=(7.5, 4))
     sizes = [r.size_bytes for r in rows]
@@ -159,7 +158,7 @@ def busbw(rows: Sequence[Any], model: Any = None, compare: Sequence[Any] | None 
     if model is not None:
         factor = BUS_FACTOR[first.op](first.world_size)
         grid = np.geomspace(sizes[0], sizes[-1], 100)
-        predicted = [s / model.time(MODEL[first.op], first.world_size, s) / 1e9 * factor for s in grid]
+        predicted = [s / model.time(COLLECTIVE_MODEL[first.op], first.world_size, s) / 1e9 * factor for s in grid]
         ax.plot(grid, predicted, "--", color="black",
                 label=f"alpha-beta model: alpha = {model.alpha_s * 1e6:.0f} us, "
                       f"b = {model.bandwidth_bytes_per_s / 1e9:.2f} GB/s")

@@ -11,7 +11,7 @@ against its simulation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,24 @@ COST_TERMS = {
     "halving-doubling all-reduce": lambda n: _halving_doubling(n),
     # Cut into many small pieces and passed down a chain: S once, after N-1 start-up hops.
     "pipelined broadcast": lambda n: (n - 1, 1.0),
+}
+
+
+#: busbw / algbw for each collective: the share of a buffer of S bytes that crosses the busiest link, n ranks
+#: (nccl-tests' factors). Example: ``BUS_FACTOR["allreduce"](4)`` is 1.5.
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reducescatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+#: The algorithm of ``COST_TERMS`` that models each collective's times.
+COLLECTIVE_MODEL = {
+    "allreduce": "ring all-reduce",
+    "allgather": "ring all-gather",
+    "reducescatter": "ring reduce-scatter",
+    "broadcast": "pipelined broadcast",
 }
 
 

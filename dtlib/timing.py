@@ -1,4 +1,4 @@
-"""How the benchmarks reduce many ranks' times to one number: the slowest rank's median."""
+"""How many ranks' times become one number: the slowest rank's median (the benchmarks and the runners share it)."""
 
 from __future__ import annotations
 
