@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 
+from dtlib.bench.__main__ import main
 from dtlib.bench._table import Column, as_records, format_table
 from dtlib.timing import slowest_median
 
@@ -61,12 +60,14 @@ def test_the_slowest_ranks_median():
     ("launch --repeats 2.5", "argument --repeats: expected a whole number, got '2.5'"),
 ], ids=["allreduce-world-size-0", "fsdp-world-size-3", "launch-unknown-method", "sizes-reversed", "unreadable-size",
         "ddp-unknown-model", "ddp-steps-2", "repeats-2.5"])
-def test_command_line_refuses_bad_settings_in_one_line_with_status_2(arguments, what):
-    completed = subprocess.run([sys.executable, "-m", "dtlib.bench", *arguments.split()], capture_output=True,
-                               text=True, timeout=100)
-    assert completed.returncode == 2, completed.stderr
+def test_command_line_refuses_bad_settings_in_one_line_with_status_2(arguments, what, capsys, no_process_start):
+    """In-process (``main(argv)``): each refusal comes before any rank or store starts (no_process_start)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments.split())
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2, err
     command = arguments.split()[0]
-    assert completed.stderr.startswith(f"python -m dtlib.bench {command}: error: "), completed.stderr
-    assert completed.stderr.count("\n") == 1 and completed.stderr.endswith("\n"), completed.stderr  # no traceback
-    assert what in completed.stderr
-    assert completed.stdout == ""
+    assert err.startswith(f"python -m dtlib.bench {command}: error: "), err
+    assert err.count("\n") == 1 and err.endswith("\n"), err  # no traceback
+    assert what in err
+    assert out == ""

@@ -3,10 +3,13 @@ measured and reported; they never assert a time (the check itself does, on a qui
 
 from __future__ import annotations
 
+import time
+
 import nbformat
 import pytest
 
 from dtlib.bench import check
+from dtlib.bench.__main__ import main
 
 
 def test_the_best_attempt_counts_against_the_limit():
@@ -34,18 +37,25 @@ def test_bad_choices_are_refused_before_anything_runs():
 
 
 @pytest.mark.timeout(120)
-def test_the_simulator_target_is_measured_with_its_repeats():
+def test_the_simulator_target_is_measured_with_its_repeats_within_the_calls_own_time():
+    """Oracle: the clock around the call; its attempts run one after another inside it."""
+    start = time.perf_counter()
     (result,) = check.run(["simulator"], repeats=2)
+    elapsed = time.perf_counter() - start
     assert result.name == "simulator" and len(result.attempts) == 2 and result.limit == 2.0
-    assert result.measured == min(result.attempts) > 0
+    assert result.measured == min(result.attempts) and 0 < sum(result.attempts) <= elapsed
 
 
 @pytest.mark.timeout(120)
 def test_a_notebook_is_timed_in_a_fresh_kernel_in_its_folder(tmp_path):
+    """Oracles: a cell that sleeps 0.5 s (the time can be no less) and the clock around the call (nor more)."""
     (tmp_path / "data.txt").write_text("42")
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("assert open('data.txt').read() == '42'")])
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("assert open('data.txt').read() == '42'"),
+                                               nbformat.v4.new_code_cell("import time; time.sleep(0.5)")])
     nbformat.write(notebook, tmp_path / "nb.ipynb")
-    assert check.notebook_seconds(tmp_path / "nb.ipynb") > 0
+    start = time.perf_counter()
+    seconds = check.notebook_seconds(tmp_path / "nb.ipynb")
+    assert 0.5 <= seconds <= time.perf_counter() - start
 
 
 def test_a_measurement_that_gives_two_targets_runs_once_and_only_the_asked_ones_are_reported(monkeypatch):
@@ -63,20 +73,14 @@ def test_a_measurement_that_gives_two_targets_runs_once_and_only_the_asked_ones_
 
 
 @pytest.mark.timeout(120)
-def test_the_command_line_prints_the_table_and_refuses_unknown_targets_in_one_line():
-    import subprocess
-    import sys
-
-    def bench(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dtlib.bench", "check", *args], capture_output=True, text=True,
-                              timeout=100)
-
-    refused = bench("--only", "bogus")
-    assert refused.returncode == 2 and refused.stdout == ""
-    assert refused.stderr.strip().splitlines() == [
+def test_the_command_line_prints_the_table_and_refuses_unknown_targets_in_one_line(capsys, no_process_start):
+    with pytest.raises(SystemExit) as refused:
+        main(["check", "--only", "bogus"])
+    assert refused.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
         "python -m dtlib.bench check: error: unknown target(s) bogus; "
         "choose from spawn, forkserver, overhead, ring, simulator, notebooks"]
-    measured = bench("--only", "simulator", "--repeats", "1")
-    assert measured.returncode in (0, 1)  # met or missed: the gate does not judge speed
-    assert "simulator" in measured.stdout and measured.stdout.rstrip().endswith(("1 of 1 targets met",
-                                                                                 "missed: simulator"))
+    assert main(["check", "--only", "simulator", "--repeats", "1"]) in (0, 1)  # met or missed: speed is not judged
+    out = capsys.readouterr().out
+    assert "simulator" in out and out.rstrip().endswith(("1 of 1 targets met", "missed: simulator"))

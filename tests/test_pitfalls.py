@@ -46,7 +46,9 @@ def test_sampler_epochs_repeat_without_set_epoch_and_match_distributed_sampler()
 @pytest.mark.timeout(60)
 def test_checkpoint_writes_once_with_rank_0_and_a_barrier(tmp_path):
     numel = 10_000
+    start = time.perf_counter()
     result = pitfalls.checkpoint_writes(world_size=2, numel=numel)
+    elapsed = time.perf_counter() - start  # oracle for the times: both saves happen inside the call
     path = tmp_path / "checkpoint.pt"  # the same name: torch.save records it inside the zip
     torch.save({"weight": torch.arange(numel, dtype=torch.float32), "step": torch.tensor(7)}, path)
     size = os.path.getsize(path)  # oracle: the same state saved here
@@ -54,7 +56,7 @@ def test_checkpoint_writes_once_with_rank_0_and_a_barrier(tmp_path):
     assert every["writers"] == [0, 1] and every["bytes_written"] == 2 * size
     assert once["writers"] == [0] and once["writes"] == 1 and once["bytes_written"] == size
     assert once["loaded_equal"] == [True, True] and once["errors"] == ["", ""]
-    assert all(seconds >= 0 for seconds in (every["save_s"], once["save_s"]))
+    assert 0 < every["save_s"] + once["save_s"] <= elapsed
 
 
 # -- 4. materialising before FSDP -----------------------------------------------------------------
