@@ -1,8 +1,8 @@
 # The course's single entry point. Every target sets up (or reuses) .venv first.
 #   make lab        set up, then open the notebooks in JupyterLab (--allow-root when run as root); more options
 #                   with LAB_ARGS, e.g. make lab LAB_ARGS="--port 9999 --no-browser"
-#   make test       set up, then lint and run every test: dtlib's, nbval over every notebook, and the browser
-#                   tests (every notebook run in JupyterLab in headless Chromium; skipped, saying why, without one)
+#   make test       set up, then lint and run every test: dtlib's, and each notebook once: in JupyterLab in
+#                   headless Chromium (the browser tests), or under nbval when no Chromium can be had
 #   make test-browser         set up (Chromium included, with apt-get), then only the browser tests
 #   make browser-screenshots  where the browser tests left their screenshots, with each notebook's time
 #   make notebooks  set up, then execute every notebook in a fresh kernel and store the outputs
