@@ -7,6 +7,7 @@ import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -113,6 +114,11 @@ class NotebooksRunOnce:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(NotebooksRunOnce(), "dtlib-notebooks-run-once")
+    # A shell starts a background job (`make test &`, `nohup`) with SIGINT ignored, and Python keeps it so in
+    # pytest and in every process it starts. The interrupt tests press Ctrl-C as a learner does in a kernel,
+    # which always handles SIGINT: give this process Python's own handler back.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _expected_s(path: Path) -> float:
