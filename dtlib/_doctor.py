@@ -14,6 +14,7 @@ Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live`) and, in each rank, :mod:`dt
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,14 +85,30 @@ def last_collectives() -> Collective | None:
         return None
 
 
-def explain(states: dict[int, str], last: dict[int, Collective | None]) -> tuple[list[str], str]:
-    """One line per rank and a verdict, from each rank's state and newest collective.
+# A faulthandler stack line of torch's blocking point-to-point calls (the most recent call comes first).
+_POINT_TO_POINT = re.compile(r'distributed_c10d\.py", line \d+ in (send|recv)\b')
+
+
+def point_to_point(stack: str) -> str | None:
+    """``"send"`` or ``"recv"`` when a rank's stack shows it inside that blocking call, else None.
+
+    gloo's Flight Recorder records no point-to-point call, so the stack is where a blocked send shows.
+    Example: ``point_to_point('File ".../distributed_c10d.py", line 2753 in send')`` is ``"send"``.
+    """
+    match = _POINT_TO_POINT.search(stack)
+    return match.group(1) if match else None
+
+
+def explain(states: dict[int, str], last: dict[int, Collective | None],
+            stacks: dict[int, str] | None = None) -> tuple[list[str], str]:
+    """One line per rank and a verdict, from each rank's state, newest collective and, if given, stack.
 
     ``states[rank]`` is ``"running"`` (still in the cell), ``"finished"``, ``"failed"`` (raised) or ``"died"``.
     Example: with rank 0 running in an unfinished ``all_reduce #3`` and rank 1 finished after
     ``#2``, the verdict is ``"rank 0 is alone in collective #3: rank 1 never called it ..."``.
     """
     lines = []
+    blocked_in: dict[int, str] = {}  # rank -> "send" or "recv", for running ranks no collective explains
     for rank in sorted(states):
         record, state = last.get(rank), states[rank]
         if state == "died":  # its recorder died with it
@@ -100,11 +117,34 @@ def explain(states: dict[int, str], last: dict[int, Collective | None]) -> tuple
         if state == "running" and record is not None and not record.done:
             lines.append(f"rank {rank} waits in {record.describe()}")
             continue
+        call = point_to_point((stacks or {}).get(rank, "")) if state == "running" else None
+        if call is not None:
+            blocked_in[rank] = call
+            lines.append(f"rank {rank} waits in {call}")
+            continue
         after = f"after {record.describe()}" if record is not None else "before any collective"
         doing = {"running": "runs Python code", "finished": "finished the cell",
                  "failed": "raised an error"}.get(state, state)
         lines.append(f"rank {rank} {doing} {after}")
-    return lines, _verdict(states, last)
+    return lines, _point_to_point_verdict(states, last, blocked_in) or _verdict(states, last)
+
+
+def _point_to_point_verdict(states: dict[int, str], last: dict[int, Collective | None],
+                            blocked_in: dict[int, str]) -> str | None:
+    """The verdict when every running rank is blocked in a send or a recv (and none in a collective)."""
+    running = [rank for rank, state in states.items() if state == "running"]
+    in_collective = any(last.get(rank) is not None and not last[rank].done for rank in running)
+    if not blocked_in or in_collective or set(running) != set(blocked_in):
+        return None
+    calls = set(blocked_in.values())
+    if calls == {"send"}:
+        return ("every running rank waits in a blocking send, and none in a recv: on gloo and NCCL a send returns "
+                "only once its peer receives, so ranks that all send first wait for each other for ever. Let half "
+                "of them receive first, or post isend and irecv together and wait on both")
+    if calls == {"recv"}:
+        return "every running rank waits in a blocking recv, and none sends: nothing will ever arrive"
+    return ("the ranks wait in sends and recvs that do not pair up: check each call's peer rank, the order of the "
+            "calls on each side, and that the tensors' sizes match")
 
 
 def _position(record: Collective | None, waiting: bool) -> int:

@@ -196,8 +196,8 @@ class LiveRanks:
         by restarting every rank. Returns the doctor's lines and verdict, the stacks, and the outcome."""
         states = self._states(ranks, owing)
         last = ranks.ask_doctor()
-        lines, verdict = _doctor.explain(states, last)
         stacks = {rank: self._annotate(stack) for rank, stack in ranks.job.collect_stacks(ranks=sorted(owing)).items()}
+        lines, verdict = _doctor.explain(states, last, stacks)
         blocked = any(last.get(rank) is not None and not last[rank].done for rank in owing)
         stuck = owing if blocked else ranks.interrupt(owing)
         ranks.flush_output()

@@ -167,6 +167,49 @@ def test_the_doctor_finds_where_the_ranks_disagree(states, last, verdict):
     assert len(lines) == len(states)
 
 
+def _stack(call: str) -> str:
+    """A rank's stack as faulthandler prints it, inside torch's blocking ``call``."""
+    return (f'  File "/venv/torch/distributed/distributed_c10d.py", line 2753 in {call}\n'
+            '  File "/venv/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+            '  File "<rank cell 1>", line 4 in <module>\n')
+
+
+@pytest.mark.parametrize(("stacks", "lines", "verdict"), [
+    ({0: _stack("send"), 1: _stack("send")}, ["rank 0 waits in send", "rank 1 waits in send"],
+     "every running rank waits in a blocking send, and none in a recv"),
+    ({0: _stack("recv"), 1: _stack("recv")}, ["rank 0 waits in recv", "rank 1 waits in recv"],
+     "every running rank waits in a blocking recv, and none sends"),
+    ({0: _stack("send"), 1: _stack("recv")}, ["rank 0 waits in send", "rank 1 waits in recv"],
+     "the ranks wait in sends and recvs that do not pair up"),
+    ({0: _stack("send"), 1: "  File \"<rank cell 1>\", line 2 in <module>\n"},  # rank 1 is in a Python loop
+     ["rank 0 waits in send", "rank 1 runs Python code before any collective"],
+     "no rank waits in a collective that the Flight Recorder saw"),
+    ({0: _stack("sendall"), 1: _stack("recv_into")}, ["rank 0 runs Python code before any collective",
+                                                      "rank 1 runs Python code before any collective"],
+     "no rank waits in a collective"),  # other functions of the same prefix are not send or recv
+])
+def test_the_doctor_reads_a_blocked_send_or_recv_from_the_stacks(stacks, lines, verdict):
+    """gloo's Flight Recorder records no point-to-point call: the stacks say where such a rank waits."""
+    found_lines, found = _doctor.explain({0: "running", 1: "running"}, {0: None, 1: None}, stacks)
+    assert found_lines == lines
+    assert found.startswith(verdict), found
+
+
+def test_a_send_first_ring_on_live_ranks_is_named_by_the_doctor_and_its_fix_runs(ranks):
+    send_first = ("x = torch.full((4,), float(rank), device=device)\nreceived = torch.empty_like(x)\n"
+                  "dist.send(x, dst=(rank + 1) % world_size)\ndist.recv(received, src=(rank - 1) % world_size)\n")
+    with pytest.raises(dtlib.WorkerTimeout) as caught:
+        ranks.run(send_first, timeout=3)
+    assert caught.value.collectives == ["rank 0 waits in send", "rank 1 waits in send"]
+    assert "every running rank waits in a blocking send" in str(caught.value)
+    both = ("x = torch.full((4,), float(rank), device=device)\nreceived = torch.empty_like(x)\n"
+            "requests = [dist.isend(x, dst=(rank + 1) % world_size),\n"
+            "            dist.irecv(received, src=(rank - 1) % world_size)]\n"
+            "for request in requests:\n    request.wait()\nreceived")
+    left, right = ranks.run(both)
+    assert torch.equal(left, torch.full((4,), 1.0)) and torch.equal(right, torch.full((4,), 0.0))  # each one's left
+
+
 def test_a_group_is_broken_when_a_rank_is_stuck_or_the_ranks_did_different_numbers_of_collectives():
     assert _doctor.group_is_broken({0: "running", 1: "finished"}, {0: None, 1: None})
     assert _doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 1, True)})
