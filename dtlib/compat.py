@@ -72,43 +72,6 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = No
     return fn(output, input, group=group, async_op=async_op)
 
 
-def all_reduce_mean(tensor: torch.Tensor, group: Any = None) -> str:
-    """Average ``tensor`` over the ranks in place; returns "" or a note on how it was done.
-
-    ``ReduceOp.AVG`` on gloo is refused by older torch ("Cannot use ReduceOp.AVG with
-    Gloo" in 2.6) and accepted by newer (2.13); summing and dividing works everywhere.
-    """
-    try:
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
-        return ""
-    except (RuntimeError, ValueError) as err:
-        if "AVG" not in str(err):
-            raise
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    tensor /= dist.get_world_size(group)
-    return f"{dist.get_backend(group)} in torch {torch.__version__} has no ReduceOp.AVG: summed, then divided"
-
-
-def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Any = None) -> str:
-    """``dist.all_to_all(outputs, inputs)``; returns "" or a note on how it was done.
-
-    gloo gained the list form in a torch after 2.6 ("Backend gloo does not support
-    alltoall" there); its single-tensor form ``all_to_all_single`` works in both, so
-    that is the fallback, for pieces of equal size.
-    """
-    try:
-        dist.all_to_all(outputs, inputs, group=group)
-        return ""
-    except RuntimeError as err:
-        if "does not support alltoall" not in str(err):
-            raise
-    joined = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
-    dist.all_to_all_single(joined, torch.cat([i.reshape(-1) for i in inputs]), group=group)
-    for output, piece in zip(outputs, joined.split([o.numel() for o in outputs]), strict=True):
-        output.copy_(piece.view_as(output))
-    return f"{dist.get_backend(group)} in torch {torch.__version__} has no list-form all_to_all: used all_to_all_single"
-
-
 def loopback_listener(backlog: int = 128) -> socket.socket:
     """A TCP socket listening on 127.0.0.1 only, on a free port: the rendezvous address.
 

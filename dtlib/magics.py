@@ -4,7 +4,8 @@
 - ``%%ranks [--timeout S]``: run the cell on every rank; output arrives live, ``[rank N]`` on each
   line, and the ranks' last-expression values are shown side by side (:class:`RankValues`).
 - ``%ranks push NAME ...``: copy kernel variables to every rank.
-- ``%ranks pull NAME``: every rank's ``NAME``, as a list under ``NAME`` in the kernel.
+- ``%ranks pull [--quiet] NAME ...``: every rank's ``NAME``, as a list under ``NAME`` in the kernel, shown side by
+  side unless ``--quiet`` (a figure drawn from the lists shows them instead).
 - ``%ranks stop``; ``%ranks`` alone says what is running.
 """
 
@@ -34,8 +35,10 @@ def _parser() -> _Parser:
     start.add_argument("world_size", type=int)
     start.add_argument("--backend", default="auto")
     start.add_argument("--timeout", type=float, default=30.0)
-    for name in ("push", "pull"):
-        sub.add_parser(name, add_help=False).add_argument("names", nargs="+")
+    sub.add_parser("push", add_help=False).add_argument("names", nargs="+")
+    pull = sub.add_parser("pull", add_help=False)
+    pull.add_argument("--quiet", action="store_true")
+    pull.add_argument("names", nargs="+")
     sub.add_parser("stop", add_help=False)
     return parser
 
@@ -72,7 +75,8 @@ class RanksMagics(Magics):
             for name in args.names:
                 values = self._live().pull(name)
                 self.shell.user_ns[name] = values
-                display(RankValues(values, name=name))
+                if not args.quiet:
+                    display(RankValues(values, name=name))
         return None
 
     def _run_cell(self, line: str, cell: str) -> Any:

@@ -1,5 +1,5 @@
-"""dtlib.collectives: each demo against the collective's definition; the send/recv ring against
-``dist.all_reduce`` and the simulator."""
+"""dtlib.collectives: the exercise's starting values; the send/recv ring against ``dist.all_reduce`` and the
+simulator. The collectives themselves run in notebook 02's cells, whose checked outputs the gate compares."""
 
 from __future__ import annotations
 
@@ -12,57 +12,9 @@ import dtlib
 from dtlib import collectives, ring
 
 
-def _start(n: int) -> np.ndarray:
-    return np.array([collectives.starting_values(r, n).tolist() for r in range(n)])  # (ranks, slots)
-
-
-@pytest.fixture(scope="module")
-def results():
-    """Every demo on 4 ranks, run once for the module."""
-    return {name: collectives.demo(name, world_size=4) for name in collectives.COLLECTIVES}
-
-
-@pytest.mark.timeout(240)
-def test_every_demo_matches_its_definition(results):
-    n = 4
-    start = _start(n)
-    expected = {
-        "all_reduce_sum": [start.sum(0)] * n,
-        "all_reduce_avg": [start.mean(0)] * n,
-        "all_reduce_max": [start.max(0)] * n,
-        "broadcast": [start[0]] * n,
-        "all_gather": [start.ravel()] * n,
-        "all_gather_single": [start.ravel()] * n,
-        "gather": [start.ravel()] + [[]] * (n - 1),
-        "scatter": [[start[0, r]] for r in range(n)],
-        "reduce_scatter": [[start.sum(0)[r]] for r in range(n)],
-        "all_to_all": [start[:, r] for r in range(n)],
-        "barrier": list(start),
-        "send_recv": [start[(r - 1) % n] for r in range(n)],
-        "isend_irecv": [start[(r - 1) % n] for r in range(n)],
-    }
-    for name, result in results.items():
-        assert result.before == start.tolist(), name
-        if name == "reduce":
-            np.testing.assert_allclose(result.after[0], start.sum(0), err_msg=name)  # only rank 0 is defined
-            continue
-        for rank in range(n):
-            np.testing.assert_allclose(result.after[rank], expected[name][rank], err_msg=f"{name}, rank {rank}")
-
-
-@pytest.mark.timeout(240)
-def test_gloo_gaps_are_said_not_hidden(results):
-    note = results["all_reduce_avg"].note  # torch 2.6's gloo refuses ReduceOp.AVG; 2.13's accepts it
-    assert note == "" or "has no ReduceOp.AVG: summed, then divided" in note
-    note = results["all_to_all"].note  # torch 2.6's gloo lacks the list form; later ones have it
-    assert note == "" or "used all_to_all_single" in note
-
-
-def test_unknown_names_and_odd_blocking_rings_are_refused():
-    with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
-        collectives.demo("allreduce")
-    with pytest.raises(ValueError, match="even world_size"):
-        collectives.demo("send_recv", world_size=3)
+def test_starting_values_say_which_rank_and_slot_they_came_from():
+    assert collectives.starting_values(2, 4).tolist() == [20.0, 21.0, 22.0, 23.0]
+    assert collectives.starting_values(0, 3, device="meta").device.type == "meta"  # made on the rank's device
 
 
 def _ring_against_oracles(rank, world_size, length):

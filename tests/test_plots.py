@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from dtlib import plots, sysinfo  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
@@ -120,14 +121,17 @@ def test_busbw_plot_shows_the_sweep_and_the_fit():
     assert list(ring_line.get_ydata()) == [r.busbw_gbs for r in by_ring]
 
 
-def test_before_after_shows_every_value_on_every_rank():
-    from dtlib.collectives import CollectiveResult
-
-    result = CollectiveResult("gather", "gloo", [[0.0, 1.0], [10.0, 11.0]], [[0.0, 1.0, 10.0, 11.0], []])
-    before, after = plots.before_after(result).axes
+def test_before_after_shows_every_value_on_every_rank_from_what_the_ranks_hold():
+    """Values as live ranks return them: tensors, all_gather's list of tensors, and None where nothing arrived."""
+    x = [torch.tensor([0.0, 1.0]), torch.tensor([10.0, 11.0])]
+    gathered = [[torch.tensor([0.0, 1.0]), torch.tensor([10.0, 11.0])], None]  # dist.gather: only rank 0's list
+    before, after = plots.before_after(x, gathered, "gather(x, dst=0)").axes
     assert sorted(t.get_text() for t in before.texts) == ["0", "1", "10", "11"]
     assert [t.get_text() for t in after.texts if t.get_text()] == ["0", "1", "10", "11", "nothing received"]
-    assert after.get_title() == "after gather (gloo)" and before.get_xlabel() == "position in the tensor"
+    assert after.get_title() == "after" and before.get_xlabel() == "position in the tensor"
+    assert after.figure.get_suptitle() == "gather(x, dst=0)"
+    with pytest.raises(ValueError, match="one value per rank"):
+        plots.before_after(x, x[:1], "all_reduce")
 
 
 def _strategy_rows():

@@ -36,7 +36,6 @@ from matplotlib.figure import Figure  # noqa: E402
 from dtlib import data, fsdp_compare, guide, plots, ring  # noqa: E402
 from dtlib.bench.bandwidth import Row  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
-from dtlib.collectives import CollectiveResult  # noqa: E402
 from dtlib.ddp import RankResult  # noqa: E402
 from dtlib.fsdp_compare import StrategyRow  # noqa: E402
 from dtlib.sysinfo import MachineInfo  # noqa: E402
@@ -103,20 +102,23 @@ def _busbw_rows(algo: str) -> list[Row]:
     return rows
 
 
-def _all_reduce_sum(world_size: int) -> CollectiveResult:
-    before = [[10.0 * rank + i for i in range(world_size)] for rank in range(world_size)]
+def _starting_values(world_size: int) -> list[list[float]]:
+    return [[10.0 * rank + i for i in range(world_size)] for rank in range(world_size)]
+
+
+def _all_reduce_sum(world_size: int) -> tuple[list, list, str]:
+    before = _starting_values(world_size)
     total = [sum(column) for column in zip(*before, strict=True)]
-    return CollectiveResult("all_reduce_sum", "gloo", before, [list(total) for _ in range(world_size)])
+    return before, [list(total) for _ in range(world_size)], "all_reduce(x, op=SUM)"
 
 
-def _all_gather(world_size: int) -> CollectiveResult:
-    before = [[10.0 * rank + i for i in range(world_size)] for rank in range(world_size)]
-    return CollectiveResult("all_gather", "gloo", before, [sum(before, []) for _ in range(world_size)])
+def _all_gather(world_size: int) -> tuple[list, list, str]:
+    before = _starting_values(world_size)
+    return before, [before for _ in range(world_size)], "all_gather(pieces, x)"
 
 
-def _gather() -> CollectiveResult:  # only rank 0 receives
-    before = [[0.0, 1.0], [10.0, 11.0]]
-    return CollectiveResult("gather", "gloo", before, [[0.0, 1.0, 10.0, 11.0], []])
+def _gather() -> tuple[list, list, str]:  # only rank 0 receives
+    return [[0.0, 1.0], [10.0, 11.0]], [[0.0, 1.0, 10.0, 11.0], None], "gather(x, pieces, dst=0)"
 
 
 S = 112_256  # fp32 bytes of the tiny transformer's parameters (docs/results/fsdp_cpu.md)
@@ -197,8 +199,8 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "traffic": {"2 to 64 ranks": lambda: call([2, 4, 8, 16, 32, 64], ring.traffic_table([2, 4, 8, 16, 32, 64]))},
     "busbw": {"sweep and fit": lambda: call(_busbw_rows("library"), ring.AlphaBeta(1e-4, 2e9)),
               "ring sweep only": lambda: call(_busbw_rows("ring"))},
-    "before_after": {"all_reduce_sum": lambda: call(_all_reduce_sum(4)), "all_gather": lambda: call(_all_gather(4)),
-                   "gather": lambda: call(_gather())},
+    "before_after": {"all_reduce_sum": lambda: call(*_all_reduce_sum(4)), "all_gather": lambda: call(*_all_gather(4)),
+                   "gather": lambda: call(*_gather())},
     "shard": {"notebook 05": lambda: call((96, 32), world_size=2, name="blocks.0.qkv.weight"),
               "uneven": lambda: call((10, 4), world_size=4)},
     "memory_bars": {"2 ranks": lambda: call(_strategies(2)), "4 ranks": lambda: call(_strategies(4))},

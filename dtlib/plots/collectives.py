@@ -190,18 +190,44 @@ def _value_table(ax: Any, rows: list[list[float]], title: str, vmax: float) -> N
     ax.set_title(title)
 
 
-def before_after(result: Any) -> Figure:
-    """A collective's tensors on every rank, before and after (a ``dtlib.collectives.demo`` result).
+def _per_rank_values(values: Sequence[Any]) -> list[list[float]]:
+    """Each rank's value as a flat list of numbers: a tensor, a list of tensors (all_gather's), a number, or
+    None where a rank received nothing (gather's other ranks)."""
+    rows = []
+    for value in values:
+        if value is None:
+            rows.append([])
+        elif isinstance(value, (list, tuple)):
+            rows.append([float(v) for item in value for v in np.ravel(_as_array(item))])
+        else:
+            rows.append([float(v) for v in np.ravel(_as_array(value))])
+    return rows
 
-    Example: ``dtlib.plots.before_after(dtlib.collectives.demo("all_reduce_sum"))``.
+
+def _as_array(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # a tensor (live ranks send them back on the CPU)
+        value = value.detach().cpu().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def before_after(before: Sequence[Any], after: Sequence[Any], title: str) -> Figure:
+    """Every rank's tensor before and after a collective, one row per rank, from values pulled off the ranks.
+
+    ``before[rank]`` and ``after[rank]`` are a tensor, a list of tensors or None (nothing received).
+    Example: after ``%ranks pull --quiet before x``, ``plots.before_after(before, x, "all_reduce(x)")``.
     """
-    width = max(len(r) for r in result.after + result.before)
-    size = (min(12.0, 2.5 + 0.5 * (len(result.before[0]) + width)), 1.0 + 0.45 * len(result.before))
-    fig, (before, after) = plt.subplots(1, 2, figsize=size,
-                                        gridspec_kw={"width_ratios": [len(result.before[0]), max(width, 1)]})
-    vmax = max([abs(v) for r in result.before + result.after for v in r] or [1.0])
-    _value_table(before, result.before, "before", vmax)
-    _value_table(after, result.after, f"after {result.name} ({result.backend})", vmax)
+    if len(before) != len(after) or not before:
+        raise ValueError(f"need one value per rank before and after; got {len(before)} and {len(after)}")
+    rows_before, rows_after = _per_rank_values(before), _per_rank_values(after)
+    width_before = max(len(r) for r in rows_before) or 1
+    width = max(len(r) for r in rows_after) or 1
+    size = (min(12.0, 2.5 + 0.5 * (width_before + max(width, 3))), 1.3 + 0.45 * len(rows_before))
+    fig, (left, right) = plt.subplots(1, 2, figsize=size,
+                                      gridspec_kw={"width_ratios": [width_before, max(width, 3)]})
+    vmax = max([abs(v) for r in rows_before + rows_after for v in r] or [1.0])
+    _value_table(left, rows_before, "before", vmax)
+    _value_table(right, rows_after, "after", vmax)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
 
