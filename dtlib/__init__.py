@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # dtlib.run is the function (the module that holds it is dtlib.entry), so that the name means one thing.
 _SUBMODULES = {"bench", "checks", "collectives", "commlog", "compat", "counting", "data", "ddp", "ddp_options",
                "ddp_scratch", "entry", "examples", "feedback", "fsdp", "fsdp_checkpoint", "fsdp_compare",
-               "fsdp_measure", "fsdp_wrap", "guide", "launch", "live", "magics", "memory", "models", "pitfalls",
+               "fsdp_measure", "fsdp_wrap", "guide", "launch", "live", "magics", "memory", "models",
                "plots", "rankview", "ring", "runs", "sysinfo", "torchrun", "train"}
 
 

@@ -1,7 +1,8 @@
-"""The exceptions :func:`dtlib.spawn` raises when ranks fail or hang."""
+"""The exceptions :func:`dtlib.spawn` raises when ranks fail or hang, and a reader for torch's mismatch errors."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -99,3 +100,15 @@ class WorkerTimeout(WorkerError, TimeoutError):
         for rank, stack in self.stacks.items():
             parts.append(f"--- Python stack of rank {rank} at the timeout ---\n{stack.rstrip()}")
         return "\n".join(parts)
+
+
+def fingerprint_summary(message: str) -> str:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s "Detected mismatch between collectives" error, one clause a line
+    and without each tensor's ``TensorOptions(...)`` repeated. Example::
+
+        fingerprint_summary(str(err)).splitlines()[0]   # "Detected mismatch between collectives on ranks."
+    """
+    short = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?memory_format=\(\w+\)\)", "", message)
+    short = re.sub(r"\s+", " ", short).replace("on ranks. Rank", "on ranks.\nRank")
+    short = short.replace("), but Rank", "),\nbut Rank").replace(").Collectives differ", ").\nCollectives differ")
+    return short.strip()

@@ -80,7 +80,7 @@ def _time_budget_s(notebook: Path) -> float:
 # --durations=60` measured under load. Only their order matters; a file not named here is short.
 SLOW_FILES_S = {"test_launch.py": 185, "test_checks.py": 125, "test_fsdp_compare.py": 125, "test_torchrun.py": 120,
                 "test_fsdp.py": 110, "test_launch_abuse.py": 90, "test_bench_startup.py": 50, "test_ddp.py": 45,
-                "test_live_kernel.py": 45, "test_live.py": 40, "test_pitfalls.py": 40, "test_run.py": 35,
+                "test_live_kernel.py": 45, "test_live.py": 40, "test_run.py": 35,
                 "test_fsdp_checkpoint.py": 35, "test_launch_kernel.py": 25}
 
 

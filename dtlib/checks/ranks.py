@@ -9,8 +9,11 @@ Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size: rank)`` says the a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
 from dtlib.counting import rank_without_communication, spawn_counting
@@ -121,8 +124,73 @@ def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout
                           "overflow (notebook 04).")
 
 
-def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
-    """Notebook 08: every rank must reach the same collectives (see :func:`dtlib.pitfalls.check_fixed_barrier`)."""
-    from dtlib.pitfalls import check_fixed_barrier
+def _stuck_in(stack: str, function_name: str) -> str:
+    """From a faulthandler stack (most recent call first): "all_reduce (line 4, in fn)"."""
+    inside = re.findall(r'distributed_c10d\.py", line \d+ in (\w+)', stack)  # the collective is torch's frame
+    line = next((n for n, name in re.findall(r"line (\d+) in (\w+)", stack) if name == function_name), "")
+    return (inside[0] if inside else "a collective") + (f" (line {line}, in {function_name})" if line else "")
 
-    return check_fixed_barrier(fn, world_size, timeout)
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 1", "ranks 1 and 2", "ranks 1, 2 and 3"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _hang_message(err: WorkerTimeout, function_name: str) -> str:
+    stuck = "; ".join(f"rank {rank} waited in {_stuck_in(stack, function_name)}" for rank, stack in err.stacks.items())
+    if not err.finished_ranks:
+        return (f"It hung: {stuck}, and no rank returned: each waited for a call that no other rank made. Every "
+                "rank must call the same collectives in the same order.")
+    return (f"It hung: {stuck}, while {_ranks(err.finished_ranks)} returned without calling it. Every rank must call "
+            "the same collectives in the same order: move the collective out of the `if rank == ...` branch.")
+
+
+def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
+    """Notebook 08's exercise: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
+    each rank's loss ``rank + 1``, every rank calling the same collectives in the same order. It runs with
+    ``world_size`` ranks and with one more, and the mean must come through a collective.
+
+    Example: ``fixed_barrier(lambda rank, world_size: rank + 1)`` says rank 0 kept its own loss.
+    """
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
+    for size in sizes:
+        expected = (size + 1) / 2
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerTimeout as err:
+            return Feedback(False, _hang_message(err, getattr(fn, "__name__", "")))
+        except WorkerError as err:
+            raised = [failure for failure in err.failures if failure.exc_type is not None]
+            hint = "" if raised else " (a rank dying inside a collective: the ranks called different ones or shapes)"
+            return Feedback(False, f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}")
+        for rank, value in enumerate(results):
+            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if not isinstance(number, (int, float)) or isinstance(number, bool):
+                return Feedback(False, f"Rank {rank} returned {value!r}: return the mean loss as a number on every "
+                                       "rank (loss.item()), not only on rank 0.")
+            if abs(number - expected) < 1e-6:
+                continue
+            if abs(number - (rank + 1)) < 1e-6:
+                return Feedback(False, f"Rank {rank} returned its own loss {number:g}: it never took part in the "
+                                       "all_reduce. Call dist.all_reduce on every rank.")
+            if abs(number - expected * size) < 1e-6:
+                return Feedback(False, f"Rank {rank} returned the sum {number:g}: divide by world_size for the mean.")
+            divisor = expected * size / number if number else 0.0
+            if divisor > 1.5 and abs(divisor - round(divisor)) < 1e-6:
+                return Feedback(False, f"With {size} ranks, rank {rank} returned {number:g}, the sum divided by "
+                                       f"{round(divisor)}: divide by world_size (dist.get_world_size()), not a "
+                                       "constant.")
+            return Feedback(False, f"Rank {rank} returned {number:g}, expected the mean {expected:g}: all_reduce "
+                                   "(SUM) once on every rank, then divide by world_size once.")
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, f"Rank {silent} returned the mean {expected:g}, but no collective was called: it "
+                                   "worked the mean out from a formula, while a real rank knows only its own loss. "
+                                   "Call dist.all_reduce on the loss on every rank, then divide by world_size.")
+    return Feedback(True, f"Every rank returned the mean loss, with {sizes[0]} ranks ({(sizes[0] + 1) / 2:g}) and "
+                          f"with {sizes[1]} ({(sizes[1] + 1) / 2:g}): every rank called the same collective, so none "
+                          "waited for ever.")
