@@ -4,8 +4,8 @@
 - ``%%ranks [--timeout S]``: run the cell on every rank; output arrives live, ``[rank N]`` on each
   line, and the ranks' last-expression values are shown side by side (:class:`RankValues`).
 - ``%ranks push NAME ...``: copy kernel variables to every rank.
-- ``%ranks pull [--quiet] NAME ...``: every rank's ``NAME``, as a list under ``NAME`` in the kernel, shown side by
-  side unless ``--quiet`` (a figure drawn from the lists shows them instead).
+- ``%ranks pull NAME ...``: every rank's ``NAME``, as a list under ``NAME`` in the kernel, shown side by side.
+  With ``--quiet`` nothing is shown and the lists are returned instead: ``before, x = %ranks pull --quiet before x``.
 - ``%ranks stop``; ``%ranks`` alone says what is running.
 """
 
@@ -72,11 +72,15 @@ class RanksMagics(Magics):
                 raise UsageError(f"%ranks push: no variable named {', '.join(missing)} in this kernel")
             self._live().push(**{name: self.shell.user_ns[name] for name in args.names})
         elif args.command == "pull":
+            pulled = []
             for name in args.names:
                 values = self._live().pull(name)
                 self.shell.user_ns[name] = values
+                pulled.append(values)
                 if not args.quiet:
                     display(RankValues(values, name=name))
+            if args.quiet:  # the data, for a figure: one list, or a tuple of lists
+                return pulled[0] if len(pulled) == 1 else tuple(pulled)
         return None
 
     def _run_cell(self, line: str, cell: str) -> Any:

@@ -70,8 +70,9 @@ def test_magics_step_through_code_on_live_ranks_and_no_rank_outlives_the_kernel(
         assert err is None
         out, _, _ = session.run("%ranks pull pid real_pid\nprint(pid, type(g).__name__)")
         assert "[21, 22] list" in out
-        out, shown, err = session.run("%ranks pull --quiet pid\nprint(pid)")
-        assert err is None and shown == [] and "[21, 22]" in out  # pulled, not shown
+        out, shown, err = session.run("mine = %ranks pull --quiet pid\nboth = %ranks pull --quiet pid real_pid\n"
+                                      "print(mine, pid, both[0])")
+        assert err is None and shown == [] and "[21, 22] [21, 22] [21, 22]" in out  # returned, not shown
 
         _, _, err = session.run("%%ranks --timeout 3\nif rank == 0:\n    dist.all_reduce(torch.ones(4))\n")
         assert err is not None and err[0] == "WorkerTimeout", err
