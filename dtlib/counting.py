@@ -5,6 +5,7 @@ The checkers use it to refuse answers that compute the right number without comm
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,8 +45,12 @@ def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str
     # though they pass through the dispatcher as c10d.barrier, c10d.send and c10d.recv_. comm_registry is
     # the set of ops this instance counts: adding those three changes no other CommDebugMode.
     mode.comm_registry |= {c10d.send, c10d.recv_, c10d.recv_any_source_, c10d.barrier}
-    with mode:
-        value = fn(*args)
+    with warnings.catch_warnings():
+        # CommDebugMode tracks modules with full backward hooks, which warn when no input requires a gradient
+        # (a model's first layer): a note about the counter, not about the learner's code.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        with mode:
+            value = fn(*args)
     calls: dict[str, int] = {}
     for op, times in mode.get_comm_counts().items():
         name = str(op).rsplit(".", 1)[-1]  # "c10d.allreduce_" -> "allreduce_"

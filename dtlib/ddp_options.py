@@ -1,7 +1,8 @@
-"""Each DDP option, with its effect measured: the experiments notebook 04 runs.
+"""What notebook 04 measures about DDP's options: bucket layouts, gradient copies, graph searches, buffer drift.
 
 Every function starts ranks through :func:`dtlib.ddp.run` (or ``dtlib.spawn``) and returns
-plain numbers; ``dtlib.plots`` draws them. Example::
+plain numbers; ``dtlib.plots`` draws them. The options themselves are passed to the learner's own
+``train_ddp`` in the notebook; these count what the documentation does not say. Example::
 
     dtlib.ddp_options.bucket_layout([1, 25])    # all-reduce calls per step for two bucket caps
 """
@@ -13,16 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import data, models
 from dtlib.ddp import TrainConfig, run
 from dtlib.entry import rank_device
-from dtlib.errors import WorkerError
 from dtlib.launch import spawn
-from dtlib.runs import stop_and_resume
 
 QUIET: dict[str, Any] = {"output": "none"}
 
@@ -51,15 +49,6 @@ def bucket_layout(bucket_caps_mb: Sequence[float | None] = (None, 0.5, 2, 25), m
                      "static_graph": static_graph, "calls": first.comm_calls, "bucket_bytes": first.comm_sizes,
                      "bytes_per_step": first.comm_bytes[-1]})
     return rows
-
-
-def unused_branch_error(world_size: int = 2, steps: int = 3) -> str:
-    """The error DDP raises when a branch goes unused without ``find_unused_parameters`` ("" if none)."""
-    try:
-        run(TrainConfig(model="branchy", steps=steps), world_size, **QUIET)
-    except WorkerError as err:
-        return err.failures[0].message
-    return ""
 
 
 #: The profiler event of DDP's search for parameters that will get no gradient (torch 2.13's name).
@@ -146,22 +135,6 @@ def gradient_views(world_size: int = 2, model: str = "wide_mlp", steps: int = 3)
     return spawn(_gradient_storage, world_size, args=(settings, model, steps), **QUIET)[0]
 
 
-def comm_hooks(world_size: int = 2, steps: int = 12, model: str = "wide_mlp") -> list[dict[str, Any]]:
-    """Plain all-reduce, fp16 and bf16 compression and PowerSGD (rank 1, from step 2): bytes sent per
-    step (all-reduce payloads, bytes) and the loss curve of each.
-
-    Every row uses one bucket (``bucket_cap_mb=1000``): PowerSGD on gloo needs it (see ``dtlib.ddp``),
-    and the same layout keeps the rows comparable.
-    """
-    rows = []
-    for hook in (None, "fp16", "bf16", "powersgd"):
-        config = TrainConfig(model=model, steps=steps, comm_hook=hook, global_batch=64, bucket_cap_mb=1000)
-        first = run(config, world_size, **QUIET)[0]
-        rows.append({"hook": hook or "allreduce (default)", "bytes_per_step": first.comm_bytes[-1],
-                     "calls_per_step": first.comm_calls[-1], "losses": first.losses})
-    return rows
-
-
 def buffer_sync(world_size: int = 2, steps: int = 6) -> dict[str, float]:
     """BatchNorm's running mean: the largest difference between ranks after training, with DDP's
     buffer sync on and off (each rank sees different samples, so their statistics drift apart)."""
@@ -170,52 +143,6 @@ def buffer_sync(world_size: int = 2, steps: int = 6) -> dict[str, float]:
         results = run(TrainConfig(model="batchnorm", steps=steps, sync_buffers=flag), world_size, **QUIET)
         out[f"sync_buffers={flag}"] = max((r.buffers - results[0].buffers).abs().max().item() for r in results)
     return out
-
-
-def _batchnorm_statistics(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(rank)
-    x = torch.randn(8, 4) + rank  # (B, C): rank r's samples are shifted by r, so local means differ
-    local_mean = x.mean(0)
-    moments = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([float(x.shape[0])])])
-    dist.all_reduce(moments)  # what SyncBatchNorm reduces: per-channel sum, sum of squares, count
-    count = moments[-1]
-    global_mean = moments[:4] / count
-    global_var = moments[4:8] / count - global_mean**2
-    everyone = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(everyone, x)
-    whole = torch.cat(everyone)  # (world_size * B, C): the oracle, one BatchNorm over all samples
-    sync_bn_mean = None
-    if x.device.type == "cpu" and dist.get_backend() == "nccl":
-        layer = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4))).cuda()
-        layer(x.cuda())
-        sync_bn_mean = (layer[0].running_mean.cpu() / 0.1)  # momentum 0.1 from zero: mean = running / 0.1
-    converted = type(nn.SyncBatchNorm.convert_sync_batchnorm(models.build("batchnorm")).net[1]).__name__
-    return {"local_mean": local_mean, "global_mean": global_mean, "global_var": global_var,
-            "whole_mean": whole.mean(0), "whole_var": whole.var(0, unbiased=False),
-            "sync_bn_mean": sync_bn_mean, "converted_layer": converted}
-
-
-def batchnorm_statistics(world_size: int = 2) -> list[dict[str, Any]]:
-    """Per-rank BatchNorm batch means against the global ones that SyncBatchNorm computes.
-
-    ``nn.SyncBatchNorm`` runs only on GPUs (its forward raises ValueError on CPU
-    tensors), so on the CPU this computes what it computes (all-reduced sums) and
-    checks it against one BatchNorm over every rank's samples; on NCCL the real
-    layer runs too (``sync_bn_mean``).
-    """
-    return spawn(_batchnorm_statistics, world_size, **QUIET)
-
-
-def resume_from_checkpoint(world_size: int = 2, steps: int = 10, stop_after: int = 4,
-                           model: str = "mlp") -> dict[str, list[float]]:
-    """Train ``steps`` straight through, and again stopping after ``stop_after`` steps: rank 0 saves,
-    a new job loads the file on every rank (``map_location``, ``weights_only=True``) and goes on.
-
-    Returns rank 0's losses both ways (``dtlib.runs.stop_and_resume``); the resumed ones must equal the
-    uninterrupted ones.
-    """
-    return stop_and_resume(run, TrainConfig(model=model), world_size, steps=steps, stop_after=stop_after,
-                           location="checkpoint_path")
 
 
 def sampler_coverage(dataset_len: int, world_size: int, *, drop_last: bool = False) -> dict[str, Any]:
