@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKERS = {
     "00_setup_check": "plots.machine",
     "01_processes_and_ranks": "plots.dp_vs_ddp",
-    "02_collectives": "all_reduce_sum",
+    "02_collectives": "dist.all_reduce(x, op=SUM)",
     "03_ring_allreduce": "plots.ring_step",
     "04_ddp": "plots.ddp_timeline(bucketed)",
     "05_fsdp": "plots.memory_bars",
