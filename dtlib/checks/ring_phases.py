@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtlib.counting import count_collectives
+from dtlib.entry import rank_device
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch import spawn
@@ -25,7 +26,7 @@ def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None]
 
     from dtlib import collectives
 
-    data = torch.arange(length, dtype=torch.float64) * 10.0**rank  # rank r: 10^r x [0, 1, 2, ...]
+    data = torch.arange(length, dtype=torch.float64, device=rank_device()) * 10.0**rank  # rank r: 10^r x [0, 1, ...]
     expected = data.clone()
     dist.all_reduce(expected)
     ours = data.clone()

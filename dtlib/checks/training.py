@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlib.checks._numbers import constant_divisor
 from dtlib.counting import count_collectives, rank_without_communication
+from dtlib.entry import rank_device
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch import spawn
@@ -118,7 +119,7 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
     """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
     import torch
 
-    return hook(torch.full((4,), 40000.0, dtype=torch.float16)).float()
+    return hook(torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())).float().cpu()
 
 
 def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any], steps: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import dtlib
 
 def sum_of_ranks(rank: int, world_size: int) -> dict[str, int]:
     """All-reduce each rank's number; every rank ends with 0 + 1 + ... + (world_size - 1)."""
-    value = torch.tensor([float(rank)])
+    value = torch.tensor([float(rank)], device=dtlib.rank_device())  # the CPU under gloo, GPU LOCAL_RANK under NCCL
     dist.all_reduce(value)  # SUM by default, in place
     return {"rank": rank, "world_size": world_size, "local_rank": int(os.environ["LOCAL_RANK"]),
             "pid": os.getpid(), "sum": int(value.item())}
