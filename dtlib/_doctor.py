@@ -14,9 +14,10 @@ Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live`) and, in each rank, :mod:`dt
 from __future__ import annotations
 
 import pickle
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from dtlib.errors import torch_call_in
 
 #: How many collectives each rank's Flight Recorder keeps (a ring buffer; ~1 KB each).
 FR_BUFFER_SIZE = 2000
@@ -85,18 +86,14 @@ def last_collectives() -> Collective | None:
         return None
 
 
-# A faulthandler stack line of torch's blocking point-to-point calls (the most recent call comes first).
-_POINT_TO_POINT = re.compile(r'distributed_c10d\.py", line \d+ in (send|recv)\b')
-
-
 def point_to_point(stack: str) -> str | None:
     """``"send"`` or ``"recv"`` when a rank's stack shows it inside that blocking call, else None.
 
     gloo's Flight Recorder records no point-to-point call, so the stack is where a blocked send shows.
     Example: ``point_to_point('File ".../distributed_c10d.py", line 2753 in send')`` is ``"send"``.
     """
-    match = _POINT_TO_POINT.search(stack)
-    return match.group(1) if match else None
+    call = torch_call_in(stack)
+    return call if call in ("send", "recv") else None
 
 
 def explain(states: dict[int, str], last: dict[int, Collective | None],

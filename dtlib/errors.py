@@ -102,6 +102,18 @@ class WorkerTimeout(WorkerError, TimeoutError):
         return "\n".join(parts)
 
 
+_TORCH_CALL = re.compile(r'distributed_c10d\.py", line \d+ in (\w+)')  # a torch.distributed frame of a stack
+
+
+def torch_call_in(stack: str) -> str | None:
+    """The ``torch.distributed`` function a rank's faulthandler stack is inside (most recent call first), or None.
+
+    Example: ``torch_call_in('File ".../distributed_c10d.py", line 5356 in barrier')`` is ``"barrier"``.
+    """
+    match = _TORCH_CALL.search(stack)
+    return match.group(1) if match else None
+
+
 def fingerprint_summary(message: str) -> str:
     """``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s "Detected mismatch between collectives" error, one clause a line
     and without each tensor's ``TensorOptions(...)`` repeated. Example::

@@ -93,3 +93,14 @@ def test_rank_failure_is_immutable():
     failure = RankFailure(0, "ValueError", "m", "")
     with pytest.raises(AttributeError):
         failure.rank = 1
+
+
+def test_torch_call_in_names_the_innermost_torch_distributed_frame_of_a_stack():
+    from dtlib.errors import torch_call_in
+
+    stack = ('  File "/venv/torch/distributed/distributed_c10d.py", line 5356 in barrier\n'
+             '  File "/venv/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+             '  File "/venv/torch/distributed/distributed_c10d.py", line 10 in outer\n'
+             '  File "/tmp/ipykernel_1/2.py", line 4 in log_progress\n')
+    assert torch_call_in(stack) == "barrier"  # most recent call first
+    assert torch_call_in('  File "/tmp/ipykernel_1/2.py", line 4 in log_progress\n') is None

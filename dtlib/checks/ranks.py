@@ -17,7 +17,7 @@ import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
 from dtlib.counting import rank_without_communication, spawn_counting
-from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
 
 
@@ -126,9 +126,9 @@ def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout
 
 def _stuck_in(stack: str, function_name: str) -> str:
     """From a faulthandler stack (most recent call first): "all_reduce (line 4, in fn)"."""
-    inside = re.findall(r'distributed_c10d\.py", line \d+ in (\w+)', stack)  # the collective is torch's frame
+    inside = torch_call_in(stack)  # the collective is torch's frame
     line = next((n for n, name in re.findall(r"line (\d+) in (\w+)", stack) if name == function_name), "")
-    return (inside[0] if inside else "a collective") + (f" (line {line}, in {function_name})" if line else "")
+    return (inside or "a collective") + (f" (line {line}, in {function_name})" if line else "")
 
 
 def _ranks(ranks: list[int]) -> str:
