@@ -128,7 +128,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _nbytes(tensors: Any) -> int:
+def nbytes(tensors: Any) -> int:
+    """Bytes of storage behind ``tensors`` on this rank (a DTensor's local shard), each storage once."""
     seen: set[int] = set()
     total = 0
     for tensor in tensors:
@@ -151,8 +152,8 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = N
     Example: ``measured(model, optimizer)["parameters"]``.
     """
     params = list(model.parameters())
-    out = {"parameters": _nbytes(params), "gradients": _nbytes(p.grad for p in params if p.grad is not None)}
+    out = {"parameters": nbytes(params), "gradients": nbytes(p.grad for p in params if p.grad is not None)}
     states = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
                                            if isinstance(v, torch.Tensor)]
-    out["optimizer_state"] = _nbytes(states)
+    out["optimizer_state"] = nbytes(states)
     return out

@@ -536,3 +536,39 @@ def test_both_hybrid_strategies_need_whole_shard_groups(monkeypatch, strategy):
                                 f"{strategy} needs world_size divisible by shard_group_size")
     _refused_before_any_process(monkeypatch, FSDPConfig(strategy=strategy, reshard_after_forward=4), 4,
                                 "must divide the 2 ranks that shard")
+
+
+def _gradient_bytes_over_micro_batches(rank, world_size, reduce_dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dtlib
+    from dtlib.fsdp_measure import gradient_bytes
+
+    device = dtlib.rank_device()
+    model = models.build("transformer", seed=0).to(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if reduce_dtype else None
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+    fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+    x, y = (t.to(device) for t in next(data.batches(data.tokens(256), world_size, rank, batch_size=6)))
+    held = [gradient_bytes(model)]
+    for i, (xs, ys) in enumerate(zip(x.chunk(3), y.chunk(3), strict=True)):
+        model.set_requires_gradient_sync(i == 2)
+        torch.nn.functional.cross_entropy(model(xs).float().flatten(0, 1), ys.flatten()).backward()
+        held.append(gradient_bytes(model))
+    return held
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_gradient_bytes_are_whole_while_the_sync_is_held_back_and_sharded_after(reduce_dtype):
+    """Oracle: 4P bytes of fp32 gradient while set_requires_gradient_sync(False) holds (FSDP keeps them
+    unsharded, on the unsharded parameter or, with a reduce_dtype of its own, in its accumulator), 4P/N once
+    the last micro-batch reduce-scatters; nothing before the first backward."""
+    import dtlib
+
+    parameters = sum(p.numel() for p in models.build("transformer").parameters())
+    for held in dtlib.spawn(_gradient_bytes_over_micro_batches, world_size=2, args=(reduce_dtype,), timeout=90):
+        assert held == [0, 4 * parameters, 4 * parameters, 4 * parameters // 2]
