@@ -71,6 +71,7 @@ def run(
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend)
+    gathered_all = False
     try:
         value = fn(rank, world, *args, **kwargs)
         if not dist.is_initialized():
@@ -78,6 +79,7 @@ def run(
                                "rank's result: leave dist.destroy_process_group() to dtlib.run")
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, value)
+        gathered_all = True
         return gathered
     finally:
         if owns_group and dist.is_initialized():
@@ -85,4 +87,8 @@ def run(
             # later, at interpreter exit, a C++ thread of theirs can outlive it ("terminate called
             # without an active exception", SIGABRT, about one torchrun job in six here).
             gc.collect()
+            # Then wait for every rank to get here, as dtlib.spawn's ranks linger until all have finished:
+            # a rank that closes its connections while a peer is still freeing its own can abort the peer.
+            if gathered_all:  # after a failure the peers may never arrive
+                dist.barrier()
             compat.destroy_process_group()

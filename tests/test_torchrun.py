@@ -18,7 +18,7 @@ def test_two_nodes_on_one_machine(rendezvous):
     """Two torchrun processes, two ranks each: one job of 4 ranks whose all-reduce sees everyone."""
     finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=2,
                                        rendezvous=rendezvous, timeout=90)
-    assert [f.returncode for f in finished] == [0, 0], [f.output[-2000:] for f in finished]
+    assert [f.returncode for f in finished] == [0, 0], [torchrun.failure_report(f) for f in finished]
     ranks = _by_rank(torchrun.env_records(finished))
     assert sorted(ranks) == [0, 1, 2, 3]
     for record in ranks.values():
@@ -37,7 +37,7 @@ def test_two_nodes_on_one_machine(rendezvous):
 def test_runners_start_under_torchrun(runner):
     """The course's runners under torchrun --standalone: they train on the ranks torchrun started."""
     finished = torchrun.single_node(["-m", "dtlib.train", *runner], nproc_per_node=2, timeout=90)
-    assert finished.returncode == 0, finished.output[-2000:]
+    assert finished.returncode == 0, torchrun.failure_report(finished)
     assert "on 2 rank" in finished.output and "losses" in finished.output
     assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
 
@@ -48,7 +48,7 @@ def test_hybrid_shard_under_torchrun_checks_its_groups_against_torchruns_world_s
     not against --world-size (2 by default), which torchrun ignores."""
     finished = torchrun.single_node(["-m", "dtlib.train", "fsdp", "--strategy", "hybrid_shard", "--shard-group-size",
                                 "4", "--steps", "1"], nproc_per_node=4, timeout=200)
-    assert finished.returncode == 0, finished.output[-2000:]
+    assert finished.returncode == 0, torchrun.failure_report(finished)
     assert "fsdp2 hybrid_shard on 4 ranks" in finished.output
 
 
@@ -67,7 +67,7 @@ def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
 def test_the_deprecated_launcher_adds_local_rank_to_the_arguments_and_torchrun_does_not():
     target = ["-m", "dtlib.examples.local_rank", "--lr", "0.1"]
     old, new = torchrun.single_node(target, legacy=True, timeout=90), torchrun.single_node(target, timeout=90)
-    assert old.returncode == new.returncode == 0, (old.output[-2000:], new.output[-2000:])
+    assert old.returncode == new.returncode == 0, (torchrun.failure_report(old), torchrun.failure_report(new))
     assert old.command.startswith("python -m torch.distributed.launch --standalone")
     assert "torch.distributed.launch is deprecated" in old.output
     for local_rank in (0, 1):
@@ -185,3 +185,17 @@ def test_bad_node_settings():
         torchrun.simulate_nodes(["x.py"], nnodes=0)
     with pytest.raises(ValueError, match="rendezvous must be"):
         torchrun.simulate_nodes(["x.py"], rendezvous="etcd")
+
+
+def test_failure_report_shows_each_failed_ranks_own_lines_then_the_summary():
+    """A SIGABRT's reason is in the rank's own lines, not in the summary's tail."""
+    output = "\n".join(["[default0]:step 1", "[default1]:terminate called without an active exception",
+                        *[f"[default0]:noise {i}" for i in range(100)],
+                        "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)", "  exitcode  : -15 (pid: 7)",
+                        "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+                        "  exitcode  : -6 (pid: 8)"])
+    report = torchrun.failure_report(torchrun.Finished("torchrun x", 1, output), lines=3)
+    assert "terminate called without an active exception" in report
+    assert "local rank 1 (exit code -6)" in report and "local rank 0 (exit code -15)" in report
+    assert "noise 99" in report and "noise 96" not in report
+    assert report.rstrip().endswith("exitcode  : -6 (pid: 8)") and "step 1" not in report
