@@ -8,7 +8,7 @@ import pytest
 
 from dtlib.bench.__main__ import main
 from dtlib.bench._table import Column, as_records, format_table
-from dtlib.timing import slowest_median
+from dtlib.measure.timing import slowest_median
 
 
 @dataclass

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from dtlib import fsdp_compare, models
 from dtlib.bench import fsdp as bench_fsdp
-from dtlib.fsdp_compare import StrategyRow
+from dtlib.train import fsdp_compare, models
+from dtlib.train.fsdp_compare import StrategyRow
 
 S = 4 * sum(p.numel() for p in models.build("transformer").parameters())  # fp32 bytes of the whole model
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtlib import checks, collectives
+from dtlib import checks
 from dtlib.checks import training
-from dtlib.counting import rank_without_communication, spawn_counting
-from dtlib.launch import resolve_backend
+from dtlib.launch.spawn import resolve_backend
+from dtlib.measure.counting import rank_without_communication, spawn_counting
+from dtlib.ring import send_recv as collectives
 
 
 def _assert_verdict(feedback, ok, fragments):
@@ -85,7 +86,7 @@ def _sum_hard_coded_after_all_reduce(rank, world_size):
 
 
 def _every_call(rank, world_size):
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     value = torch.ones(2)
     dist.all_reduce(value)
@@ -149,7 +150,7 @@ def test_a_barrier_alone_moves_no_data():
 def _average_right(rank, world_size):
     import torch.distributed as dist
 
-    from dtlib.collectives import starting_values
+    from dtlib.ring.send_recv import starting_values
 
     values = starting_values(rank, world_size)
     dist.all_reduce(values)
@@ -159,7 +160,7 @@ def _average_right(rank, world_size):
 def _average_forgot_to_divide(rank, world_size):
     import torch.distributed as dist
 
-    from dtlib.collectives import starting_values
+    from dtlib.ring.send_recv import starting_values
 
     values = starting_values(rank, world_size)
     dist.all_reduce(values)
@@ -169,7 +170,7 @@ def _average_forgot_to_divide(rank, world_size):
 def _average_with_avg(rank, world_size):
     import torch.distributed as dist
 
-    from dtlib.collectives import starting_values
+    from dtlib.ring.send_recv import starting_values
 
     values = starting_values(rank, world_size)
     dist.all_reduce(values, op=dist.ReduceOp.AVG)
@@ -177,7 +178,7 @@ def _average_with_avg(rank, world_size):
 
 
 def _average_forgot_the_all_reduce(rank, world_size):
-    from dtlib.collectives import starting_values
+    from dtlib.ring.send_recv import starting_values
 
     return starting_values(rank, world_size)
 
@@ -185,7 +186,7 @@ def _average_forgot_the_all_reduce(rank, world_size):
 def _average_by_four(rank, world_size):
     import torch.distributed as dist
 
-    from dtlib.collectives import starting_values
+    from dtlib.ring.send_recv import starting_values
 
     values = starting_values(rank, world_size)
     dist.all_reduce(values)
@@ -195,7 +196,7 @@ def _average_by_four(rank, world_size):
 def _average_without_a_collective(rank, world_size):
     import torch
 
-    from dtlib.collectives import starting_values
+    from dtlib.ring.send_recv import starting_values
 
     return torch.stack([starting_values(r, world_size) for r in range(world_size)]).mean(0)
 
@@ -204,7 +205,7 @@ def _average_as(kind):
     def average(rank, world_size):
         import torch.distributed as dist
 
-        from dtlib.collectives import starting_values
+        from dtlib.ring.send_recv import starting_values
 
         values = starting_values(rank, world_size)
         dist.all_reduce(values)
@@ -244,7 +245,7 @@ def test_average_with_reduce_op_avg_is_right_where_gloo_has_it_and_explained_whe
 def _gather_by_adding(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
@@ -260,7 +261,7 @@ def _gather_nothing(chunks, rank, world_size):
 def _gather_wrong_chunks(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for step in range(world_size - 1):
         send, receive = (rank + step) % world_size, (rank - 1 - step) % world_size  # wrong: sends rank + step
@@ -272,7 +273,7 @@ def _gather_wrong_chunks(chunks, rank, world_size):
 def _gather_the_notebook_stub(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for _ in range(world_size - 1):
         send = receive = rank  # notebook 03's starting point
@@ -284,7 +285,7 @@ def _gather_the_notebook_stub(chunks, rank, world_size):
 def _gather_without_copy(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for step in range(world_size - 1):  # notebook 03's solution without chunks[receive].copy_(incoming)
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
@@ -295,7 +296,7 @@ def _gather_without_copy(chunks, rank, world_size):
 def _gather_by_assignment(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
@@ -307,7 +308,7 @@ def _gather_by_assignment(chunks, rank, world_size):
 def _scatter_without_add(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for step in range(world_size - 1):  # dtlib's reduce-scatter without chunks[receive] += incoming
         send, receive = (rank - 1 - step) % world_size, (rank - 2 - step) % world_size
@@ -316,7 +317,7 @@ def _scatter_without_add(chunks, rank, world_size):
 
 
 def _rank_0_skips_the_ring(chunks, rank, world_size):
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     if rank != 0:
         collectives.ring_all_gather_phase(chunks, rank, world_size)
@@ -325,7 +326,7 @@ def _rank_0_skips_the_ring(chunks, rank, world_size):
 def _gather_for_four_ranks(chunks, rank, world_size):
     import torch
 
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     for step in range(3):  # wrong: the notebook's 4 ranks, hard-coded
         send, receive = (rank - step) % 4, (rank - 1 - step) % 4
@@ -342,7 +343,7 @@ def _gather_by_broadcast(chunks, rank, world_size):
 
 
 def _gather_twice(chunks, rank, world_size):
-    from dtlib import collectives
+    from dtlib.ring import send_recv as collectives
 
     collectives.ring_all_gather_phase(chunks, rank, world_size)
     collectives.ring_all_gather_phase(chunks, rank, world_size)  # right again, at twice the bytes
@@ -408,7 +409,7 @@ def _hook_reduces_a_copy(grad):
 
 def test_the_hooks_oracle_is_the_mean_of_the_ranks_gradients():
     """One process on every rank's samples: its gradient is the mean of the ranks' gradients (the loss is a mean)."""
-    from dtlib import data, models
+    from dtlib.train import data, models
 
     world_size, per_rank = 3, training.SAMPLES_PER_RANK
     x, y = data.regression(per_rank * world_size, seed=1).tensors

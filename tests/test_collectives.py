@@ -1,4 +1,4 @@
-"""dtlib.collectives: the exercise's starting values; the send/recv ring against ``dist.all_reduce`` and the
+"""dtlib.ring.send_recv: the exercise's starting values; the send/recv ring against ``dist.all_reduce`` and the
 simulator. The collectives themselves run in notebook 02's cells, whose checked outputs the gate compares."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import dtlib
-from dtlib import collectives, ring
+from dtlib import ring
+from dtlib.ring import send_recv as collectives
 
 
 def test_starting_values_say_which_rank_and_slot_they_came_from():

@@ -1,4 +1,4 @@
-"""dtlib.commlog: interval arithmetic against brute force, and the recorder against what dist.all_reduce did."""
+"""dtlib.measure.commlog: interval arithmetic against brute force, and the recorder against what dist.all_reduce did."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dtlib
-from dtlib.commlog import CommEvent, CommLog, busy_seconds, hidden_share
+from dtlib.measure.commlog import CommEvent, CommLog, busy_seconds, hidden_share
 
 
 @pytest.mark.parametrize("intervals, expected", [
@@ -127,8 +127,8 @@ def _ddp_steps_both_ways(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlib import models
-    from dtlib.counting import count_collectives
+    from dtlib.measure.counting import count_collectives
+    from dtlib.train import models
 
     x, y = torch.randn(64, 16), torch.randn(64, 1)
     counted, logged = [], []

@@ -127,7 +127,7 @@ def test_gloo_avg_probe_matches_the_torch_version():
 
 
 def test_fsdp2_on_the_cpu_is_refused_where_torch_cannot_run_it(monkeypatch):
-    from dtlib import fsdp
+    from dtlib.train import fsdp
 
     monkeypatch.setattr(compat, "fsdp2_runs_on_cpu", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

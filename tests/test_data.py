@@ -1,4 +1,4 @@
-"""dtlib.data: synthetic data sets by seed, and DistributedSampler's split checked against its arithmetic."""
+"""dtlib.train.data: synthetic data sets by seed, and DistributedSampler's split checked against its arithmetic."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtlib import data
-from dtlib.models import IN_FEATURES, SEQ_LEN, VOCAB
+from dtlib.train import data
+from dtlib.train.models import IN_FEATURES, SEQ_LEN, VOCAB
 
 
 def test_regression_shapes_and_determinism():

@@ -1,4 +1,4 @@
-"""dtlib.ddp: DDP on N ranks reaches what one process reaches with the whole global batch."""
+"""dtlib.train.ddp: DDP on N ranks reaches what one process reaches with the whole global batch."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dtlib import ddp, models
-from dtlib.ddp_scratch import BucketedDDP, NaiveDDP, _trainable
+from dtlib.train import ddp, models
+from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP, _trainable
 
 QUIET = {"output": "none"}
 CONFIG = ddp.TrainConfig(steps=6)
@@ -113,8 +113,8 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     def no_processes(*args, **kwargs):
         raise AssertionError("ddp.run started processes for a config it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
-    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern) as info:  # the patched spawn proves no process started
         ddp.run(config, world_size, **QUIET)
     return str(info.value)
@@ -242,7 +242,7 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
 _FILL_THE_DISK = """
 import os, resource, signal, sys
 import torch
-from dtlib import ddp, models
+from dtlib.train import ddp, models
 path = sys.argv[1]
 model = models.build("wide_mlp", seed=0)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

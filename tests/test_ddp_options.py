@@ -1,4 +1,4 @@
-"""dtlib.ddp_options: each experiment run once, its numbers checked against the physics they illustrate."""
+"""dtlib.train.ddp_options: each experiment run once, its numbers checked against the physics they illustrate."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 
 import dtlib
-from dtlib import ddp_options, models
-from dtlib.ddp import TrainConfig, run
-from dtlib.runs import stop_and_resume
+from dtlib.train import ddp_options, models
+from dtlib.train.common import stop_and_resume
+from dtlib.train.ddp import TrainConfig, run
 
 
 def _grad_bytes(name: str) -> int:

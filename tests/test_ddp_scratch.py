@@ -1,4 +1,4 @@
-"""dtlib.ddp_scratch: NaiveDDP and BucketedDDP against torch's DistributedDataParallel on 2 ranks."""
+"""dtlib.train.ddp_scratch: NaiveDDP and BucketedDDP against torch's DistributedDataParallel on 2 ranks."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import dtlib
-from dtlib import data, models
-from dtlib.counting import count_collectives
-from dtlib.ddp_scratch import BucketedDDP, NaiveDDP
+from dtlib.measure.counting import count_collectives
+from dtlib.train import data, models
+from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP
 
 CAPS_MB = (0.0001, 0.001, 25.0)  # 0.0001 MB = 105 bytes: nearly one bucket per parameter
 NAMES = ("mlp", "transformer")

@@ -1,4 +1,4 @@
-"""dtlib.fsdp: FSDP2, FSDP1 and DDP train alike; each rank holds and sends what the ZeRO arithmetic says."""
+"""dtlib.train.fsdp: FSDP2, FSDP1 and DDP train alike; each rank holds and sends what the ZeRO arithmetic says."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dtlib import data, fsdp, memory, models
-from dtlib.fsdp import FSDPConfig
+from dtlib.measure import memory
+from dtlib.train import data, fsdp, models
+from dtlib.train.fsdp import FSDPConfig
 
 QUIET = {"output": "none"}
 STEPS = FSDPConfig().steps  # 4
@@ -293,8 +294,8 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     def no_processes(*args, **kwargs):
         raise AssertionError("fsdp.run started processes for a config it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
-    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):  # and spawn, patched above, was never called
         fsdp.run(config, world_size, **QUIET)
 
@@ -342,8 +343,8 @@ def _refused_without_processes(monkeypatch, config, world_size, pattern):
     def no_processes(*args, **kwargs):
         raise AssertionError("fsdp.run started processes for a config it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
-    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):
         fsdp.run(config, world_size, **QUIET)
 
@@ -358,7 +359,7 @@ def _refused_without_processes(monkeypatch, config, world_size, pattern):
     (FSDPConfig(save_after_step=5, checkpoint_dir="ckpt"), 2,
      r"save_after_step=5 is not one of the steps 1..4, so nothing would be saved; use a value from 1 to steps=4"),
     (FSDPConfig(save_after_step=0, checkpoint_dir="ckpt"), 2, r"save_after_step=0 is not one of the steps 1..4"),
-    (FSDPConfig(save_after_step=2), 2, r"needs checkpoint_dir, e.g. dtlib.fsdp_checkpoint.default_directory\(\)"),
+    (FSDPConfig(save_after_step=2), 2, r"needs checkpoint_dir, e.g. dtlib.train.fsdp_checkpoint.default_directory\(\)"),
 ], ids=["steps=2.5", "global_batch=32.0", "shard_group_size=2.0", "threads=None", "world_size=2.0",
         "reshard_after_forward=2.0", "save_after_step>steps", "save_after_step=0", "no-checkpoint_dir"])
 def test_settings_that_fail_inside_every_rank_or_save_nothing_are_refused(monkeypatch, config, world_size, pattern):
@@ -505,7 +506,7 @@ def test_run_many_refuses_every_bad_config_before_any_process_starts(monkeypatch
     def no_processes(*args, **kwargs):
         pytest.fail("a process was started")
 
-    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):
         fsdp.run_many(configs, world_size)
 
@@ -543,7 +544,7 @@ def _gradient_bytes_over_micro_batches(rank, world_size, reduce_dtype):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dtlib
-    from dtlib.fsdp_measure import gradient_bytes
+    from dtlib.measure.fsdp import gradient_bytes
 
     device = dtlib.rank_device()
     model = models.build("transformer", seed=0).to(device)

@@ -1,4 +1,4 @@
-"""dtlib.fsdp_checkpoint: a stopped and resumed job trains exactly like one that never stopped, and the full
+"""dtlib.train.fsdp_checkpoint: a stopped and resumed job trains exactly like one that never stopped, and the full
 checkpoint is a plain file a single process can load."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dtlib
-from dtlib import data, fsdp, fsdp_checkpoint, fsdp_wrap, models, runs
-from dtlib.fsdp import FSDPConfig
+from dtlib.train import common as runs
+from dtlib.train import data, fsdp, fsdp_checkpoint, fsdp_wrap, models
+from dtlib.train.fsdp import FSDPConfig
 
 SAVED_AT = 3
 CASES = [(api, kind) for api in ("fsdp2", "fsdp1") for kind in ("sharded", "full")]
@@ -289,7 +290,7 @@ def test_a_step_file_that_points_elsewhere_or_names_another_kind_is_refused(tmp_
     with pytest.raises(ValueError, match=r"holds a 'full' checkpoint, not 'sharded': use checkpoint_kind='full'"):
         fsdp_checkpoint.load(model, optimizer, str(tmp_path), "sharded")
     step_file.write_text(json.dumps({"step": 3, "kind": "full", "folder": "../elsewhere"}))
-    with pytest.raises(ValueError, match=r"is not one that dtlib.fsdp_checkpoint.save wrote"):
+    with pytest.raises(ValueError, match=r"is not one that dtlib.train.fsdp_checkpoint.save wrote"):
         fsdp_checkpoint.load(model, optimizer, str(tmp_path), "full")
 
 

@@ -1,5 +1,5 @@
-"""dtlib.fsdp_compare: the strategies hold and send what the ZeRO arithmetic and the ring formulas say;
-dtlib.runs.stop_and_resume refuses a stop that is not inside the run."""
+"""dtlib.train.fsdp_compare: the strategies hold and send what the ZeRO arithmetic and the ring formulas say;
+dtlib.train.common.stop_and_resume refuses a stop that is not inside the run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from dtlib import fsdp, fsdp_compare, memory, models, runs
-from dtlib.fsdp import FSDPConfig
-from dtlib.fsdp_compare import StrategyRow, bytes_sent_per_rank
+from dtlib.measure import memory
+from dtlib.train import common as runs
+from dtlib.train import fsdp, fsdp_compare, models
+from dtlib.train.fsdp import FSDPConfig
+from dtlib.train.fsdp_compare import StrategyRow, bytes_sent_per_rank
 
 S = 4 * sum(p.numel() for p in models.build("transformer").parameters())  # fp32 bytes of the whole model
 STEPS = 3
@@ -22,8 +24,8 @@ def test_resume_rejects_a_bad_stop_after(monkeypatch, stop_after, steps):
     def no_processes(*args, **kwargs):
         raise AssertionError("resume started processes for a stop_after it should refuse")
 
-    monkeypatch.setattr(sys.modules["dtlib.entry"], "spawn", no_processes)
-    monkeypatch.setattr(sys.modules["dtlib.launch"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
+    monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=rf"need 0 < stop_after < steps, got {stop_after} and {steps}"):
         runs.stop_and_resume(fsdp.run, FSDPConfig(), steps=steps, stop_after=stop_after,  # spawn never ran
                              location="checkpoint_dir")

@@ -1,10 +1,11 @@
-"""dtlib.guide: each rule of the decision guide at its boundary, from the ZeRO formulas."""
+"""dtlib.train.guide: each rule of the decision guide at its boundary, from the ZeRO formulas."""
 
 from __future__ import annotations
 
 import pytest
 
-from dtlib import guide, memory
+from dtlib.measure import memory
+from dtlib.train import guide
 
 MEM = 80.0  # GB per GPU
 BUDGET = MEM * (1 - guide.ACTIVATION_RESERVE)

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import dtlib
-import dtlib._job
 import dtlib.compat
-import dtlib.launch
-from dtlib._processes import forkserver_pid, loopback_interface
+import dtlib.launch.job
+import dtlib.launch.spawn
+from dtlib.launch.processes import forkserver_pid, loopback_interface
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -208,7 +208,7 @@ def test_fork_jobs_in_two_threads_do_not_hold_each_others_pipes(monkeypatch, tmp
     """Job B forks its ranks while job A runs. B's ranks must not keep A's end-of-job pipe open,
     or A's ranks never see the end of the job: A's call would wait for B's ranks to exit, and
     B's ranks (which wait for A's call to return) would give up waiting and return False."""
-    monkeypatch.setattr(dtlib.launch, "FINISH_GRACE_S", 120.0)  # A would wait, not kill, on a held pipe
+    monkeypatch.setattr(dtlib.launch.spawn, "FINISH_GRACE_S", 120.0)  # A would wait, not kill, on a held pipe
     outcome = {}
 
     def run_a():
@@ -343,7 +343,7 @@ def test_world_size_beyond_what_this_process_can_hold_is_a_clear_error(no_proces
 
 def test_many_ranks_per_core_warn(monkeypatch, no_process_start):
     """More than 4 ranks per usable core is a RuntimeWarning (the call goes on); 4 per core is not."""
-    monkeypatch.setattr(dtlib.launch, "usable_cores", lambda: 1)
+    monkeypatch.setattr(dtlib.launch.spawn, "usable_cores", lambda: 1)
     with pytest.warns(RuntimeWarning, match="world_size=5 starts 5 processes on 1 CPU core"), \
             pytest.raises(AssertionError, match="started a process"):
         dtlib.spawn(own_rank, 5)
@@ -357,7 +357,8 @@ def test_limit_follows_the_open_file_limit(monkeypatch):
     """The largest world_size is what the open-file limit allows at FDS_PER_RANK per rank."""
     resource = pytest.importorskip("resource")
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
-    assert dtlib.launch.max_world_size() == (1024 - dtlib.launch.FDS_KEPT_FREE) // dtlib.launch.FDS_PER_RANK
+    launch = dtlib.launch.spawn
+    assert launch.max_world_size() == (1024 - launch.FDS_KEPT_FREE) // launch.FDS_PER_RANK
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
@@ -381,7 +382,7 @@ def test_descriptors_per_rank_stay_within_the_budget(tmp_path):
     with pytest.raises(dtlib.WorkerError):
         dtlib.spawn(note_pid_and_port_then_sleep, 4, args=(str(tmp_path),), output="none", timeout=50)
     counter.join()
-    assert 0 < counted["during"] - before <= 4 * dtlib.launch.FDS_PER_RANK
+    assert 0 < counted["during"] - before <= 4 * dtlib.launch.spawn.FDS_PER_RANK
 
 
 

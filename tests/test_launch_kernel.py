@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dtlib._relay import FLUSH_INTERVAL_S
+from dtlib.launch.relay import FLUSH_INTERVAL_S
 
 jupyter_client = pytest.importorskip("jupyter_client")
 

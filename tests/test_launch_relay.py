@@ -1,4 +1,4 @@
-"""The relay of rank output (dtlib._relay.Relay): prefixes, batching, partial lines, and one
+"""The relay of rank output (dtlib.launch.relay.Relay): prefixes, batching, partial lines, and one
 real job whose single line is 50 MB."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dtlib
-from dtlib._relay import FLUSH_INTERVAL_S, RECENT_STDERR_LINES, Relay
+from dtlib.launch.relay import FLUSH_INTERVAL_S, RECENT_STDERR_LINES, Relay
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import dtlib
-from dtlib import _doctor
-from dtlib._doctor import Collective
-from dtlib.rankview import RankValues, compare
+from dtlib.live import doctor as _doctor
+from dtlib.live.doctor import Collective
+from dtlib.live.rankview import RankValues, compare
 
 pytestmark = pytest.mark.timeout(300)
 

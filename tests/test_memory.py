@@ -1,4 +1,4 @@
-"""dtlib.memory: the ZeRO paper's figures, the formulas' shape, and bytes measured on real tensors."""
+"""dtlib.measure.memory: the ZeRO paper's figures, the formulas' shape, and bytes measured on real tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dtlib import memory, models
+from dtlib.measure import memory
+from dtlib.train import models
 
 
 def test_zero_paper_example_as_the_paper_rounds_it():

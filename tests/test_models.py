@@ -1,4 +1,5 @@
-"""dtlib.models: the same seed gives the same weights everywhere, shapes as documented, losses as torch defines them."""
+"""dtlib.train.models: the same seed gives the same weights everywhere, shapes as documented, losses as torch
+defines them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtlib import models
+from dtlib.train import models
 
 
 def _flat_params(model: torch.nn.Module) -> torch.Tensor:

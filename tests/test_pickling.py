@@ -25,7 +25,7 @@ import cloudpickle
 import pytest
 
 import dtlib
-from dtlib import _pickling
+from dtlib.launch import pickling
 
 REPO = Path(__file__).resolve().parents[1]
 CELL = '''\
@@ -59,12 +59,12 @@ def code_filenames(code) -> set[str]:
 
 def test_every_code_object_keeps_its_filename_and_only_in_memory_sources_travel(cell):
     filename, namespace = cell
-    payload = _pickling.dumps((namespace["cell_fn"], (), {}), parts=[], refusal="cannot send {part}")
+    payload = pickling.dumps((namespace["cell_fn"], (), {}), parts=[], refusal="cannot send {part}")
     fn, _, _ = cloudpickle.loads(payload.data)
     assert code_filenames(fn.__code__) == {filename}  # the nested function and comprehension too
     assert payload.sources == {filename: CELL.splitlines(True)}
     # a function from a file on disk travels by reference or by value, but its source never does
-    assert _pickling.dumps(textwrap.dedent, parts=[], refusal="{part}").sources == {}
+    assert pickling.dumps(textwrap.dedent, parts=[], refusal="{part}").sources == {}
 
 
 def test_the_rank_raises_the_same_traceback_lines_as_this_process(cell):
@@ -85,7 +85,7 @@ def test_a_refusal_names_the_part_that_cannot_be_pickled():
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"cannot send args\[1\] \(lock\) to the ranks: it cannot be pickled"):
         dtlib.spawn(lambda rank, world_size, *a: rank, world_size=2, args=(1, lock))
-    assert not _pickling.picklable(lock) and _pickling.picklable(lambda: 1)
+    assert not pickling.picklable(lock) and pickling.picklable(lambda: 1)
 
 
 @pytest.mark.timeout(300)

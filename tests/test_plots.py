@@ -10,8 +10,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dtlib import plots, sysinfo  # noqa: E402
+from dtlib import plots  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
+from dtlib.launch import sysinfo
 
 
 def _texts(fig) -> str:
@@ -135,7 +136,7 @@ def test_before_after_shows_every_value_on_every_rank_from_what_the_ranks_hold()
 
 
 def _strategy_rows():
-    from dtlib.fsdp_compare import StrategyRow
+    from dtlib.train.fsdp_compare import StrategyRow
 
     parts = {"parameters": 56128, "gradients": 56128, "optimizer_state": 112376}
     comm = {"all_gather": {"calls": 6, "bytes": 224512}, "reduce_scatter": {"calls": 3, "bytes": 112256}}

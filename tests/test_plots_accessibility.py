@@ -33,12 +33,13 @@ from matplotlib.axis import Axis  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from dtlib import data, fsdp_compare, guide, plots, ring  # noqa: E402
+from dtlib import plots, ring  # noqa: E402
 from dtlib.bench.bandwidth import Row  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
-from dtlib.ddp import RankResult  # noqa: E402
-from dtlib.fsdp_compare import StrategyRow  # noqa: E402
-from dtlib.sysinfo import MachineInfo  # noqa: E402
+from dtlib.launch.sysinfo import MachineInfo  # noqa: E402
+from dtlib.train import data, fsdp_compare, guide
+from dtlib.train.ddp import RankResult  # noqa: E402
+from dtlib.train.fsdp_compare import StrategyRow  # noqa: E402
 
 # 7 pt is the smallest text we accept. matplotlib's default is 10 pt and its "x-small" 6.9 pt; at the
 # 100 dpi the notebooks render at, 7 pt is about 10 px tall, and Jupyter and GitHub shrink a figure
@@ -180,7 +181,7 @@ def _timeline_results(buckets: int) -> list[RankResult]:
     return results
 
 
-def _records(nnodes: int, nproc_per_node: int) -> list[dict[str, object]]:  # as dtlib.torchrun.env_records
+def _records(nnodes: int, nproc_per_node: int) -> list[dict[str, object]]:  # as dtlib.launch.torchrun.env_records
     world_size = nnodes * nproc_per_node
     return [{"RANK": str(node * nproc_per_node + local), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world_size),
              "LOCAL_WORLD_SIZE": str(nproc_per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",

@@ -124,8 +124,7 @@ def test_readme_is_a_newcomer_page_and_every_local_link_resolves():
 def _dtlib_imports() -> dict[str, set[str]]:
     """What each part of dtlib imports from the others, anywhere in it (inside functions too).
 
-    A subpackage is one node (``dtlib.bench``), as a layer is: a top-level module that imports
-    ``dtlib.bench.x`` while ``dtlib.bench.y`` imports it back is a cycle between layers.
+    A package is one node (``dtlib.bench``), as a layer is; a top-level module (``dtlib.compat``) is one too.
     """
     import ast
 
@@ -133,7 +132,7 @@ def _dtlib_imports() -> dict[str, set[str]]:
                for path in (ROOT / "dtlib").rglob("*.py")}
 
     def node(module: str) -> str:
-        return ".".join(module.split(".")[:2])  # dtlib.bench.bandwidth -> dtlib.bench; dtlib.launch stays
+        return ".".join(module.split(".")[:2])  # dtlib.bench.bandwidth -> dtlib.bench; dtlib.launch.spawn stays
 
     graph: dict[str, set[str]] = {node(name): set() for name in modules if name != "dtlib"}
     for name, path in modules.items():
@@ -150,29 +149,76 @@ def _dtlib_imports() -> dict[str, set[str]]:
     return graph
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle in ``graph`` as a path that returns to its start, or None."""
-    done: set[str] = set()
+def _layout_script():
+    import importlib.util
 
-    def visit(name: str, path: list[str]) -> list[str] | None:
-        if name in path:
-            return path[path.index(name):] + [name]
-        if name in done:
-            return None
-        for target in sorted(graph[name]):
-            if found := visit(target, path + [name]):
-                return found
-        done.add(name)
-        return None
-
-    return next((found for name in sorted(graph) if (found := visit(name, []))), None)
+    spec = importlib.util.spec_from_file_location("layout", ROOT / "scripts" / "layout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_dtlib_modules_import_each_other_without_a_cycle():
+# Top to bottom: a package imports only from the layers below its own (scripts/layout.py holds the order).
+LAYERS = [[f"dtlib.{name}" for name in names] for names in _layout_script().LAYERS]
+
+
+def test_the_layout_in_docs_is_the_one_the_script_generates():
+    """docs/testing.md's map of dtlib is generated from the modules' own docstrings, never kept by hand."""
+    assert _layout_script().block() in (ROOT / "docs" / "testing.md").read_text(), \
+        "run `python scripts/layout.py --write` after moving or adding a module"
+
+
+def _layer(node: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if node in names)
+
+
+def test_every_part_of_dtlib_has_a_layer_and_imports_only_below_it():
     graph = _dtlib_imports()
-    assert "dtlib.guide" in graph["dtlib.plots"]  # imports inside functions count too, and a package is one node
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert not (found := _cycle(graph)), "import cycle: " + " -> ".join(found or [])
+    assert "dtlib.train" in graph["dtlib.plots"]  # imports inside functions count too, and a package is one node
+    assert set(graph) == {name for names in LAYERS for name in names}, "a new part of dtlib needs a layer here"
+    assert _upward({"dtlib.launch": {"dtlib.train", "dtlib.compat"}, "dtlib.checks": {"dtlib.plots"}}) == [
+        "dtlib.checks -> dtlib.plots", "dtlib.launch -> dtlib.train"]
+    assert not (upward := _upward(graph)), "imports that go up or sideways: " + ", ".join(upward)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if _layer(b) <= _layer(a))
+
+
+def _imports_of(path: Path, *, inside_functions: bool) -> list[tuple[str, list[str]]]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    local = {id(node) for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(function)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dtlib") and \
+                (id(node) in local) == inside_functions:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def test_no_package_reaches_into_anothers_private_names():
+    reaches = []
+    for path in (ROOT / "dtlib").rglob("*.py"):
+        own = ".".join(path.relative_to(ROOT).parts[:2]).removesuffix(".py")
+        for module, names in _imports_of(path, inside_functions=False) + _imports_of(path, inside_functions=True):
+            target = ".".join(module.split(".")[:2])
+            private = [n for n in names if n.startswith("_")] + [p for p in module.split(".")[2:] if p.startswith("_")]
+            if private and target != own:
+                reaches.append(f"{path.relative_to(ROOT)}: from {module} import {', '.join(names)}")
+    assert not reaches, "\n".join(reaches)
+
+
+def test_dtlib_imports_itself_at_the_top_of_each_module():
+    """No import inside a function to dodge a cycle: the layers leave none to dodge. Two exceptions
+    load something heavy late, on purpose."""
+    allowed = {ROOT / "dtlib" / "__init__.py",  # %load_ext: IPython's side loads only when Jupyter asks
+               ROOT / "dtlib" / "launch" / "worker.py"}  # a rank imports torch only once its environment is set
+    local = [f"{path.relative_to(ROOT)}: from {module}" for path in (ROOT / "dtlib").rglob("*.py")
+             if path not in allowed for module, _ in _imports_of(path, inside_functions=True)]
+    assert not local, "\n".join(local)
 
 
 def test_make_lab_allows_root_and_passes_the_users_options():

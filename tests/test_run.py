@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dtlib
-from dtlib._processes import free_port
+from dtlib.launch.processes import free_port
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -1,4 +1,4 @@
-"""dtlib.sysinfo: the machine report agrees with torch and never initialises CUDA."""
+"""dtlib.launch.sysinfo: the machine report agrees with torch and never initialises CUDA."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from dtlib import sysinfo
+from dtlib.launch import sysinfo
 
 
 def test_machine_info_agrees_with_torch():

@@ -1,11 +1,11 @@
-"""dtlib.torchrun and python -m dtlib.train: real torchrun processes, one node and two simulated nodes."""
+"""dtlib.launch.torchrun and python -m dtlib.train: real torchrun processes, one node and two simulated nodes."""
 
 from __future__ import annotations
 
 import pytest
 
-from dtlib import torchrun
 from dtlib.feedback import Feedback
+from dtlib.launch import torchrun
 
 
 def _by_rank(records):
@@ -105,7 +105,7 @@ def test_a_hanging_job_is_stopped_at_the_timeout():
 
 
 def test_train_without_a_runner_name_says_how():
-    from dtlib import train
+    from dtlib.train import cli as train
 
     assert train.main([]) == 2 and train.main(["lightning"]) == 2
 

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ddp_parser = commands.add_parser("ddp", help="DDP step time on 1 rank against N, buckets, overlap")
     ddp_parser.add_argument("--world-size", type=_count(1), default=2)
-    ddp_parser.add_argument("--model", default="wide_mlp", help="a name from dtlib.models.MODELS")
+    ddp_parser.add_argument("--model", default="wide_mlp", help="a name from dtlib.train.models.MODELS")
     ddp_parser.add_argument("--global-batch", type=_count(1), default=2048)
     ddp_parser.add_argument("--steps", type=_count(3), default=12, help="step 0 builds buckets and is not timed")
     ddp_parser.add_argument("--threads", type=_count(1), default=1, help="torch threads per rank")

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib import collectives, compat, ring
+from dtlib import compat, ring
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as as_records
 from dtlib.bench._table import format_table as _format_table
-from dtlib.entry import rank_device
-from dtlib.launch import spawn
-from dtlib.timing import slowest_median
+from dtlib.launch.entry import rank_device
+from dtlib.launch.spawn import spawn
+from dtlib.measure.timing import slowest_median
+from dtlib.ring import send_recv as collectives
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 
@@ -140,7 +141,7 @@ def sweep(op: str, world_size: int = 2, min_bytes: int | str = "1K", max_bytes: 
           iters: int = 20, warmup: int = 5, algo: str = "library", **spawn_options: Any) -> list[Row]:
     """Time ``op`` ("allreduce", "allgather", "reducescatter", "broadcast") at doubling sizes.
 
-    ``algo="ring"`` times ``dtlib.collectives.ring_all_reduce`` instead of the library's all-reduce.
+    ``algo="ring"`` times ``dtlib.ring.send_recv.ring_all_reduce`` instead of the library's all-reduce.
     Example: ``sweep("allreduce", 2, "1K", "1M", iters=10)``.
     """
     if op not in OPS:

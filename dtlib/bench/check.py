@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dtlib import ring
+from dtlib.bench import bandwidth, startup
 from dtlib.bench._table import Column
 from dtlib.bench._table import format_table as _format_table
 
@@ -61,8 +63,6 @@ def best_of(name: str, what: str, limit: float, unit: str, attempts: Iterable[fl
 
 
 def _spawn(repeats: int) -> list[Result]:
-    from dtlib.bench import startup
-
     ratios = []
     for _ in range(repeats):
         timings = {t.method: t for t in startup.measure(world_size=2, repeats=3, methods=["spawn", "mp.spawn"])}
@@ -71,15 +71,11 @@ def _spawn(repeats: int) -> list[Result]:
 
 
 def _forkserver(repeats: int) -> list[Result]:
-    from dtlib.bench import startup
-
     medians = [startup.measure(world_size=2, repeats=5, methods=["forkserver"])[0].median for _ in range(repeats)]
     return [best_of("forkserver", "a warm forkserver launch of 2 ranks (median of 5)", 0.15, "s", medians)]
 
 
 def _overhead_and_ring(repeats: int) -> list[Result]:
-    from dtlib.bench import bandwidth
-
     overheads, ring_ratios = [], []
     for _ in range(repeats):
         busbw = bandwidth.reference(2, "16M", output="none")  # GB/s, each the median of interleaved rounds
@@ -91,8 +87,6 @@ def _overhead_and_ring(repeats: int) -> list[Result]:
 
 
 def _simulator(repeats: int) -> list[Result]:
-    from dtlib import ring
-
     inputs = list(np.ones((64, 2**20), dtype=np.float32))
     seconds = []
     for _ in range(repeats):

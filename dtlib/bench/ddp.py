@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from dtlib import ddp
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as as_records
 from dtlib.bench._table import format_table as _format_table
-from dtlib.timing import slowest_median
+from dtlib.measure.timing import slowest_median
+from dtlib.train import ddp
 
 
 @dataclass

@@ -10,18 +10,18 @@ from typing import Any
 
 import torch
 
-from dtlib import fsdp_compare
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as _as_records
 from dtlib.bench._table import format_table as _format_table
-from dtlib.fsdp import FSDPConfig
-from dtlib.fsdp_compare import StrategyRow
+from dtlib.train import fsdp_compare
+from dtlib.train.fsdp import FSDPConfig
+from dtlib.train.fsdp_compare import StrategyRow
 
 GLOBAL_BATCH = FSDPConfig().global_batch  # samples per step, split evenly over the ranks
 
 
 def measure(world_size: int = 2, steps: int = 6, **spawn_options: Any) -> list[StrategyRow]:
-    """Every strategy of :data:`dtlib.fsdp_compare.SETTINGS` that fits ``world_size``.
+    """Every strategy of :data:`dtlib.train.fsdp_compare.SETTINGS` that fits ``world_size``.
 
     Refuses, before any rank starts, a ``world_size`` that does not divide :data:`GLOBAL_BATCH`.
     Example: ``[row.label for row in measure(2, steps=3)]``.

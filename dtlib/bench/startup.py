@@ -24,11 +24,11 @@ import torch.multiprocessing
 
 import dtlib
 from dtlib import compat
-from dtlib._processes import free_port
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as _as_records
 from dtlib.bench._table import format_table as _format_table
 from dtlib.examples.hello import sum_of_ranks
+from dtlib.launch.processes import free_port
 
 # Measured in this order: the forkserver's first call must come before any other use of it.
 # "accelerate" (its fork-based notebook_launcher) is measured when accelerate is installed.

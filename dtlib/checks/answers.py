@@ -1,7 +1,7 @@
 """Checkers of answers typed into a cell (a backend name, a number of bytes, a strategy, a command).
 
 Nothing here starts processes. The strategy and torchrun checkers live beside the code they check
-(:mod:`dtlib.guide`, :mod:`dtlib.torchrun`); these functions give them their ``dtlib.checks`` names.
+(:mod:`dtlib.train.guide`, :mod:`dtlib.launch.torchrun`); these functions give them their ``dtlib.checks`` names.
 
 Example::
 
@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from dtlib.feedback import Feedback
-from dtlib.launch import resolve_backend
+from dtlib.launch.spawn import resolve_backend
+from dtlib.launch.torchrun import check_command
+from dtlib.measure import memory
+from dtlib.train.guide import check_choice
 
 
 def backend_choice(answer: Any, world_size: int = 2) -> Feedback:
@@ -50,7 +53,6 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
 
     Example: ``fsdp_memory(16 * 28_064)`` says that is DDP's figure, not FULL_SHARD's.
     """
-    from dtlib import memory
 
     fp32_adam = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": 8}
     expected = memory.estimate(num_params, world_size, strategy, **fp32_adam)
@@ -90,14 +92,13 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
 
 
 def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> Feedback:
-    """Notebook 06: the strategy :func:`dtlib.guide.recommend` picks (see :func:`dtlib.guide.check_choice`)."""
-    from dtlib.guide import check_choice
+    """Notebook 06: the strategy :func:`dtlib.train.guide.recommend` picks
+    (see :func:`dtlib.train.guide.check_choice`)."""
 
     return check_choice(answer, num_params, gpu_memory_gb, num_gpus, nodes)
 
 
 def torchrun_command(command: Any, **job: Any) -> Feedback:
-    """Notebook 07: a node's torchrun line (see :func:`dtlib.torchrun.check_command`)."""
-    from dtlib.torchrun import check_command
+    """Notebook 07: a node's torchrun line (see :func:`dtlib.launch.torchrun.check_command`)."""
 
     return check_command(command, **job)

@@ -2,7 +2,7 @@
 
 Each runs the learner's function with ``dtlib.spawn`` on two world sizes (one refuses an answer
 written for one size), compares every rank's result with the right one, and counts the collectives
-it called (:mod:`dtlib.counting`), so that an answer worked out without communicating is refused.
+it called (:mod:`dtlib.measure.counting`), so that an answer worked out without communicating is refused.
 
 Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
 """
@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
-from dtlib.counting import rank_without_communication, spawn_counting
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
+from dtlib.measure.counting import rank_without_communication, spawn_counting
+from dtlib.ring.send_recv import starting_values
 
 
 def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: float = 30.0) -> Feedback:
@@ -66,15 +67,13 @@ def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: fl
 
 def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout: float = 30.0) -> Feedback:
     """Notebook 02: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
-    ``dtlib.collectives.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``),
+    ``dtlib.ring.send_recv.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``),
     computed through a collective; it runs with ``world_size`` ranks and with one more. A tensor, a
     list, a tuple or a numpy array of the right numbers is right.
 
     Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
     """
     import torch
-
-    from dtlib.collectives import starting_values
 
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")

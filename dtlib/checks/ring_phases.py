@@ -1,10 +1,10 @@
 """The checker of notebook 03's exercise: one phase of the ring all-reduce, written with ``ring_shift``.
 
-The learner's phase runs inside ``dtlib.collectives.ring_all_reduce`` on live gloo ranks, beside
+The learner's phase runs inside ``dtlib.ring.send_recv.ring_all_reduce`` on live gloo ranks, beside
 dtlib's own other phase; the buffer must come out equal to ``dist.all_reduce``'s, and how the
 phase changed the chunks says what went wrong.
 
-Example: ``dtlib.checks.ring_phase(dtlib.collectives.ring_all_gather_phase)`` is ✓.
+Example: ``dtlib.checks.ring_phase(dtlib.ring.send_recv.ring_all_gather_phase)`` is ✓.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dtlib.counting import count_collectives
-from dtlib.entry import rank_device
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
-from dtlib.launch import spawn
+from dtlib.launch.entry import rank_device
+from dtlib.launch.spawn import spawn
+from dtlib.measure.counting import count_collectives
+from dtlib.ring import chunk_bounds
+from dtlib.ring import send_recv as collectives
 
 
 def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None], which: str,
                           length: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-
-    from dtlib import collectives
 
     data = torch.arange(length, dtype=torch.float64, device=rank_device()) * 10.0**rank  # rank r: 10^r x [0, 1, ...]
     expected = data.clone()
@@ -75,7 +75,7 @@ def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size
     and with one more (which refuses a phase written for one world size), and each rank
     must pass its chunks with ``ring_shift``, N-1 times.
 
-    Example: ``ring_phase(dtlib.collectives.ring_all_gather_phase)`` is ✓.
+    Example: ``ring_phase(dtlib.ring.send_recv.ring_all_gather_phase)`` is ✓.
     """
     if which not in ("all_gather", "reduce_scatter"):
         return Feedback(False, f"which must be 'all_gather' or 'reduce_scatter', not {which!r}.")
@@ -111,7 +111,6 @@ def _wrong_with(phase: Callable[..., None], which: str, world_size: int, length:
                     "size, and its peers then lose the connection: with uneven chunks, the chunk you send must be "
                     "the one your right-hand neighbour expects to receive.")
         return f"Your phase raised on a rank:\n{headlines[0]}"
-    from dtlib.ring import chunk_bounds
 
     for rank, report in enumerate(reports):
         for chunk, (start, stop) in enumerate(chunk_bounds(length, world_size)):

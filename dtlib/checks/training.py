@@ -13,11 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from dtlib.checks._numbers import constant_divisor
-from dtlib.counting import count_collectives, rank_without_communication
-from dtlib.entry import rank_device
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
-from dtlib.launch import spawn
+from dtlib.launch.entry import rank_device
+from dtlib.launch.spawn import spawn
+from dtlib.measure import memory
+from dtlib.measure.counting import count_collectives, rank_without_communication
+from dtlib.train import data, models
 
 SAMPLES_PER_RANK = 8  # gradient_hook: each rank's share of the regression data
 
@@ -25,8 +27,6 @@ SAMPLES_PER_RANK = 8  # gradient_hook: each rank's share of the regression data
 def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any]) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
-
-    from dtlib import data, models
 
     x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors
     mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
@@ -46,8 +46,6 @@ def _one_process_gradient(world_size: int) -> Any:
     """The oracle: one model in this process, the loss over every rank's samples at once (a mean, so the
     gradient is the mean of the ranks' gradients: what averaging them must give)."""
     import torch
-
-    from dtlib import data, models
 
     x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors
     model = models.build("mlp", seed=0)
@@ -128,8 +126,6 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlib import data, memory, models
-
     model = models.build("transformer", seed=0)
     try:
         returned = wrap(model)
@@ -167,14 +163,13 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any
 
 
 def fsdp_wrap(wrap: Callable[[Any], Any], world_size: int = 2, steps: int = 3, timeout: float = 60.0) -> Feedback:
-    """Notebook 05: ``wrap(model)`` shards ``dtlib.models.build("transformer")`` with ``fully_shard``;
+    """Notebook 05: ``wrap(model)`` shards ``dtlib.train.models.build("transformer")`` with ``fully_shard``;
     every block must be a unit of its own and the root sharded last.
 
     Each rank measures the parameter bytes it holds while forward runs and its model state after a
     step, and trains ``steps`` steps beside ``DistributedDataParallel`` on the same samples.
     Example: ``fsdp_wrap(lambda model: fully_shard(model))`` says the whole model is gathered at once.
     """
-    from dtlib import models
 
     if not callable(wrap):
         return Feedback(False, f"Pass your function itself, not {type(wrap).__name__}.")

@@ -232,4 +232,4 @@ def before_after(before: Sequence[Any], after: Sequence[Any], title: str) -> Fig
     return fig
 
 
-# -- training runs (dtlib.ddp, dtlib.fsdp) ---------------------------------------------------------
+# -- training runs (dtlib.train.ddp, dtlib.train.fsdp) ---------------------------------------------------------

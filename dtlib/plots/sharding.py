@@ -2,7 +2,7 @@
 
 Example::
 
-    rows = dtlib.fsdp_compare.strategies(world_size=2)
+    rows = dtlib.train.fsdp_compare.strategies(world_size=2)
     dtlib.plots.memory_bars(rows)
 """
 
@@ -15,7 +15,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from dtlib.measure import memory
 from dtlib.plots._style import tick_names
+from dtlib.train.guide import CHOICES, recommend
 
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
@@ -48,7 +50,7 @@ def shard(full_shape: Sequence[int], world_size: int, name: str = "a parameter")
 
 
 def memory_bars(rows: Sequence[Any], title: str = "") -> Figure:
-    """Model-state bytes per rank for each strategy (``dtlib.fsdp_compare.StrategyRow`` s), two bars each.
+    """Model-state bytes per rank for each strategy (``dtlib.train.fsdp_compare.StrategyRow`` s), two bars each.
 
     Left, measured: at rest (stacked: parameters, gradients, optimizer state), and on top (grey, hatched) the
     weights gathered between forward and backward; FSDP1 hides those in its own buffers, so its bar says so.
@@ -105,7 +107,6 @@ def comm_bars(rows: Sequence[Any], sent_per_rank: Mapping[str, float] | None = N
 
 def zero_stages(num_params: float, world_size: int, **bytes_per_param: float) -> Figure:
     """The ZeRO formula's bytes per rank for each stage, in GB (1e9 bytes), as bars."""
-    from dtlib import memory
 
     stages = memory.STRATEGIES
     gb = [memory.estimate(num_params, world_size, s, **bytes_per_param) / 1e9 for s in stages]
@@ -121,7 +122,7 @@ def zero_stages(num_params: float, world_size: int, **bytes_per_param: float) ->
 
 
 def guide_bars(advice: Any, title: str = "") -> Figure:
-    """Model state per GPU under each GPU candidate (a ``dtlib.guide.Recommendation``), the budget left
+    """Model state per GPU under each GPU candidate (a ``dtlib.train.guide.Recommendation``), the budget left
     after the activations as a line, the chosen strategy highlighted; below, the host RAM per node that
     CPU offload needs against the usable RAM."""
     names = list(advice.gb_per_gpu)
@@ -149,8 +150,7 @@ def guide_bars(advice: Any, title: str = "") -> Figure:
 
 
 def guide_grid(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
-    """``dtlib.guide.table()`` as a grid: model size down, GPU memory across, the choice in each cell."""
-    from dtlib.guide import CHOICES
+    """``dtlib.train.guide.table()`` as a grid: model size down, GPU memory across, the choice in each cell."""
 
     sizes = sorted({r["params_b"] for r in rows})
     mems = sorted({r["gpu_gb"] for r in rows})
@@ -174,8 +174,6 @@ def guide_calculator() -> object:
     between nodes; the callback draws :func:`dtlib.plots.guide_bars`. Show it as a notebook cell's value."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-
-    from dtlib.guide import recommend
 
     def draw(params_b: float, gpu_memory_gb: int, num_gpus: int, nodes: int, host_memory_gb: int,
              inter_node_gb_per_s: float) -> None:

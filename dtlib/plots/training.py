@@ -1,10 +1,10 @@
 """Drawings of training runs: loss curves, the communication timeline, samplers, bar charts.
 
-Each function takes what a dtlib runner returned (``dtlib.ddp.RankResult`` and friends)
+Each function takes what a dtlib runner returned (``dtlib.train.ddp.RankResult`` and friends)
 and returns a Figure. Example::
 
-    results = dtlib.ddp.run(dtlib.ddp.TrainConfig(), world_size=2)
-    dtlib.plots.loss_curves(results, reference=dtlib.ddp.train_single(dtlib.ddp.TrainConfig()))
+    results = dtlib.train.ddp.run(dtlib.train.ddp.TrainConfig(), world_size=2)
+    dtlib.plots.loss_curves(results, reference=dtlib.train.ddp.train_single(dtlib.train.ddp.TrainConfig()))
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
 
 
 def sampler_grid(order: Sequence[Sequence[Sequence[int]]], title: str = "") -> Figure:
-    """``[epoch][rank]`` indices (``dtlib.data.sampler_indices``) as a grid: rows are (epoch, rank),
+    """``[epoch][rank]`` indices (``dtlib.train.data.sampler_indices``) as a grid: rows are (epoch, rank),
     each cell a sample index, coloured by the index so that repeats across epochs show."""
     rows = [(epoch, rank, indices) for epoch, ranks in enumerate(order) for rank, indices in enumerate(ranks)]
     width = max(len(indices) for _, _, indices in rows)
@@ -114,7 +114,7 @@ def bars(values: Mapping[str, float], title: str, ylabel: str, fmt: str = "{:.3g
 
 def nodes(records: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
     """The ranks of a torchrun job grouped by node (``GROUP_RANK``), each box with its RANK and
-    LOCAL_RANK: records as ``dtlib.torchrun.env_records`` parses them."""
+    LOCAL_RANK: records as ``dtlib.launch.torchrun.env_records`` parses them."""
     by_node: dict[int, list[Mapping[str, Any]]] = {}
     for record in records:
         by_node.setdefault(int(record["GROUP_RANK"]), []).append(record)

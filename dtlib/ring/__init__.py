@@ -16,9 +16,14 @@ included (some chunks are then empty and their transfers carry 0 bytes).
 
 Three modules, one concern each: ``simulator`` (buffers, chunks, one step of
 messages), ``algorithms`` (ring, naive, star, recursive doubling, halving-doubling;
-their traffic) and ``cost`` (the alpha-beta model that predicts their times).
+their traffic) and ``cost`` (the alpha-beta model that predicts their times). Beside
+them, ``send_recv``: the same ring run on real ranks with ``dist.send``/``dist.recv``
+(the only module here that needs ``torch.distributed``; it is loaded on first use).
 """
 
+from types import ModuleType
+
+from dtlib._lazy import submodule
 from dtlib.ring.algorithms import (
     ALL_REDUCE_ALGORITHMS,
     simulate_all_gather,
@@ -38,3 +43,7 @@ __all__ = ["ALL_REDUCE_ALGORITHMS", "BUS_FACTOR", "COLLECTIVE_MODEL", "COST_TERM
            "fit_alpha_beta", "simulate_all_gather", "simulate_all_reduce", "simulate_halving_doubling_all_reduce",
            "simulate_naive_all_reduce", "simulate_recursive_doubling_all_reduce", "simulate_reduce_scatter",
            "simulate_star_all_reduce", "traffic_table"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    return submodule(__name__, name)  # dtlib.ring.send_recv, loaded on first use

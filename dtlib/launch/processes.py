@@ -1,0 +1,257 @@
+"""How dtlib starts and signals its processes: each rank's environment, multiprocessing's
+forkserver and the ranks started without re-running ``__main__`` and safe from Ctrl-C, Ctrl-C
+held back while a step must finish, ranks killed, a dead forkserver recognised.
+
+Used by :func:`dtlib.spawn` and :class:`dtlib.launch.job.Job`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import multiprocessing.spawn
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+_launching = threading.local()  # .active: this thread is starting a rank right now
+_stdlib_preparation_data = multiprocessing.spawn.get_preparation_data
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives one rank on a single node, with the store on ``127.0.0.1:port``.
+
+    Example: ``torchrun_env(1, 2, 29500)["RANK"] == "1"``.
+    """
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # The parent hosts the store, as torchrun's agent does: every rank is a client.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "DTLIB_SPAWN": "1",
+    }
+    if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # what torchrun does: ranks would fight over cores
+    # gloo listens on the address the hostname resolves to, which may be the network's:
+    # a job on one machine keeps its rank-to-rank sockets on loopback unless the user chose.
+    if "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
+        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    return env
+
+
+@functools.cache
+def loopback_interface() -> str:
+    """The name of the loopback network interface, or ``""``. Example: ``loopback_interface()`` is ``"lo"`` on Linux."""
+    iff_loopback = 0x8  # from <net/if.h>
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir("/sys/class/net")):
+            with open(f"/sys/class/net/{name}/flags") as flags:
+                if int(flags.read(), 16) & iff_loopback:
+                    return name
+    with contextlib.suppress(OSError, AttributeError):
+        return next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), "")
+    return ""
+
+
+class HeldInterrupts:
+    """Hold Ctrl-C (SIGINT) back while a step that must not be cut in half runs.
+
+    Only the main thread receives SIGINT in Python, so elsewhere this does nothing.
+    Example: ``with HeldInterrupts() as held: close_everything()`` then ``held.deliver()``.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous: Any = None
+
+    def __enter__(self) -> HeldInterrupts:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):  # not SIG_IGN, SIG_DFL, or a handler set outside Python
+                signal.signal(signal.SIGINT, self._hold)
+                self._previous = previous
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def deliver(self) -> None:
+        """Act on a held interrupt now, as the handler it replaced would have."""
+        if self.count and self._previous is not None:
+            self.count = 0
+            if self._previous is signal.default_int_handler:
+                raise KeyboardInterrupt
+            self._previous(signal.SIGINT, sys._getframe())
+
+
+@contextlib.contextmanager
+def sigint_blocked(active: bool = True) -> Iterator[None]:
+    """Block SIGINT in this thread: a process started meanwhile starts with it blocked.
+
+    Jupyter interrupts by signalling the kernel's whole process group; a child still
+    importing torch (a new rank, the forkserver) would die of it with a traceback.
+    Example: ``with sigint_blocked(): process.start()``.
+    """
+    if not active or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if signal.SIGINT not in before:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def forkserver_pid() -> int | None:
+    """The pid of multiprocessing's forkserver in this process, or None before it starts.
+
+    Example: ``forkserver_death(forkserver_pid())`` is None while the server runs.
+    """
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
+def forkserver_death(pid: int | None, wait_s: float = 0.0) -> str | None:
+    """How the forkserver ``pid`` ended (``"was killed by SIGKILL"``), or None while it runs.
+
+    Waits up to ``wait_s`` for it to end: its pipes close a moment before it can be waited on.
+    Peeks at the exit status without reaping, so that multiprocessing still restarts the server.
+    """
+    if pid is None or not hasattr(os, "waitid"):
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already: multiprocessing found it dead and started another
+            return "died"
+        except OSError:
+            return None
+        if info is not None and info.si_pid != 0:
+            break
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
+    if info.si_code == os.CLD_EXITED:
+        return f"exited with code {info.si_status}"
+    how = f"was killed by {signal.Signals(info.si_status).name}"
+    return how + (" (the Linux out-of-memory killer sends SIGKILL)" if info.si_status == signal.SIGKILL else "")
+
+
+def send(pid: int, signum: int, *, group: bool) -> None:
+    """Signal a rank (and with ``group``, the children it started); gone is fine.
+
+    Example: ``send(pid, signal.SIGKILL, group=True)``.
+    """
+    try:
+        if group:
+            try:
+                os.killpg(pid, signum)
+                return
+            except ProcessLookupError:
+                pass  # the rank had not made its own group yet
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a launcher that must be told one (torchrun's
+    ``--master_port``, ``mp.spawn``'s ``MASTER_PORT``). dtlib.spawn needs none: it holds its own listener.
+
+    Example: ``free_port()`` -> ``43121``.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def end_group(pgid: int) -> None:
+    """Kill what is left of the process group ``pgid``: the processes that a finished rank started.
+
+    Each rank leads a group of its own (``os.setpgid(0, 0)`` as it starts), and Linux gives no new
+    process a PID that is still the ID of a group with members, so this reaches the rank's descendants
+    (those that kept its group); an empty group is fine. Example: ``end_group(rank_pid)``.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's start-up data for a child, without the caller's script while dtlib starts a rank.
+
+    ``spawn`` and ``forkserver`` normally import the ``__main__`` script again in each child, so
+    a script without an ``if __name__ == "__main__":`` guard would start ranks recursively.
+    dtlib ships ``fn`` by value, so its ranks never need it. Other callers get the usual data.
+    """
+    data = _stdlib_preparation_data(name)
+    if getattr(_launching, "active", False):
+        for key in ("init_main_from_name", "init_main_from_path", "main_path"):
+            data.pop(key, None)
+    return data
+
+
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """While this thread starts a process, that child does not re-run ``__main__``.
+
+    No module is swapped: the filter above, installed once, changes nothing for other threads or callers.
+    """
+    if multiprocessing.spawn.get_preparation_data is _stdlib_preparation_data:
+        multiprocessing.spawn.get_preparation_data = _preparation_data
+    _launching.active = True
+    try:
+        yield
+    finally:
+        _launching.active = False
+
+
+def start_forkserver() -> None:
+    """Start multiprocessing's forkserver (if it is not running) with SIGINT blocked.
+
+    It inherits the block, so an interrupt sent to the kernel's process group while the server
+    imports torch cannot kill it; it ignores SIGINT once it serves. A server that died is restarted.
+    Example: ``start_forkserver()`` before the first ``forkserver`` rank starts.
+    """
+    multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks SIGINT again
+    with _main_not_rerun(), sigint_blocked(), HeldInterrupts() as held:
+        multiprocessing.forkserver.ensure_running()
+    held.deliver()
+
+
+def start_rank(process: Any, method: str) -> None:
+    """Start one rank, whole: Ctrl-C waits until it is done.
+
+    A request to the forkserver cut off between connecting and sending its descriptors kills
+    the server (its ``recvfds`` raises EOFError), so an interrupt while the first rank waits for
+    the server's imports takes effect once they are done. A forkserver rank starts with SIGINT
+    blocked by inheritance; a ``spawn`` or ``fork`` rank gets the block from this thread.
+    Example: ``start_rank(ctx.Process(target=...), "forkserver")``.
+    """
+    multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks SIGINT again
+    with HeldInterrupts() as held, _main_not_rerun(), sigint_blocked(method != "forkserver"):
+        process.start()
+    held.deliver()

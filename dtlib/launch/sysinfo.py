@@ -1,0 +1,105 @@
+"""What this machine offers for distributed training, and what that means for the course.
+
+Example::
+
+    info = dtlib.launch.sysinfo.machine_info()
+    print(info.summary())
+    for line in dtlib.launch.sysinfo.implications(info):
+        print("-", line)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dtlib.launch.spawn import resolve_backend, resolve_start_method
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """Facts about this machine, read without initialising CUDA."""
+
+    python: str
+    torch: str
+    cuda_build: str | None  # CUDA version torch was built with; None for a CPU build
+    gpu_count: int
+    gpu_names: list[str] = field(default_factory=list)
+    backends: dict[str, bool] = field(default_factory=dict)  # gloo, nccl, mpi -> available
+    cpu_count: int = 1  # logical CPUs on the machine
+    usable_cpus: int = 1  # CPUs this process may run on (containers and taskset limit it)
+    start_methods: list[str] = field(default_factory=list)
+    platform: str = ""
+
+    def summary(self) -> str:
+        """A few lines for a notebook cell."""
+        gpus = f"{self.gpu_count} ({', '.join(self.gpu_names)})" if self.gpu_count else "0"
+        backends = ", ".join(f"{name}: {'yes' if ok else 'no'}" for name, ok in self.backends.items())
+        return "\n".join([
+            f"Python {self.python} on {self.platform}",
+            f"torch {self.torch} ({'CUDA ' + self.cuda_build if self.cuda_build else 'CPU-only build'})",
+            f"GPUs: {gpus}",
+            f"CPUs: {self.usable_cpus} usable of {self.cpu_count}",
+            f"torch.distributed backends: {backends}",
+            f"process start methods: {', '.join(self.start_methods)}",
+        ])
+
+
+def machine_info() -> MachineInfo:
+    """Read the machine: torch build, GPUs, backends, CPUs. Never initialises CUDA.
+
+    Example: ``machine_info().backends["gloo"]`` is True on every supported platform.
+    """
+    gpu_count = torch.cuda.device_count()
+    names = [torch.cuda.get_device_name(i) for i in range(gpu_count)] if gpu_count else []
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity API
+        usable = os.cpu_count() or 1
+    return MachineInfo(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda_build=torch.version.cuda,
+        gpu_count=gpu_count,
+        gpu_names=names,
+        backends={
+            "gloo": dist.is_gloo_available(),
+            "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available(),
+        },
+        cpu_count=os.cpu_count() or 1,
+        usable_cpus=usable,
+        start_methods=mp.get_all_start_methods(),
+        platform=f"{platform.system()} {platform.machine()}",
+    )
+
+
+def implications(info: MachineInfo, world_size: int = 2) -> list[str]:
+    """What ``info`` means for the notebooks, one sentence each.
+
+    Example: on a laptop without GPUs the first line says every job runs on gloo.
+    """
+    lines = []
+    backend = resolve_backend("auto", world_size)
+    if backend == "nccl":
+        lines.append(f"dtlib.spawn(..., world_size={world_size}) uses NCCL, one GPU per rank (cuda:LOCAL_RANK).")
+    else:
+        lines.append(f"dtlib.spawn(..., world_size={world_size}) uses gloo on the CPU: every notebook runs here.")
+    if 0 < info.gpu_count < world_size:
+        lines.append(f"{info.gpu_count} GPU(s): NCCL jobs need one GPU per rank, so larger jobs fall back to gloo.")
+    if info.gpu_count == 0:
+        lines.append("No GPU: GPU-only parts (NCCL, CUDA memory numbers) are explained and skipped.")
+    if info.usable_cpus < 2 * world_size:
+        lines.append(
+            f"{info.usable_cpus} usable CPU(s): ranks share cores, so timings are noisy; compare ratios from one run."
+        )
+    method = resolve_start_method("auto")  # what a launch costs is measured, not promised: see section 4 of 00
+    lines.append(f"Ranks start with '{method}'" + (
+        ": the first launch also starts a server that imports torch once; later ones fork from it."
+        if method == "forkserver" else ": every launch starts fresh interpreters that import torch again."))
+    return lines

@@ -1,0 +1,259 @@
+"""Start ``torchrun`` from a notebook cell or a test: one node, or several nodes simulated on this machine.
+
+Each call runs ``python -m torch.distributed.run`` (that is ``torchrun``) with this Python, waits
+at most ``timeout`` seconds, and returns the command and its output; a hang kills the whole
+process group instead of blocking the cell::
+
+    out = dtlib.launch.torchrun.single_node(["-m", "dtlib.examples.env"], nproc_per_node=2)
+    print(out.command); print(out.output)
+    nodes = dtlib.launch.torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2)   # two "machines"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dtlib.feedback import Feedback
+from dtlib.launch.processes import free_port
+
+
+@dataclass
+class Finished:
+    """One torchrun process: the command line, its exit code and its combined output."""
+
+    command: str
+    returncode: int
+    output: str
+
+
+def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
+             module: str = "torch.distributed.run") -> list[str]:
+    # --tee=3: torchrun relays each rank's stdout and stderr line by line, prefixed [default<LOCAL_RANK>]:
+    return [sys.executable, "-m", module, *options, f"--nproc_per_node={nproc_per_node}", "--tee=3", *target]
+
+
+def _start(command: list[str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # set: torchrun then prints no banner about it
+    env.pop("DTLIB_SPAWN", None)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # its own process group: a timeout kills every rank
+
+
+def _stop(processes: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM first: torchrun's agent then stops its ranks, which run in sessions of their own;
+    SIGKILL to whatever is left after a grace period."""
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float) -> list[Finished]:
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for process in processes:
+        try:
+            out, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _stop(processes)
+            try:
+                out, _ = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a rank outlived its agent and holds the pipe: stop reading
+                process.stdout.close()
+                out = ""
+            out += f"\n[dtlib.launch.torchrun] stopped after {timeout:.0f} s"
+        outputs.append(out)
+    shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) if "torch.distributed.run" in c
+             else " ".join(["python", *c[1:]]) for c in commands]
+    return [Finished(cmd, p.returncode, out) for cmd, p, out in zip(shown, processes, outputs, strict=True)]
+
+
+def single_node(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0,
+                legacy: bool = False) -> Finished:
+    """``torchrun --standalone --nproc_per_node=N <target>``: one node, a fresh rendezvous on a free port.
+
+    ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or
+    ``["-m", "dtlib.train", "ddp"]``. ``legacy=True`` runs the deprecated ``python -m
+    torch.distributed.launch`` instead, which also passes ``--local-rank=N`` to the script.
+    """
+    module = "torch.distributed.launch" if legacy else "torch.distributed.run"
+    command = _command(target, nproc_per_node, ["--standalone"], module)
+    return _finish([_start(command)], [command], timeout)[0]
+
+
+def exit_codes(finished: Finished) -> dict[int, int]:
+    """The exit code of each failed rank, by global rank, from the failure summary torchrun prints
+    (torchrun itself exits with 1 whatever they were). Example: ``{0: -15, 1: 3}`` (rank 1 exited with 3,
+    then the agent stopped rank 0 with SIGTERM); ``{}`` when none failed."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", finished.output)
+    return {int(rank): int(code) for rank, code in found}
+
+
+def failure_report(finished: Finished, lines: int = 30) -> str:
+    """What to read when a torchrun job failed: the last ``lines`` lines that each failed rank printed
+    itself (``--tee=3`` prefixes them ``[default<LOCAL_RANK>]:``), then torchrun's own summary. A rank that
+    died of a signal (SIGABRT: ``exitcode: -6``) often says why only in its own lines, long before the
+    summary's last 2,000 characters. Example: ``assert finished.returncode == 0, failure_report(finished)``."""
+    local = dict(re.findall(r"rank\s*:\s*\d+ \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                            finished.output))
+    parts = [f"{finished.command}\nexit code {finished.returncode}"]
+    for rank, code in sorted(local.items()):
+        own = [line for line in finished.output.splitlines() if line.startswith(f"[default{rank}]:")]
+        parts.append(f"--- local rank {rank} (exit code {code}), its last {lines} lines:\n" + "\n".join(own[-lines:]))
+    summary = finished.output.rfind("Failures:")
+    parts.append(finished.output[summary:] if summary >= 0 else finished.output[-2000:])
+    return "\n".join(parts)
+
+
+def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
+                   timeout: float = 60.0) -> list[Finished]:
+    """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.
+
+    ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the agent on
+    the endpoint's host serves the store (here every node is on 127.0.0.1, so the first to bind the port
+    does), and node ranks are given out when the rendezvous completes, not in order of arrival.
+    ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
+    node 0 hosting the store, as with ``torch.distributed.launch`` of old.
+    """
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+    if rendezvous not in ("c10d", "static"):
+        raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
+    port = free_port()
+    commands = []
+    for node_rank in range(nnodes):
+        if rendezvous == "c10d":
+            options = [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                       f"--rdzv_id=dtlib-{port}"]
+        else:
+            options = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
+                       f"--master_port={port}"]
+        commands.append(_command(target, nproc_per_node, options))
+    return _finish([_start(c) for c in commands], commands, timeout)
+
+
+def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:
+    """The ``DTLIB_ENV {...}`` lines that ``dtlib.examples.env`` prints, parsed, sorted by RANK."""
+    records = [json.loads(match) for run in finished for match in re.findall(r"DTLIB_ENV (\{.*?\})", run.output)]
+    return sorted(records, key=lambda record: int(record["RANK"]))
+
+
+_NOT_GIVEN = object()  # check_command: marks the options a command line leaves to torchrun's defaults
+
+
+def _torchrun_arguments(words: list[str]) -> list[str] | None:
+    """What follows the launcher in ``torchrun ...`` or ``python -m torch.distributed.run ...``, else None."""
+    if words and os.path.basename(words[0]) == "torchrun":
+        return words[1:]
+    if words and os.path.basename(words[0]).startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]:
+        return words[3:]
+    return None
+
+
+def _torchrun_defaults() -> dict[str, object]:
+    """Every option of torchrun's parser with its default: what a bare ``torchrun train.py`` gets."""
+    from torch.distributed.run import get_args_parser
+
+    return vars(get_args_parser().parse_args(["train.py"]))
+
+
+def _parse_torchrun(arguments: list[str]) -> tuple[dict[str, object] | None, str]:
+    """torchrun's own parser on ``arguments``: ({option: value, ``_NOT_GIVEN`` where unset}, "") or
+    (None, argparse's complaint in one line)."""
+    import argparse
+    import contextlib
+    import io
+
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    unset = argparse.Namespace(**dict.fromkeys(_torchrun_defaults(), _NOT_GIVEN))  # argparse keeps what is set
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            return vars(parser.parse_args(arguments, namespace=unset)), ""
+    except SystemExit:
+        complaint = [line for line in said.getvalue().splitlines() if "error:" in line]
+        return None, complaint[-1].split("error:", 1)[1].strip() if complaint else "it prints torchrun's help"
+
+
+def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, node_rank: int = 1,
+                  master_addr: str = "10.0.0.1", master_port: int = 29500) -> object:
+    """Notebook 07's exercise: the torchrun line for node ``node_rank`` of a static (hand-numbered) job.
+
+    The line is read by torchrun's own argument parser, so every spelling torchrun accepts is right:
+    ``--opt=value`` or ``--opt value``, dashes or underscores, abbreviations, ``python -m torch.distributed.run``.
+    Example: ``check_command("torchrun --standalone train.py")`` explains why standalone is one node only.
+    """
+    import shlex
+
+    if not isinstance(command, str) or not command.strip():
+        return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")
+    try:
+        words = shlex.split(command)
+    except ValueError as err:  # an unclosed quote
+        return Feedback(False, f"The shell could not read this line: {err}.")
+    arguments = _torchrun_arguments(words)
+    if arguments is None:
+        if os.path.basename(words[0]).startswith("python") and "train.py" in words:
+            return Feedback(False, "`python train.py` starts one process and no rendezvous: launch it with torchrun "
+                                   "(or python -m torch.distributed.run), its options first, then train.py.")
+        return Feedback(False, "Start with torchrun and end with the script, train.py.")
+    given, complaint = _parse_torchrun(arguments)
+    if given is None:
+        return Feedback(False, f"torchrun would refuse this line: {complaint}.")
+    if given["training_script"] != "train.py":
+        return Feedback(False, "End with the script, train.py: torchrun's options come before it "
+                               f"(this line runs {given['training_script']!r}).")
+    wanted = {"nnodes": str(nnodes), "nproc_per_node": str(nproc_per_node), "node_rank": node_rank,
+              "master_addr": master_addr, "master_port": master_port}
+    script_args = given["training_script_args"]
+    late = [str(word) for word in script_args if word.lstrip("-").replace("-", "_").split("=")[0] in wanted]
+    if late:
+        return Feedback(False, f"{late[0]} comes after train.py, so it goes to train.py, not to torchrun: put "
+                               "torchrun's options before the script.")
+    if given["standalone"] is True:
+        return Feedback(False, "--standalone starts a private rendezvous on this machine: one node only. "
+                               "Several nodes must name the same --master_addr and --master_port.")
+    backend = given.get("rdzv_backend", _NOT_GIVEN)
+    if backend not in (_NOT_GIVEN, "static"):
+        return Feedback(False, f"--rdzv_backend={backend}: this job numbers its nodes by hand, which is the static "
+                               "rendezvous (torchrun's default). c10d ignores --node_rank and finds its store at "
+                               "--rdzv_endpoint, not --master_addr: leave --rdzv_backend out.")
+    endpoint = given.get("rdzv_endpoint", _NOT_GIVEN)
+    if endpoint not in (_NOT_GIVEN, "", f"{master_addr}:{master_port}"):
+        return Feedback(False, f"--rdzv_endpoint={endpoint} wins over --master_addr and --master_port, and this "
+                               f"job's store is at {master_addr}:{master_port}: leave --rdzv_endpoint out.")
+    defaults = _torchrun_defaults()
+    if defaults["master_port"] is None:  # newer torchrun fills it in after parsing: 29500 for a static rendezvous
+        defaults["master_port"] = 29500
+    left_out = []
+    for name, value in wanted.items():
+        got = given[name]
+        if got is _NOT_GIVEN:
+            if defaults[name] == value:
+                left_out.append(f"--{name}")  # torchrun's default is this job's value
+                continue
+            return Feedback(False, f"--{name} is missing: this job needs {value}, and without it torchrun uses "
+                                   f"{defaults[name]}.")
+        same = str(got).split(":") in ([str(value)], [str(value)] * 2) if name == "nnodes" else got == value
+        if not same:  # --nnodes=2:2 is the same as 2 (min:max nodes)
+            hint = " (node ranks count from 0)" if name == "node_rank" else ""
+            return Feedback(False, f"--{name}={got} should be {value}{hint}.")
+    defaulted = f" ({' and '.join(left_out)} left out: torchrun's default is this job's value.)" if left_out else ""
+    return Feedback(True, f"Right: {nnodes * nproc_per_node} ranks; this node's get RANK "
+                          f"{node_rank * nproc_per_node}..{(node_rank + 1) * nproc_per_node - 1} and LOCAL_RANK "
+                          f"0..{nproc_per_node - 1}; node 0 hosts the store at {master_addr}:{master_port}.{defaulted}")

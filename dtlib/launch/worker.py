@@ -1,0 +1,252 @@
+"""The code that runs inside every rank started by :func:`dtlib.spawn`.
+
+Kept free of heavy imports at module level: under the ``spawn`` start method
+this module is imported before the rank's environment is in place, and torch
+should see the final environment (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``).
+
+The parent talks to a rank through five pipes:
+
+- ``stdout`` and ``stderr``: file descriptors 1 and 2 of the rank, C-level output
+  (gloo, NCCL) included, which the parent relays in batches, ``[rank N]`` on each line;
+- ``result``: one framed message, ``("ok", value)`` or ``("error", details)``;
+- ``stacks``: where :mod:`faulthandler` writes every thread's Python stack when
+  the parent sends ``SIGUSR1`` (used for the timeout report);
+- ``alive``: the parent holds the write end. End-of-file means either "every
+  rank has reported, finish now" or "the parent died"; in both cases the rank
+  must not outlive it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dtlib.launch import pickling
+
+STACK_SIGNAL = signal.SIGUSR1
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a rank needs besides the pickled function."""
+
+    rank: int
+    world_size: int
+    env: dict[str, str]  # the parent's environment plus the torchrun variables
+    backend: str | None  # None: the function initialises the process group itself
+    source_lines: dict[str, list[str]]  # linecache entries, so tracebacks show cell code
+    close_fds: list[int]  # parent-side descriptors a forked child inherits
+
+
+@dataclass
+class WorkerPipes:
+    """The child's ends of the five pipes described in the module docstring."""
+
+    result: Connection
+    stdout: Connection
+    stderr: Connection
+    stacks: Connection
+    alive: Connection
+    channels: list[Connection] = field(default_factory=list)  # two-way, for a caller that asks for them
+
+
+_held: list[Any] = []  # objects that must stay alive for the life of the process
+_channels: list[Connection] = []
+
+
+def channels() -> list[Connection]:
+    """This rank's ends of the two-way channels its job asked for (``Job(channels=N)``); empty by default."""
+    return list(_channels)
+
+
+def _redirect_output(pipes: WorkerPipes) -> None:
+    os.dup2(pipes.stdout.fileno(), 1)
+    os.dup2(pipes.stderr.fileno(), 2)
+    # Fresh line-buffered streams: under ``fork`` the inherited sys.stdout may be a
+    # Jupyter stream object that must not be used from a child process.
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+    stack_file = open(pipes.stacks.fileno(), "w", closefd=False)
+    _held.append(stack_file)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _watch_parent(alive: Connection, finished: threading.Event) -> None:
+    """Block until the parent closes its end, then make sure this rank ends."""
+    try:
+        os.read(alive.fileno(), 1)
+    except OSError:
+        pass
+    if not finished.wait(timeout=0.0):
+        # The parent went away (or is stopping us) while fn was still running.
+        os._exit(75)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when its parent dies.
+
+    The watcher thread needs the GIL to notice; a rank inside a long C call that holds
+    the GIL would outlive the notebook's kernel without this. Linux sends the signal when
+    the thread that started the rank ends: the thread inside ``dtlib.spawn`` (``fork``,
+    ``spawn``), which lives as long as the rank, or the forkserver's only thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(75)
+
+
+def _leave_the_forkserver_alone() -> None:
+    """Close this rank's copy of the pipe that keeps multiprocessing's forkserver running.
+
+    The server exits when every holder of that pipe's write end is gone; a rank keeping a
+    copy would keep it (and so itself, through ``PR_SET_PDEATHSIG``) alive after the kernel
+    died. Only in a rank the forkserver started: there ``_forkserver_pid`` is None.
+    """
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and getattr(server, "_forkserver_pid", 0) is None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or a note saying it failed: a broken ``__str__`` must not hide the error."""
+    try:
+        return str(exc)
+    except BaseException as inner:  # noqa: BLE001 - whatever __str__ raises
+        return f"<str() of this {type(exc).__qualname__} raised {type(inner).__qualname__}>"
+
+
+def _error_details(exc: BaseException) -> dict[str, str]:
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is main.__code__ and tb.tb_next is not None:
+        tb = tb.tb_next  # start the remote traceback at the user's code, not at dtlib's
+    message = describe(exc)
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException:  # noqa: BLE001 - a broken exception must still be reported
+        text = "".join(traceback.format_tb(tb)) + f"{type(exc).__qualname__}: {message}\n"
+    return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message, "traceback": text}
+
+
+def dumps_result(value: Any) -> bytes:
+    """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA, and a tensor
+    computed with autograd (``model.weight[0]``, a loss) travels detached: its graph cannot leave the rank."""
+    import cloudpickle
+
+    torch = sys.modules.get("torch")
+
+    class ResultPickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if torch is not None and isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
+                                                                         or obj.grad_fn is not None):
+                return _identity, (obj.detach().cpu(),)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    ResultPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _init_process_group(backend: str, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://", device_id=device)
+    else:
+        dist.init_process_group(backend, init_method="env://")
+
+
+def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
+    """Entry point of one rank: run ``fn(rank, world_size, *args, **kwargs)`` and report."""
+    for fd in config.close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    os.setpgid(0, 0)  # own process group: the parent can stop the rank and its children
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interrupts
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while it started; ignored now
+    _die_with_parent()
+    _leave_the_forkserver_alone()
+    _redirect_output(pipes)
+    _channels[:] = pipes.channels
+    finished = threading.Event()
+    threading.Thread(target=_watch_parent, args=(pipes.alive, finished), daemon=True).start()
+
+    os.environ.clear()
+    os.environ.update(config.env)
+    pickling.install_sources(config.source_lines)
+
+    message: tuple[str, Any]
+    initialised = False
+    try:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if "torch" in sys.modules and "OMP_NUM_THREADS" in os.environ:
+            # torch may have been imported before the variable was set (forkserver).
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if config.backend is not None:
+            _init_process_group(config.backend, config.rank)
+            initialised = True
+        value = fn(config.rank, config.world_size, *args, **kwargs)
+        try:
+            message = ("ok", dumps_result(value))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            wrapped = TypeError(
+                f"rank {config.rank} returned a {type(value).__name__} that cannot be pickled: {describe(exc)}"
+            )
+            message = ("error", _error_details(wrapped))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        message = ("error", _error_details(exc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import cloudpickle
+
+    finished.set()  # from here on, end-of-file on ``alive`` means "finish normally"
+    pipes.result.send_bytes(cloudpickle.dumps(message))
+    # Linger until the parent has heard from every rank: a rank that returned early
+    # must keep its connections open, or peers still inside a collective would see
+    # "connection closed" instead of the real problem.
+    try:
+        os.read(pipes.alive.fileno(), 1)
+    except OSError:
+        pass
+    if initialised and message[0] == "ok" and sys.modules["torch.distributed"].is_initialized():
+        from dtlib import compat  # fn may have destroyed the group itself, as torchrun scripts do
+
+        compat.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()

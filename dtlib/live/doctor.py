@@ -1,0 +1,199 @@
+"""The hang doctor: which collective each live rank is in, and where the ranks disagree.
+
+Each rank's record comes from torch's own Flight Recorder (``TORCH_FR_BUFFER_SIZE``), which
+notes every collective a process group starts, with its sequence number, operation, tensor
+shapes and dtypes, and whether it has finished; nothing in the user's code is patched. A
+rank answers :func:`last_collectives` from a thread of its own, so it answers even while
+its main thread waits inside gloo or NCCL. :func:`explain` turns the ranks' answers into
+one line per rank and a verdict, e.g. *rank 0 waits in all_reduce #3 (float32[4]); rank 1
+finished the cell after all_reduce #2: rank 0 is alone in collective #3*.
+
+Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live.ranks`) and, in each rank, :mod:`dtlib.live.rank`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from dtlib.errors import torch_call_in
+
+#: How many collectives each rank's Flight Recorder keeps (a ring buffer; ~1 KB each).
+FR_BUFFER_SIZE = 2000
+#: The environment that turns the recorder on, for gloo and NCCL alike.
+FR_ENV = {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_SIZE)}
+
+# The Flight Recorder names dtypes as c10 does; learners know torch's names.
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+           "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
+           "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as a rank's Flight Recorder saw it.
+
+    Example: ``Collective("all_reduce", 3, "default_pg", ("float32[4]",), done=False).describe()``
+    is ``"all_reduce #3 (float32[4])"``.
+    """
+
+    op: str
+    seq: int  # the group's collective number (point-to-point calls count separately)
+    group: str  # "default_pg" for the world
+    tensors: tuple[str, ...]  # "float32[4]" per input tensor
+    done: bool  # False: the rank started it and has not got past it
+
+    def describe(self, number: bool = True) -> str:
+        where = "" if self.group == "default_pg" else f" on group {self.group}"
+        args = f" ({', '.join(self.tensors)})" if self.tensors else ""
+        return f"{self.op}{f' #{self.seq}' if number else ''}{args}{where}"
+
+    def signature(self) -> tuple[str, tuple[str, ...]]:
+        return self.op, self.tensors
+
+
+def _tensor(size: list[int], dtype: str) -> str:
+    return f"{_DTYPES.get(dtype, dtype)}[{', '.join(map(str, size))}]"
+
+
+def from_flight_recorder(dump: dict[str, Any]) -> Collective | None:
+    """The newest collective of a Flight Recorder dump (``pickle.loads(_dump_fr_trace(...))``), or None."""
+    entries = dump.get("entries", [])  # collectives and point-to-point calls (send, recv) alike
+    if not entries:
+        return None
+    entry = max(entries, key=lambda e: (e.get("time_created_ns") or 0, e.get("record_id") or 0))
+    group = entry.get("process_group", ("0", "default_pg"))
+    name = str(entry.get("profiling_name", "?")).split(":", 1)[-1]  # "gloo:all_reduce" -> "all_reduce"
+    seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+    tensors = tuple(_tensor(size, dtype) for size, dtype in
+                    zip(entry.get("input_sizes", []), entry.get("input_dtypes", []), strict=False))
+    done = bool(entry.get("retired")) or entry.get("state") == "completed"
+    return Collective(name, int(seq or 0), str(group[1] if len(group) > 1 else group[0]), tensors, done)
+
+
+def last_collectives() -> Collective | None:
+    """Inside a rank: the newest collective its Flight Recorder holds (None before the first, or without torch)."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return None
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        return from_flight_recorder(pickle.loads(_dump_fr_trace(True, False, False)))
+    except Exception:  # noqa: BLE001 - no recorder in this build, or nothing recorded: no record
+        return None
+
+
+def point_to_point(stack: str) -> str | None:
+    """``"send"`` or ``"recv"`` when a rank's stack shows it inside that blocking call, else None.
+
+    gloo's Flight Recorder records no point-to-point call, so the stack is where a blocked send shows.
+    Example: ``point_to_point('File ".../distributed_c10d.py", line 2753 in send')`` is ``"send"``.
+    """
+    call = torch_call_in(stack)
+    return call if call in ("send", "recv") else None
+
+
+def explain(states: dict[int, str], last: dict[int, Collective | None],
+            stacks: dict[int, str] | None = None) -> tuple[list[str], str]:
+    """One line per rank and a verdict, from each rank's state, newest collective and, if given, stack.
+
+    ``states[rank]`` is ``"running"`` (still in the cell), ``"finished"``, ``"failed"`` (raised) or ``"died"``.
+    Example: with rank 0 running in an unfinished ``all_reduce #3`` and rank 1 finished after
+    ``#2``, the verdict is ``"rank 0 is alone in collective #3: rank 1 never called it ..."``.
+    """
+    lines = []
+    blocked_in: dict[int, str] = {}  # rank -> "send" or "recv", for running ranks no collective explains
+    for rank in sorted(states):
+        record, state = last.get(rank), states[rank]
+        if state == "died":  # its recorder died with it
+            lines.append(f"rank {rank} died")
+            continue
+        if state == "running" and record is not None and not record.done:
+            lines.append(f"rank {rank} waits in {record.describe()}")
+            continue
+        call = point_to_point((stacks or {}).get(rank, "")) if state == "running" else None
+        if call is not None:
+            blocked_in[rank] = call
+            lines.append(f"rank {rank} waits in {call}")
+            continue
+        after = f"after {record.describe()}" if record is not None else "before any collective"
+        doing = {"running": "runs Python code", "finished": "finished the cell",
+                 "failed": "raised an error"}.get(state, state)
+        lines.append(f"rank {rank} {doing} {after}")
+    return lines, _point_to_point_verdict(states, last, blocked_in) or _verdict(states, last)
+
+
+def _point_to_point_verdict(states: dict[int, str], last: dict[int, Collective | None],
+                            blocked_in: dict[int, str]) -> str | None:
+    """The verdict when every running rank is blocked in a send or a recv (and none in a collective)."""
+    running = [rank for rank, state in states.items() if state == "running"]
+    in_collective = any(last.get(rank) is not None and not last[rank].done for rank in running)
+    if not blocked_in or in_collective or set(running) != set(blocked_in):
+        return None
+    calls = set(blocked_in.values())
+    if calls == {"send"}:
+        return ("every running rank waits in a blocking send, and none in a recv: on gloo and NCCL a send returns "
+                "only once its peer receives, so ranks that all send first wait for each other for ever. Let half "
+                "of them receive first, or post isend and irecv together and wait on both")
+    if calls == {"recv"}:
+        return "every running rank waits in a blocking recv, and none sends: nothing will ever arrive"
+    return ("the ranks wait in sends and recvs that do not pair up: check each call's peer rank, the order of the "
+            "calls on each side, and that the tensors' sizes match")
+
+
+def _position(record: Collective | None, waiting: bool) -> int:
+    """The collective number a rank is at: the one it waits in, else the one after its last."""
+    if record is None:
+        return 1
+    return record.seq if waiting else record.seq + 1
+
+
+def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
+    died = [rank for rank, state in sorted(states.items()) if state == "died"]
+    if died:
+        who = ", ".join(map(str, died))
+        return (f"rank {who} died, and a process group cannot go on without a rank "
+                "(its last output, above, says why: gloo and NCCL abort a rank on a mismatched collective)")
+    waiting = {rank: record for rank, record in last.items()
+               if states.get(rank) == "running" and record is not None and not record.done}
+    if not waiting:
+        if any(state == "running" for state in states.values()):
+            return ("no rank waits in a collective that the Flight Recorder saw: the stacks below show where each "
+                    "running rank is (slow code, a Python loop, or a send or recv, which gloo does not record)")
+        return "no rank waits in a collective"
+    first = min(record.seq for record in waiting.values())
+    at_first = {rank: record for rank, record in waiting.items() if record.seq == first}
+    signatures = {record.signature() for record in at_first.values()}
+    if len(signatures) > 1:
+        calls = ", ".join(f"rank {rank} calls {record.describe(number=False)}"
+                          for rank, record in sorted(at_first.items()))
+        return f"the ranks disagree at collective #{first}: {calls}"
+    missing = [rank for rank in sorted(states) if rank not in waiting
+               and _position(last.get(rank), waiting=False) <= first]
+    if missing:
+        inside = ", ".join(map(str, sorted(at_first)))
+        absent = ", ".join(map(str, missing))
+        alone = "is alone" if len(at_first) == 1 else "are alone"
+        return (f"rank {inside} {alone} in collective #{first}: rank {absent} never called it "
+                "(a collective under `if rank == ...`, or a rank that returned early?)")
+    later = {rank: record for rank, record in waiting.items() if record.seq != first}
+    if later:
+        ahead = ", ".join(f"rank {rank} at #{record.seq}" for rank, record in sorted(later.items()))
+        return (f"the ranks are at different collectives (collective #{first}, {ahead}): "
+                "they called different numbers of collectives")
+    return (f"every rank waits in collective #{first} with the same arguments: it is stuck below Python "
+            "(a peer's network, or a device)")
+
+
+def group_is_broken(states: dict[int, str], last: dict[int, Collective | None]) -> bool:
+    """After an interrupt: can the process group still be used? Not if a rank is still inside a
+    collective, or if the ranks have finished different numbers of collectives on the world group."""
+    if any(state == "running" for state in states.values()):
+        return True
+    if any(record is not None and not record.done for record in last.values()):
+        return True
+    done = {record.seq if record is not None and record.group == "default_pg" else 0 for record in last.values()}
+    return len(done) > 1

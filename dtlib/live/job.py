@@ -1,0 +1,135 @@
+"""The kernel's side of one generation of live ranks: their job, and their answers.
+
+:class:`dtlib.LiveRanks` starts a generation, sends it commands and, when a collective leaves the
+process group unusable, closes it and starts the next. The ranks' side is :mod:`dtlib.live.rank`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import time
+from typing import Any
+
+import cloudpickle
+
+from dtlib.errors import RankFailure
+from dtlib.launch.job import Job, RankState
+from dtlib.launch.processes import HeldInterrupts, send
+from dtlib.launch.spawn import finish, start_job
+from dtlib.live import doctor as _doctor
+from dtlib.live import rank as _live_rank
+
+INTERRUPT_WAIT_S = 2.0  # after SIGINT, how long a rank may take to stop its cell before the ranks restart
+DOCTOR_WAIT_S = 1.0  # how long to wait for the ranks' Flight Recorder answers
+ERROR_GRACE_S = 1.0  # after one rank's error, how long the others may take to finish the cell
+EXIT_GRACE_S = 10.0  # at close, how long ranks may take to leave their process group
+
+
+class Ranks:
+    """One generation of live ranks: the job, and what each rank answered to the current command."""
+
+    def __init__(self, world_size: int, backend: str, method: str) -> None:
+        self.job = Job(world_size, "all", method, channels=2)
+        self.answers: dict[int, tuple[str, Any]] = {}
+        self.doctor: dict[int, Any] = {}
+        payload = cloudpickle.dumps((_live_rank.serve, (), {}))
+        try:
+            start_job(self.job, method, payload, {}, backend, env=dict(_doctor.FR_ENV))
+            for state in self.job.ranks:
+                commands, doctor = state.channels
+                self.job.watch(state, commands, self._take_answer)
+                self.job.watch(state, doctor, self._take_doctor)
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_answer(self, state: RankState) -> None:
+        try:
+            self.answers[state.rank] = pickle.loads(state.channels[0].recv_bytes())
+        except (EOFError, OSError):
+            self.job.unwatch(state.channels[0])  # the rank died: its exit is reported by the job
+
+    def _take_doctor(self, state: RankState) -> None:
+        try:
+            self.doctor[state.rank] = pickle.loads(state.channels[1].recv_bytes())
+        except (EOFError, OSError):
+            self.job.unwatch(state.channels[1])
+        except Exception:  # noqa: BLE001 - an answer this kernel cannot read is no answer
+            self.doctor[state.rank] = None
+
+    def dead(self) -> list[RankFailure]:
+        return self.job.failures()
+
+    def send(self, message: tuple[str, Any], ranks: list[int] | None = None) -> None:
+        """Send one command to every rank (or those of ``ranks``). A rank that died just now cannot take it;
+        the event loop then reports its exit."""
+        data = pickle.dumps(message)
+        for state in self.job.ranks:
+            if ranks is None or state.rank in ranks:
+                self.answers.pop(state.rank, None)
+                try:
+                    state.channels[0].send_bytes(data)
+                except OSError:  # BrokenPipeError and the like: the rank is gone
+                    pass
+
+    def wait(self, ranks: set[int], until: float, stop_early: bool = False) -> set[int]:
+        """Run the event loop until ``ranks`` have answered, a rank died, or ``until``; the ranks still owing.
+
+        With ``stop_early``, an error answer shortens the wait to ``ERROR_GRACE_S``.
+        """
+        while True:
+            owing = {rank for rank in ranks if rank not in self.answers}
+            now = time.monotonic()
+            if not owing or self.dead() or now >= until:
+                return owing
+            if stop_early and any(self.answers[r][0] == "error" for r in ranks if r in self.answers):
+                until = min(until, now + ERROR_GRACE_S)
+                stop_early = False
+            self.job.step(until - now)
+
+    def flush_output(self) -> None:
+        """Relay what the ranks wrote before they answered (it is in the pipes already)."""
+        self.job.step(0.0)
+        self.job.relay.flush(final=True)
+
+    def ask_doctor(self) -> dict[int, _doctor.Collective | None]:
+        self.doctor.clear()
+        for state in self.job.ranks:
+            try:
+                state.channels[1].send_bytes(b"?")
+            except OSError:
+                pass
+        until = time.monotonic() + DOCTOR_WAIT_S
+        while len(self.doctor) < len(self.job.ranks) and time.monotonic() < until:
+            self.job.step(until - time.monotonic())
+        return {rank: self.doctor.get(rank) for rank in range(len(self.job.ranks))}
+
+    def interrupt(self, ranks: set[int]) -> set[int]:
+        """SIGINT the ranks still in a cell and wait for them to stop; the ranks that did not."""
+        for state in self.job.ranks:
+            if state.rank in ranks and state.started():
+                send(state.process.pid, signal.SIGINT, group=False)  # KeyboardInterrupt inside the cell
+        return self.wait(ranks, time.monotonic() + INTERRUPT_WAIT_S)
+
+    def close(self, graceful: bool = False) -> None:
+        """Stop every rank (politely first with ``graceful``) and release everything; safe to repeat."""
+        with HeldInterrupts() as held:
+            try:
+                if graceful and not self.dead() and not self.job.stopped:
+                    try:
+                        self.send(("exit", None))
+                        self.job.wait(EXIT_GRACE_S)
+                        self.job.stop(grace_s=EXIT_GRACE_S)
+                    except OSError:
+                        pass
+            finally:
+                finish(self.job)
+        held.deliver()
+
+
+def close_quietly(holder: list[Ranks | None]) -> None:
+    """At garbage collection or interpreter exit: no rank outlives the kernel."""
+    ranks, holder[0] = holder[0], None
+    if ranks is not None:
+        ranks.close()

@@ -1,0 +1,121 @@
+"""``%ranks`` and ``%%ranks``: live ranks from notebook cells (load with ``%load_ext dtlib``).
+
+- ``%ranks start N [--backend B] [--timeout S]``: start N live ranks (closing any running ones).
+- ``%%ranks [--timeout S]``: run the cell on every rank; output arrives live, ``[rank N]`` on each
+  line, and the ranks' last-expression values are shown side by side (:class:`RankValues`).
+- ``%ranks push NAME ...``: copy kernel variables to every rank.
+- ``%ranks pull NAME ...``: every rank's ``NAME``, as a list under ``NAME`` in the kernel, shown side by side.
+  With ``--quiet`` nothing is shown and the lists are returned instead: ``before, x = %ranks pull --quiet before x``.
+- ``%ranks stop``; ``%ranks`` alone says what is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
+
+from dtlib.live.ranks import LiveRanks
+from dtlib.live.rankview import RankValues
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would exit the kernel
+        raise UsageError(f"%ranks: {message}\n{self.format_usage()}")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="%ranks", add_help=False)
+    sub = parser.add_subparsers(dest="command")
+    start = sub.add_parser("start", add_help=False)
+    start.add_argument("world_size", type=int)
+    start.add_argument("--backend", default="auto")
+    start.add_argument("--timeout", type=float, default=30.0)
+    sub.add_parser("push", add_help=False).add_argument("names", nargs="+")
+    pull = sub.add_parser("pull", add_help=False)
+    pull.add_argument("--quiet", action="store_true")
+    pull.add_argument("names", nargs="+")
+    sub.add_parser("stop", add_help=False)
+    return parser
+
+
+@magics_class
+class RanksMagics(Magics):
+    """The ``ranks`` magic; one set of live ranks per kernel, in ``self.live``."""
+
+    live: LiveRanks | None = None
+
+    @line_cell_magic
+    def ranks(self, line: str, cell: str | None = None) -> Any:
+        if cell is not None:
+            return self._run_cell(line, cell)
+        args = _parser().parse_args(shlex.split(line))
+        if args.command is None:
+            print(self.live if self.live is not None and not self.live.closed else "no live ranks")
+        elif args.command == "start":
+            self._stop()
+            try:
+                self.live = LiveRanks(args.world_size, backend=args.backend, timeout=args.timeout)
+            except ValueError as exc:
+                raise UsageError(f"%ranks start: {exc}") from None
+            print(f"{self.live.world_size} live ranks on {self.live.backend}, "
+                  f"started in {self.live.started_in_s:.1f} s")
+        elif args.command == "stop":
+            print("stopped the live ranks" if self._stop() else "no live ranks to stop")
+        elif args.command == "push":
+            missing = [name for name in args.names if name not in self.shell.user_ns]
+            if missing:
+                raise UsageError(f"%ranks push: no variable named {', '.join(missing)} in this kernel")
+            self._live().push(**{name: self.shell.user_ns[name] for name in args.names})
+        elif args.command == "pull":
+            pulled = []
+            for name in args.names:
+                values = self._live().pull(name)
+                self.shell.user_ns[name] = values
+                pulled.append(values)
+                if not args.quiet:
+                    display(RankValues(values, name=name))
+            if args.quiet:  # the data, for a figure: one list, or a tuple of lists
+                return pulled[0] if len(pulled) == 1 else tuple(pulled)
+        return None
+
+    def _run_cell(self, line: str, cell: str) -> Any:
+        parser = _Parser(prog="%%ranks", add_help=False)
+        parser.add_argument("--timeout", type=float, default=None)
+        args = parser.parse_args(shlex.split(line))
+        values = self._live().run(cell, timeout=args.timeout)
+        if any(value is not None for value in values):
+            display(RankValues(values))
+        return None
+
+    def _live(self) -> LiveRanks:
+        if self.live is None or self.live.closed:
+            raise UsageError("no live ranks: start them first with %ranks start 2")
+        return self.live
+
+    def _stop(self) -> bool:
+        live, self.live = self.live, None
+        if live is None or live.closed:
+            return False
+        live.close()
+        return True
+
+
+_loaded: list[RanksMagics] = []
+
+
+def load(ipython: Any) -> None:
+    """Register the magics. The ranks stop with the kernel (``LiveRanks`` closes itself at exit)."""
+    if not _loaded:
+        _loaded.append(RanksMagics(ipython))
+        ipython.register_magics(_loaded[0])
+
+
+def unload(ipython: Any) -> None:
+    """``%unload_ext dtlib``: stop the live ranks."""
+    if _loaded:
+        _loaded[0]._stop()

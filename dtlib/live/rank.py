@@ -1,0 +1,167 @@
+"""The loop each live rank runs (see :class:`dtlib.LiveRanks`): take a command, do it in this
+rank's namespace, answer.
+
+A live rank is a :func:`dtlib.spawn` rank whose function, :func:`serve`, does not return until
+it is told to. It talks to the kernel over two two-way channels (:func:`dtlib.launch.worker.channels`):
+
+- ``commands``: ``(kind, body)`` in, one answer out per command: ``("ok", pickled value)`` or
+  ``("error", details)``. Kinds: ``"run"`` (code and its cell number), ``"push"`` (pickled names),
+  ``"pull"`` (a name), ``"exit"``. The first message out is ``("ready", None)``.
+- ``doctor``: any byte in, the rank's newest collective out (:func:`dtlib.live.doctor.last_collectives`).
+  A thread answers it, so it is answered while the main thread waits inside a collective.
+
+SIGINT raises KeyboardInterrupt only while a cell's code runs; it is ignored between cells.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dtlib.launch import pickling
+from dtlib.launch.entry import rank_device
+from dtlib.launch.worker import channels, describe, dumps_result
+from dtlib.live.doctor import last_collectives
+
+CELL_FILENAME = "<rank cell {number}>"
+
+
+@dataclass(frozen=True)
+class RemoteRepr:
+    """A rank's value that could not be sent back (a module holding a process group, a lock): its ``repr``."""
+
+    text: str
+    type_name: str
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class _Interrupts:
+    """SIGINT as KeyboardInterrupt while user code runs, nothing otherwise."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.armed:
+            self.armed = False  # once: a second signal during the unwinding must not hit our own code
+            raise KeyboardInterrupt
+
+
+def _namespace(rank: int, world_size: int) -> dict[str, Any]:
+    """What every rank's namespace starts with: ``rank``, ``world_size``, ``device``, ``torch``, ``dist``, ``nn``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    return {"__name__": "__main__", "__builtins__": __builtins__, "rank": rank, "world_size": world_size,
+            "device": rank_device(), "torch": torch, "dist": dist, "nn": nn}
+
+
+def run_cell(code: str, number: int, namespace: dict[str, Any]) -> Any:
+    """Run ``code`` in ``namespace`` as IPython runs a cell: the value of a last bare expression, else None.
+
+    The source goes into :mod:`linecache` under ``<rank cell N>``, so tracebacks show its lines.
+    Example: ``run_cell("x = 2\\nx * 3", 1, {})`` is 6.
+    """
+    filename = CELL_FILENAME.format(number=number)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    tree = ast.parse(code, filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - running the learner's cell is the point
+    return None if last is None else eval(compile(last, filename, "eval"), namespace)  # noqa: S307
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    """The error's details, its traceback starting at the learner's cell (dtlib's frames left out)."""
+
+    tb = exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<rank cell"):
+        tb = tb.tb_next
+    message = describe(exc)
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    except BaseException:  # noqa: BLE001 - a broken exception must still be reported
+        text = f"{type(exc).__qualname__}: {message}\n"
+    return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message, "traceback": text}
+
+
+def _answer_doctor(doctor: Connection) -> None:
+    while True:
+        try:
+            doctor.recv_bytes()
+            doctor.send_bytes(pickle.dumps(last_collectives()))
+        except (EOFError, OSError):
+            return
+
+
+def _value(value: Any) -> bytes:
+    """The pickled value; one that cannot travel is sent as its ``repr``, marked so."""
+
+    try:
+        return dumps_result(value)
+    except Exception:  # noqa: BLE001 - e.g. a module or a DDP-wrapped model: show it, do not fail the cell
+        try:
+            text = repr(value)
+        except Exception:  # noqa: BLE001
+            text = f"<{type(value).__qualname__} whose repr() failed>"
+        return dumps_result(RemoteRepr(text, type(value).__qualname__))
+
+
+def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts) -> tuple[str, Any]:
+    import cloudpickle
+
+    try:
+        if kind == "run":
+            code, number = body
+            interrupts.armed = True
+            try:
+                value = run_cell(code, number, namespace)
+            finally:
+                interrupts.armed = False
+            return "ok", _value(value)
+        if kind == "push":
+            data, sources = body
+            pickling.install_sources(sources)
+            namespace.update(cloudpickle.loads(data))
+            return "ok", _value(None)
+        if kind == "pull":
+            if body not in namespace:
+                raise NameError(f"name {body!r} is not defined on this rank")
+            return "ok", _value(namespace[body])
+        raise ValueError(f"unknown command {kind!r}")
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel; the rank lives on
+        return "error", _error(exc)
+
+
+def serve(rank: int, world_size: int) -> None:
+    """The function a live rank runs: answer commands until ``"exit"`` or until the kernel goes away."""
+
+    commands, doctor = channels()
+    interrupts = _Interrupts()
+    namespace = _namespace(rank, world_size)
+    threading.Thread(target=_answer_doctor, args=(doctor,), name="dtlib-doctor", daemon=True).start()
+    commands.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        try:
+            kind, body = pickle.loads(commands.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if kind == "exit":
+            return
+        status, answer = _do(kind, body, namespace, interrupts)
+        sys.stdout.flush()  # the cell's output reaches the kernel before its answer
+        sys.stderr.flush()
+        commands.send_bytes(pickle.dumps((status, answer)))

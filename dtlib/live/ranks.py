@@ -1,0 +1,247 @@
+"""``dtlib.LiveRanks``: ranks that stay alive between cells, so you can step through distributed code.
+
+:func:`dtlib.spawn` runs a whole function per call: right for a job. ``LiveRanks`` keeps the
+ranks (and their process group) alive, runs one piece of code at a time on every rank, and
+lets you look at each rank's variables in between::
+
+    ranks = dtlib.LiveRanks(world_size=2)
+    ranks.run("t = torch.tensor([rank + 1.0])")
+    ranks.run("dist.all_reduce(t); t")      # [tensor([3.]), tensor([3.])]
+    ranks.close()
+
+Every rank's namespace starts with ``rank``, ``world_size``, ``device``, ``torch``, ``dist`` and
+``nn``. A cell that runs past its timeout is explained by the hang doctor (:mod:`dtlib.live.doctor`):
+which collective each rank waits in, and where the ranks disagree. The magics ``%ranks`` and
+``%%ranks`` (:mod:`dtlib.live.magics`, after ``%load_ext dtlib``) drive the same object from cells.
+"""
+
+from __future__ import annotations
+
+import ast
+import pickle
+import re
+import sys
+import time
+import weakref
+from typing import Any
+
+from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
+from dtlib.launch import pickling
+from dtlib.launch.processes import HeldInterrupts
+from dtlib.launch.spawn import check_timeout, check_world_size, resolve_backend, resolve_start_method
+from dtlib.live import doctor as _doctor
+from dtlib.live import rank as _live_rank
+from dtlib.live.job import Ranks, close_quietly
+from dtlib.live.rank import RemoteRepr
+
+START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
+LOST = "the ranks were restarted with a fresh process group, so every rank's variables are gone"
+
+
+class LiveRanks:
+    """``world_size`` ranks that stay alive between calls, each with its own namespace.
+
+    Args:
+        world_size: the number of ranks.
+        backend: ``auto`` (NCCL with one GPU per rank, else gloo), ``gloo`` or ``nccl``.
+        timeout: seconds a call may run before the hang doctor explains it and stops it;
+            ``None`` waits for ever.
+
+    Example::
+
+        with dtlib.LiveRanks(2) as ranks:
+            ranks.push(scale=10)
+            ranks.run("rank * scale")    # [0, 10]
+    """
+
+    def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0) -> None:
+        self.world_size = check_world_size(world_size)
+        self.timeout = check_timeout(timeout)
+        self.backend = resolve_backend(backend, self.world_size)
+        self._method = resolve_start_method("auto")
+        self._cells = 0
+        self._sources: dict[str, list[str]] = {}
+        self._holder: list[Ranks | None] = [None]
+        self._finalizer = weakref.finalize(self, close_quietly, self._holder)
+        self.started_in_s = self._start()
+
+    # -- life -----------------------------------------------------------------
+    def _start(self) -> float:
+        began = time.monotonic()
+        ranks = Ranks(self.world_size, self.backend, self._method)
+        self._holder[0] = ranks
+        owing = ranks.wait(set(range(self.world_size)), began + START_TIMEOUT_S)
+        dead = ranks.dead()
+        if owing or dead:
+            stacks = ranks.job.collect_stacks(ranks=sorted(owing)) if owing and not dead else {}
+            self.close()
+            if dead:
+                raise WorkerError(dead, note="the live ranks could not start")
+            raise WorkerTimeout(START_TIMEOUT_S, stacks, [], outcome="the ranks did not start and were stopped.")
+        ranks.flush_output()
+        return time.monotonic() - began
+
+    def _ranks(self) -> Ranks:
+        ranks = self._holder[0]
+        if ranks is None:
+            raise RuntimeError("these live ranks are closed; start new ones with dtlib.LiveRanks(...)")
+        return ranks
+
+    def _restart(self) -> None:
+        ranks, self._holder[0] = self._holder[0], None
+        if ranks is not None:
+            ranks.close()
+        self._start()
+
+    def close(self) -> None:
+        """Stop every rank; safe to call twice. Also runs at ``with``'s end, garbage collection and exit."""
+        ranks, self._holder[0] = self._holder[0], None
+        if ranks is not None:
+            ranks.close(graceful=True)
+        self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        return self._holder[0] is None
+
+    def __enter__(self) -> LiveRanks:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "running"
+        return f"LiveRanks(world_size={self.world_size}, backend={self.backend!r}, {state})"
+
+    # -- calls ----------------------------------------------------------------
+    def run(self, code: str, *, timeout: float | None = None) -> list[Any]:
+        """Run ``code`` on every rank; each rank's value of a last bare expression (else None), by rank.
+
+        Raises:
+            SyntaxError: the code does not parse (checked here, before any rank runs it).
+            WorkerError: a rank raised; the ranks and their variables stay, unless a rank died.
+            WorkerTimeout: the code ran past ``timeout`` (default: the object's); says which
+                collective each rank waits in, and whether the ranks had to be restarted.
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
+        self._cells += 1
+        filename = _live_rank.CELL_FILENAME.format(number=self._cells)
+        ast.parse(code, filename)  # a syntax error is the same on every rank: say it here
+        self._sources[filename] = code.splitlines()
+        return self._call(("run", (code, self._cells)), timeout, "run")
+
+    def push(self, **values: Any) -> None:
+        """Copy ``values`` (pickled by value, functions included) into every rank's namespace.
+
+        Example: ``ranks.push(lr=0.1, model=model)``.
+        """
+        payload = pickling.dumps(values, parts=[(repr(name), value) for name, value in values.items()],
+                                  refusal="cannot push {part} to the ranks")
+        self._call(("push", payload), None, "push")
+
+    def pull(self, name: str) -> list[Any]:
+        """Every rank's value of ``name``, by rank. Example: ``ranks.pull("loss")`` -> ``[0.71, 0.69]``."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"name must be a Python identifier, got {name!r}")
+        return self._call(("pull", name), None, "pull")
+
+    def _call(self, message: tuple[str, Any], timeout: float | None, what: str) -> list[Any]:
+        ranks = self._ranks()
+        if ranks.dead():  # died between calls (killed, out of memory): say so, start afresh
+            failures = ranks.dead()
+            self._restart()
+            raise WorkerError(failures, note=f"this happened before the {what}, which did not run; {LOST}.")
+        limit = self.timeout if timeout is None else check_timeout(timeout)
+        everyone = set(range(self.world_size))
+        ranks.send(message)
+        try:
+            owing = ranks.wait(everyone, time.monotonic() + (limit or float("inf")), stop_early=True)
+        except KeyboardInterrupt:
+            with HeldInterrupts() as held:
+                note = self._after_interrupt(ranks, everyone)
+            print(f"dtlib.LiveRanks: interrupted; {note}", file=sys.stderr)
+            held.deliver()
+            raise
+        ranks.flush_output()
+        if ranks.dead():
+            failures = _unique(ranks.dead() + self._errors(ranks))
+            lines, verdict = _doctor.explain(self._states(ranks, owing), ranks.ask_doctor())
+            self._restart()
+            raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {LOST[:1].upper()}{LOST[1:]}.")
+        errors = self._errors(ranks)
+        if owing:
+            lines, verdict, stacks, outcome = self._stop(ranks, owing)
+            if errors:  # the others waited for the rank that failed: say where, not "timed out"
+                raise WorkerError(errors, note=f"{'; '.join(lines)}: {verdict}. {outcome}")
+            raise WorkerTimeout(limit or 0.0, stacks, sorted(set(range(self.world_size)) - owing),
+                                collectives=lines, verdict=verdict, outcome=outcome)
+        if errors:
+            raise WorkerError(errors, note="the ranks are still running, with their variables.")
+        return [self._unpickle(rank, ranks.answers[rank][1]) for rank in range(self.world_size)]
+
+    def _after_interrupt(self, ranks: Ranks, everyone: set[int]) -> str:
+        owing = everyone - set(ranks.answers)
+        last = ranks.ask_doctor()
+        stuck = ranks.interrupt(owing) if owing else set()
+        ranks.flush_output()
+        states = {rank: "running" if rank in stuck else "finished" for rank in everyone}
+        if stuck or ranks.dead() or _doctor.group_is_broken(states, last):
+            self._restart()
+            return f"{LOST}."
+        return "every rank stopped its cell and kept its variables."
+
+    def _stop(self, ranks: Ranks, owing: set[int]) -> tuple[list[str], str, dict[int, str], str]:
+        """Explain why ``owing`` ranks are still in the cell, then stop them: by an interrupt when
+        none waits inside a collective (SIGINT cannot reach a rank blocked in gloo or NCCL), else
+        by restarting every rank. Returns the doctor's lines and verdict, the stacks, and the outcome."""
+        states = self._states(ranks, owing)
+        last = ranks.ask_doctor()
+        stacks = {rank: self._annotate(stack) for rank, stack in ranks.job.collect_stacks(ranks=sorted(owing)).items()}
+        lines, verdict = _doctor.explain(states, last, stacks)
+        blocked = any(last.get(rank) is not None and not last[rank].done for rank in owing)
+        stuck = owing if blocked else ranks.interrupt(owing)
+        ranks.flush_output()
+        after = {rank: "running" if rank in stuck else "finished" for rank in range(self.world_size)}
+        if stuck or ranks.dead() or _doctor.group_is_broken(after, ranks.ask_doctor()):
+            self._restart()
+            return lines, verdict, stacks, f"{LOST}."
+        return lines, verdict, stacks, "each rank's cell was interrupted; the ranks kept their variables."
+
+    def _states(self, ranks: Ranks, owing: set[int]) -> dict[int, str]:
+        """Each rank's state for the doctor: died, running (still in the cell), failed or finished."""
+        dead = {failure.rank for failure in ranks.dead()}
+        return {rank: "died" if rank in dead else "running" if rank in owing else
+                "failed" if ranks.answers[rank][0] == "error" else "finished" for rank in range(self.world_size)}
+
+    def _errors(self, ranks: Ranks) -> list[RankFailure]:
+        failures = []
+        for rank, (status, body) in sorted(ranks.answers.items()):
+            if status == "error":
+                failures.append(RankFailure(rank, body["type"], body["message"], body["traceback"]))
+        return failures
+
+    def _unpickle(self, rank: int, data: bytes) -> Any:
+        try:
+            return pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - a class this kernel cannot import, say
+            return RemoteRepr(f"<rank {rank}'s value could not be unpickled here: {exc}>", "?")
+
+    def _annotate(self, stack: str) -> str:
+        """Add each cell line's source under faulthandler's ``File "<rank cell 3>", line 2`` lines."""
+        def add_source(match: re.Match[str]) -> str:
+            lines = self._sources.get(match.group(1), [])
+            number = int(match.group(2))
+            source = lines[number - 1].strip() if 0 < number <= len(lines) else ""
+            return match.group(0) + (f"\n      {source}" if source else "")
+
+        return re.sub(r'File "(<rank cell \d+>)", line (\d+)[^\n]*', add_source, stack)
+
+
+def _unique(failures: list[RankFailure]) -> list[RankFailure]:
+    by_rank: dict[int, RankFailure] = {}
+    for failure in failures:
+        by_rank.setdefault(failure.rank, failure)
+    return list(by_rank.values())
+

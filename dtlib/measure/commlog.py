@@ -1,0 +1,155 @@
+"""Count and time the collectives a rank makes: kind, calls, bytes, launch and finish times.
+
+DDP's communication hooks, PowerSGD, dtlib's DDP-from-scratch, FSDP2 and FSDP1 all
+call the collectives as ``torch.distributed.<name>`` at call time; inside
+:meth:`CommLog.recording` those names are wrapped, so the log sees every call
+whoever makes it, on any thread, at no cost to the other operators. Torch DDP's built-in
+C++ all-reduce does not pass through Python: the DDP runner registers ``allreduce_hook``,
+the same all-reduce written in Python, so that its launch and finish can be timed.
+
+Why a wrapper and not a dispatch mode (measured on torch 2.13, gloo, 2 CPU ranks):
+``torch.distributed.tensor.debug.CommDebugMode`` (``dtlib.measure.counting.count_collectives``) and
+any ``TorchDispatchMode`` do see DDP's built-in all-reduce (``c10d::allreduce_`` goes through
+the dispatcher), but they intercept every operator of the step (the transformer's step took
+about twice as long), which would distort the timeline, and they are thread-local: PowerSGD
+starts its later all-reduces from future callbacks on gloo's threads, which no dispatch mode
+(nor ``torch.profiler``) sees. Use ``count_collectives`` where counts are all you need.
+
+``nbytes`` is the size of the whole buffer S, as nccl-tests counts it: the tensor of
+an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter.
+
+Example (inside a rank)::
+
+    log = CommLog()
+    with log.recording():
+        dist.all_reduce(torch.ones(4))
+    log.events[0].nbytes   # 16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+#: Collectives the log can wrap, and which argument holds the whole buffer S (by position).
+SIZED_BY = {
+    "all_reduce": 0,
+    "all_gather_single": 0,  # (output, input): the gathered output
+    "all_gather_into_tensor": 0,
+    "all_gather": 0,  # (tensor_list, tensor): the list of every rank's piece
+    "reduce_scatter_single": 1,  # (output, input): the input being reduced
+    "reduce_scatter_tensor": 1,
+    "broadcast": 0,
+}
+KIND = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+        "all_gather": "all_gather", "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
+
+
+@dataclass
+class CommEvent:
+    """One collective: its step, kind, size, and when it was launched and finished (s since the log began)."""
+
+    step: int
+    numel: int
+    nbytes: int
+    launched_s: float
+    done_s: float = float("nan")
+    blocking: bool = False  # async_op=False: the caller waited, so nothing else ran meanwhile
+    kind: str = "all_reduce"  # all_reduce, all_gather, reduce_scatter or broadcast
+    group_size: int = 1  # ranks in the collective's process group
+
+
+@dataclass
+class CommLog:
+    """The all-reduce calls of one rank, tagged with the training step they belong to."""
+
+    events: list[CommEvent] = field(default_factory=list)
+    step: int = 0
+    origin: float = field(default_factory=time.perf_counter)
+
+    def now(self) -> float:
+        """Seconds since this log began: the clock of every event."""
+        return time.perf_counter() - self.origin
+
+    @contextlib.contextmanager
+    def recording(self, names: tuple[str, ...] = ("all_reduce",)) -> Iterator[CommLog]:
+        """Wrap ``torch.distributed.<name>`` for each of ``names`` (keys of :data:`SIZED_BY`) in the block."""
+        originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+        for name, original in originals.items():
+            setattr(dist, name, self._wrapped(name, original))
+        try:
+            yield self
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+
+    def _wrapped(self, name: str, original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            buffer = list(bound.arguments.values())[SIZED_BY[name]]
+            pieces = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+            numel = sum(t.numel() for t in pieces)
+            async_op = bool(bound.arguments.get("async_op", False))
+            event = CommEvent(self.step, numel, sum(t.numel() * t.element_size() for t in pieces), self.now(),
+                              blocking=not async_op, kind=KIND[name],
+                              group_size=dist.get_world_size(bound.arguments.get("group")))
+            self.events.append(event)
+            work = original(*args, **kwargs)
+            if not async_op or work is None:
+                event.done_s = self.now()
+            else:
+                work.get_future().then(lambda _: setattr(event, "done_s", self.now()))
+            return work
+
+        return collective
+
+    def totals(self, step: int) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls": n, "bytes": S summed}}`` for one step."""
+        out: dict[str, dict[str, int]] = {}
+        for event in self.in_step(step):
+            entry = out.setdefault(event.kind, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += event.nbytes
+        return out
+
+    def in_step(self, step: int) -> list[CommEvent]:
+        """The events of one step, in launch order."""
+        return [e for e in self.events if e.step == step]
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: time with at least one all-reduce in flight.
+
+    Example: ``busy_seconds([(0, 2), (1, 3), (5, 6)]) == 4``.
+    """
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def hidden_share(events: list[CommEvent], compute_end_s: float) -> float:
+    """Share of communication time that ran before ``compute_end_s`` (the end of backward's compute).
+
+    1.0: every all-reduce finished while gradients were still being computed;
+    0.0: all communication was exposed, after the compute or blocking it (``async_op=False``).
+    """
+    busy = busy_seconds([(e.launched_s, e.done_s) for e in events])
+    if busy <= 0:
+        return 0.0
+    overlapping = [(e.launched_s, min(e.done_s, compute_end_s)) for e in events
+                   if not e.blocking and e.launched_s < compute_end_s]
+    hidden = busy_seconds(overlapping)
+    return hidden / busy

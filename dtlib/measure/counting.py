@@ -1,0 +1,85 @@
+"""Which collectives a rank's code calls, counted by torch's own ``CommDebugMode`` (no patching).
+
+The checkers use it to refuse answers that compute the right number without communicating.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from dtlib.launch.spawn import spawn
+
+#: c10d operator (``torch.ops.c10d.<name>``) -> the ``torch.distributed`` call that a learner writes.
+CALL_NAMES = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather_into_tensor",
+    "allgather_coalesced_": "all_gather_coalesced", "allgather_into_tensor_coalesced_": "all_gather_into_tensor",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor", "reduce_": "reduce", "gather_": "gather",
+    "scatter_": "scatter", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
+}
+
+
+def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
+    """Inside a rank: call ``fn(*args)`` and count the communication it makes, as ``(value, {call: times})``.
+
+    The counter is torch's own ``CommDebugMode``, a dispatch mode: no function is replaced, and it
+    sees every c10d collective on plain tensors (gloo or NCCL), in ``fn`` and in the autograd hooks
+    its backward runs. It leaves point-to-point calls and barriers out; they are added to its
+    registry so that a ring of ``isend``/``recv`` counts as "send" and "recv".
+
+    Example (inside ``dtlib.spawn``)::
+
+        count_collectives(dist.all_reduce, torch.ones(2))[1]   # {"all_reduce": 1}
+    """
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    c10d = torch.ops.c10d
+    mode = CommDebugMode()
+    # Probed on torch 2.13, gloo, CPU tensors: all_reduce (also async_op=True), broadcast, all_gather,
+    # all_gather_into_tensor, reduce_scatter_tensor and reduce are counted; barrier, isend and recv are not,
+    # though they pass through the dispatcher as c10d.barrier, c10d.send and c10d.recv_. comm_registry is
+    # the set of ops this instance counts: adding those three changes no other CommDebugMode.
+    mode.comm_registry |= {c10d.send, c10d.recv_, c10d.recv_any_source_, c10d.barrier}
+    with warnings.catch_warnings():
+        # CommDebugMode tracks modules with full backward hooks, which warn when no input requires a gradient
+        # (a model's first layer): a note about the counter, not about the learner's code.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        with mode:
+            value = fn(*args)
+    calls: dict[str, int] = {}
+    for op, times in mode.get_comm_counts().items():
+        name = str(op).rsplit(".", 1)[-1]  # "c10d.allreduce_" -> "allreduce_"
+        name = CALL_NAMES.get(name, name.strip("_"))
+        calls[name] = calls.get(name, 0) + times
+    return value, calls
+
+
+def _counted(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
+    return count_collectives(fn, rank, world_size, *args)
+
+
+def spawn_counting(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
+                   timeout: float = 30.0) -> tuple[list[Any], list[dict[str, int]]]:
+    """``dtlib.spawn(fn, world_size)`` without output, each rank's call counted by :func:`count_collectives`.
+
+    Returns the ranks' values and, per rank, ``{call: times}``; raises as ``dtlib.spawn`` does.
+    Example: ``spawn_counting(fn, 2)`` -> ``([3.0, 3.0], [{"all_reduce": 1}, {"all_reduce": 1}])``.
+    """
+    reports = spawn(_counted, world_size, args=(fn, *args), timeout=timeout, output="none")
+    return [value for value, _ in reports], [calls for _, calls in reports]
+
+
+def rank_without_communication(calls_per_rank: list[dict[str, int]]) -> int | None:
+    """The first rank whose function moved no data between ranks (a barrier moves none), or None.
+
+    Example: ``rank_without_communication([{"all_reduce": 1}, {"barrier": 1}]) == 1``.
+    """
+    for rank, calls in enumerate(calls_per_rank):
+        if not any(times for name, times in calls.items() if name != "barrier"):
+            return rank
+    return None

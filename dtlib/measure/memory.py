@@ -1,0 +1,159 @@
+"""Model-state memory per rank: the ZeRO formulas, FSDP2's own layout, and the bytes a rank really holds.
+
+Model state is parameters, gradients and optimizer state; activations, temporary buffers and the
+allocator's fragmentation come on top and are *not* in the formulas. P is the parameter count, N the
+ranks that share the state. Every formula depends on the precision, so each names its own:
+
+    ZeRO paper, mixed-precision Adam (2 bytes of bf16 or fp16 weights, 2 of gradients, 12 of fp32 master
+    weights, momentum and variance): DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N
+    fp32 Adam (4 + 4 + 8 bytes):       DDP 16P, ZeRO-1 8P + 8P/N,  ZeRO-2 4P + 12P/N, ZeRO-3 16P/N
+    FSDP2 (fsdp_estimate), which keeps fp32 shards of parameters and gradients and Adam's fp32 moments:
+    16P/N at rest in either precision; without resharding after forward also the gathered weights,
+    2P + 16P/N with bf16 compute, 4P + 16P/N in fp32
+
+    dtlib.measure.memory.estimate(7.5e9, 64, "zero3") / 1e9    # 1.875 GB per rank (the paper: 1.9 GB)
+
+GB here is 1e9 bytes, GiB 2**30.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any
+
+import torch
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+ALIASES = {"no_shard": "ddp", "zero0": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3",
+           "hybrid_shard": "zero3"}
+
+
+def canonical(strategy: str) -> str:
+    """``"full_shard"`` -> ``"zero3"``; unknown names get a clear error."""
+    name = ALIASES.get(strategy.lower(), strategy.lower())
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES + tuple(ALIASES))}")
+    return name
+
+
+def finite(name: str, value: object, minimum: float = 0.0) -> float:
+    """``value`` as a float, refused with a ValueError naming ``name`` unless it is a finite real number
+    >= ``minimum``: NaN and infinity would otherwise flow through every formula (NaN compares False with
+    everything, so no later ``<=`` catches it). Example: ``finite("num_params", 7e9)``."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def whole(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int: any whole number (``8``, ``8.0``, ``numpy.int64(8)``) >= ``minimum``, else a
+    ValueError naming ``name``. Example: ``whole("world_size", 8.0) == 8``."""
+    number = finite(name, value, minimum)
+    if not number.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def breakdown(num_params: float, world_size: int, strategy: str, *, param_bytes: float = 2, grad_bytes: float = 2,
+              optim_bytes_per_param: float = 12) -> dict[str, float]:
+    """Bytes per rank of parameters, gradients and optimizer state under ``strategy``, in the ZeRO paper's
+    layout: the defaults are its mixed-precision Adam (2 + 2 + 12 bytes per parameter); pass 4, 4 and 8
+    for fp32 Adam.
+
+    ZeRO-1 shards the optimizer state over the ``world_size`` ranks, ZeRO-2 also the
+    gradients, ZeRO-3 also the parameters. ``"hybrid_shard"`` counts as ZeRO-3 within
+    one shard group: pass the shard group's size as ``world_size``.
+    Example: ``breakdown(1e9, 8, "zero2")["gradients"] == 2e9 / 8``.
+    """
+    num_params = finite("num_params", num_params)
+    world_size = whole("world_size", world_size)
+    sizes = [finite(name, value) for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                                                     ("optim_bytes_per_param", optim_bytes_per_param))]
+    level = STRATEGIES.index(canonical(strategy))  # 0 = DDP ... 3 = ZeRO-3
+    share = 1 / world_size
+    return {
+        "parameters": num_params * sizes[0] * (share if level >= 3 else 1),
+        "gradients": num_params * sizes[1] * (share if level >= 2 else 1),
+        "optimizer_state": num_params * sizes[2] * (share if level >= 1 else 1),
+    }
+
+
+def estimate(num_params: float, world_size: int, strategy: str, *, param_bytes: float = 2, grad_bytes: float = 2,
+             optim_bytes_per_param: float = 12) -> float:
+    """Bytes of model state per rank in the ZeRO paper's layout. With the defaults (mixed-precision Adam):
+    16P (DDP), 4P + 12P/N (ZeRO-1), 2P + 14P/N (ZeRO-2), 16P/N (ZeRO-3). With fp32 Adam (4, 4, 8):
+    16P, 8P + 8P/N, 4P + 12P/N, 16P/N.
+
+    Example: ``round(estimate(7.5e9, 64, "zero1") / 1e9, 1) == 31.4`` (the ZeRO paper's figure).
+    """
+    return sum(breakdown(num_params, world_size, strategy, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                         optim_bytes_per_param=optim_bytes_per_param).values())
+
+
+def fsdp_breakdown(num_params: float, world_size: int, *, reshard_after_forward: bool = True,
+                   compute_bytes: float = 2, moment_bytes: float = 8) -> dict[str, float]:
+    """Bytes per rank that FSDP2 (``fully_shard``) holds at its peak, over a shard group of ``world_size``.
+
+    FSDP2 keeps each parameter's shard in fp32 (4P/N: with a ``MixedPrecisionPolicy`` it is also the
+    master copy the optimizer updates) and each gradient's shard in fp32 (4P/N, whatever ``reduce_dtype``),
+    and the optimizer keeps its moments beside them (``moment_bytes``: 8 for Adam(W), 4 for SGD with
+    momentum), so 16P/N at rest. With ``reshard_after_forward=False`` the gathered weights stay from
+    forward to backward, a second copy beside the shards, in the compute dtype (``compute_bytes``: 2 for
+    ``param_dtype=torch.bfloat16``, 4 in fp32): 2P + 16P/N or 4P + 16P/N. Like the ZeRO formulas, this
+    counts every piece at once, and leaves out the one unit that full sharding gathers at a time.
+    Example: ``sum(fsdp_breakdown(7e9, 8, reshard_after_forward=False).values()) / 1e9 == 28.0``.
+    """
+    num_params = finite("num_params", num_params)
+    world_size = whole("world_size", world_size)
+    compute_bytes = finite("compute_bytes", compute_bytes)
+    moment_bytes = finite("moment_bytes", moment_bytes)
+    share = num_params / world_size
+    return {"parameters": 4 * share, "gradients": 4 * share, "optimizer_state": moment_bytes * share,
+            "gathered": 0.0 if reshard_after_forward else compute_bytes * num_params}
+
+
+def fsdp_estimate(num_params: float, world_size: int, *, reshard_after_forward: bool = True,
+                  compute_bytes: float = 2, moment_bytes: float = 8) -> float:
+    """The sum of :func:`fsdp_breakdown`: 16P/N, or 2P + 16P/N without resharding after forward (bf16
+    compute, Adam). Example: ``fsdp_estimate(1e9, 8) / 1e9 == 2.0``."""
+    return sum(fsdp_breakdown(num_params, world_size, reshard_after_forward=reshard_after_forward,
+                              compute_bytes=compute_bytes, moment_bytes=moment_bytes).values())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank stores: a DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def nbytes(tensors: Any) -> int:
+    """Bytes of storage behind ``tensors`` on this rank (a DTensor's local shard), each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        local = _local(tensor)
+        if local.device.type == "meta":
+            continue
+        key = local.untyped_storage().data_ptr()
+        if key in seen and key != 0:
+            continue  # views of one storage (FSDP1's flat parameter) count once
+        seen.add(key)
+        total += local.untyped_storage().nbytes()
+    return total
+
+
+def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds for ``model``'s parameters and gradients and ``optimizer``'s state.
+
+    Counts the storage behind each tensor (a DTensor's local shard, FSDP1's flat
+    parameter with its padding), each storage once.
+    Example: ``measured(model, optimizer)["parameters"]``.
+    """
+    params = list(model.parameters())
+    out = {"parameters": nbytes(params), "gradients": nbytes(p.grad for p in params if p.grad is not None)}
+    states = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
+                                           if isinstance(v, torch.Tensor)]
+    out["optimizer_state"] = nbytes(states)
+    return out

@@ -1,0 +1,287 @@
+"""Checkpoints of FSDP2, FSDP1 and DDP models through ``torch.distributed.checkpoint`` (DCP).
+
+Two kinds, one API for all three wrappers (``get_state_dict`` / ``set_state_dict``):
+
+- ``"sharded"``: every rank writes its own shards with ``dcp.save`` (FSDP1's
+  SHARDED_STATE_DICT); loading re-shards to whatever the new job uses.
+- ``"full"``: the whole model and optimizer state gathered, written once by rank 0 with
+  ``torch.save`` (FSDP1's FULL_STATE_DICT): the file to export or load without FSDP.
+
+Load only checkpoints you wrote. A checkpoint is code as well as numbers: torch's DCP reader
+unpickles ``.metadata`` with plain ``pickle`` (torch 2.13 has no safe mode for it) and its
+non-tensor entries with ``torch.load(weights_only=False)``, so a planted file runs what it likes.
+:func:`load` reads both with only the classes a DCP checkpoint holds allowed (and full files with
+``weights_only=True``), and refuses anything else; that guards against a tampered file, not a
+trusted one. The default directory (:func:`default_directory`) is private to you, not a shared
+folder such as ``/tmp``.
+
+A save never damages the previous checkpoint: it writes into a fresh sub-folder and then
+replaces ``step.json`` (which names the folder) in one rename; a failed save leaves
+``step.json`` naming the old, complete one.
+
+On GPUs the full state dict is gathered with ``cpu_offload=True``, the documented
+route. On the CPU it must not be: FSDP1's offload path calls ``flat_param.to("cpu")``,
+which for a tensor already on the CPU returns the same tensor, and then frees the
+unsharded buffer it still uses ("setStorage ... out of bounds for storage of size 0"
+in torch 2.13). There is nothing to offload on the CPU anyway, so dtlib skips it.
+
+Example (inside a rank; ``directory`` defaults to :func:`default_directory`)::
+
+    save(model, optimizer, step=4, kind="sharded")
+    step = load(model, optimizer, kind="sharded")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from dtlib.launch.files import write_atomically
+
+FULL_FILE = "full.pt"
+STEP_FILE = "step.json"  # {"step": 4, "kind": "sharded", "folder": "a"}: written last, in one rename
+FOLDERS = ("a", "b")  # a save writes into the one step.json does not name
+
+
+def default_directory(name: str = "fsdp") -> str:
+    """``<cache>/dtlib/checkpoints/<name>`` (``$XDG_CACHE_HOME`` or ``~/.cache``), readable and writable by
+    you alone (mode 0o700); created if missing, tightened if looser, refused if another user owns it.
+
+    Every rank on one machine gets the same path. For ranks on several machines, pass a directory
+    on a file system they share. Example: ``save(model, optimizer, 4, default_directory("run1"))``.
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = cache
+    for part in ("dtlib", "checkpoints", name):
+        path = os.path.join(path, part)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.stat(path)
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to another user (uid {info.st_uid}), who could plant a checkpoint "
+                                  "there; pass a directory of your own")
+        if info.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    return path
+
+
+@contextlib.contextmanager
+def _torch_internal_warnings(notes: list[str]) -> Iterator[None]:
+    """Collect the warnings torch's own state-dict code raises (FSDP1's goes through the deprecated
+    ShardedTensor in torch 2.13) into ``notes``, once each, instead of printing them on every rank."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for message in sorted({str(w.message).strip() for w in caught}):
+        if message not in notes:
+            notes.append(message)
+
+
+def _full_options() -> StateDictOptions:
+    on_gpu = dist.get_backend() == "nccl"
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, directory: str | None = None,
+         kind: str = "sharded", notes: list[str] | None = None) -> str:
+    """Write a checkpoint of ``kind`` ("sharded" or "full") to ``directory``; every rank must call it.
+
+    ``directory`` defaults to :func:`default_directory`. The checkpoint before it stays whole until
+    this one is complete (module docstring). Warnings torch raises on the way are appended to
+    ``notes`` instead of printed. Returns the directory.
+    """
+    if kind not in ("sharded", "full"):
+        raise ValueError(f"kind must be 'sharded' or 'full', got {kind!r}")
+    directory = os.fspath(directory) if directory else default_directory()
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    previous = _committed(directory)  # every rank reads it before rank 0 can replace it (barriers below)
+    folder = FOLDERS[1] if previous and previous["folder"] == FOLDERS[0] else FOLDERS[0]
+    target = os.path.join(directory, folder)
+    if dist.get_rank() == 0:
+        shutil.rmtree(target, ignore_errors=True)  # what a failed save left, or the checkpoint before last
+        os.makedirs(target, mode=0o700)
+    dist.barrier()
+    with _torch_internal_warnings([] if notes is None else notes):
+        _save(model, optimizer, target, kind)
+    dist.barrier()  # every rank's files are complete: only now may step.json name them
+    if dist.get_rank() == 0:
+        record = json.dumps({"step": step, "kind": kind, "folder": folder}).encode()
+        write_atomically(os.path.join(directory, STEP_FILE), lambda file: file.write(record))
+        if previous and previous["folder"] != folder:
+            shutil.rmtree(os.path.join(directory, previous["folder"]), ignore_errors=True)
+    dist.barrier()  # nobody reads a checkpoint that is still being written
+    return directory
+
+
+def _committed(directory: str) -> dict[str, Any] | None:
+    """What ``step.json`` says (None if there is none), checked so that it cannot point elsewhere."""
+    path = os.path.join(directory, STEP_FILE)
+    try:
+        with open(path) as file:
+            record = json.load(file)
+    except FileNotFoundError:
+        return None
+    if not isinstance(record, dict) or record.get("folder") not in FOLDERS or record.get("kind") not in (
+            "sharded", "full") or not isinstance(record.get("step"), int):
+        raise ValueError(f"{path} is not one that dtlib.train.fsdp_checkpoint.save wrote: {record!r}")
+    return record
+
+
+def _save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, kind: str) -> None:
+    if kind == "sharded":
+        model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's shards
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_full_options())
+        if dist.get_rank() == 0:
+            state = {"model": model_state, "optim": optim_state}
+            write_atomically(os.path.join(directory, FULL_FILE), lambda file: torch.save(state, file))
+
+
+def _initialise_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer its state tensors with one zero-gradient step (Adam moves nothing then).
+
+    DCP loads *into* the state dict it is given; a fresh optimizer has no state entries,
+    and FSDP1's sharded load then silently loads none.
+    """
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | None = None, kind: str = "sharded",
+         notes: list[str] | None = None) -> int:
+    """Load a checkpoint written by :func:`save` into this rank's model and optimizer; return its step.
+
+    Load only checkpoints you wrote (module docstring): an object in the files that a checkpoint
+    never holds is refused with ``pickle.UnpicklingError`` (inside DCP's ``CheckpointException`` for a
+    sharded one), but the numbers themselves are trusted. ``directory`` defaults to :func:`default_directory`.
+    """
+    directory = os.fspath(directory) if directory else default_directory()
+    record = _committed(directory)
+    if record is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}: {STEP_FILE} is missing (save writes it last)")
+    if record["kind"] != kind:
+        raise ValueError(f"{directory} holds a {record['kind']!r} checkpoint, not {kind!r}: "
+                         f"use checkpoint_kind={record['kind']!r}")
+    _initialise_optimizer_state(model, optimizer)
+    with _torch_internal_warnings([] if notes is None else notes):
+        _load(model, optimizer, os.path.join(directory, record["folder"]), kind)
+    return record["step"]
+
+
+def _load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, kind: str) -> None:
+    if kind == "sharded":
+        model_state, optim_state = get_state_dict(model, optimizer)  # templates with this job's sharding
+        state = {"model": model_state, "optim": optim_state}
+        # fills the templates in place
+        dcp.load(state, storage_reader=_CheckedReader(directory), planner=_CheckedPlanner())
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        full = torch.load(os.path.join(directory, FULL_FILE), map_location=device, weights_only=True)
+        set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+
+
+# What a DCP .metadata pickle may name: DCP's own metadata dataclasses and enums, torch.Size, dtypes,
+# layouts, paths. All of them only build values; none can run a command or open a file.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only the names a DCP ``.metadata`` file holds (Python's
+    "Restricting Globals" recipe); torch's own ``weights_only`` unpickler cannot read it (protocol 4 frames)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("torch", "torch.serialization", "pathlib", "pathlib._local", *_METADATA_MODULES):
+            found = super().find_class(module, name)
+            if self._harmless(module, found):
+                return found
+        raise pickle.UnpicklingError(f"a DCP checkpoint's .metadata never names {module}.{name}; refusing to load "
+                                     "it: the file was not written by torch.distributed.checkpoint.save (load only "
+                                     "checkpoints you wrote)")
+
+    @staticmethod
+    def _harmless(module: str, found: Any) -> bool:
+        if isinstance(found, torch.dtype) or found is torch.Size or found is torch.serialization._get_layout:
+            return True
+        if not isinstance(found, type):
+            return False
+        if issubclass(found, pathlib.PurePath):
+            return True
+        dataclass_or_enum = hasattr(found, "__dataclass_fields__") or issubclass(found, enum.Enum)
+        return module in _METADATA_MODULES and found.__module__ == module and dataclass_or_enum
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's reader, with ``.metadata`` read by :class:`_MetadataUnpickler` instead of plain ``pickle``.
+
+    The rest is what torch 2.13's ``FileSystemReader.read_metadata`` does after unpickling."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = os.path.join(self.path, ".metadata")  # dcp.save with a process group writes one, by that name
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        for info in (metadata.storage_data or {}).values():  # the data files must lie in this folder
+            relative = getattr(info, "relative_path", "")
+            if os.path.basename(relative) != relative or relative in ("", ".", ".."):
+                raise pickle.UnpicklingError(f"{path} points at {relative!r}, outside its own folder")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _CheckedPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default planner, except that non-tensor entries (the optimizer's lr, betas, ...) are read
+    with ``torch.load(weights_only=True)``; torch's default reads them with ``weights_only=False``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            checked = torch.load(value, weights_only=True)  # refuses anything but plain values and tensors
+        except pickle.UnpicklingError as error:
+            said = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]  # names what it refused
+            reason = said[0] if said else "not a plain value"
+            raise pickle.UnpicklingError(f"the checkpoint's entry {read_item.dest_index.fqn} holds more than a value "
+                                         f"({reason}); refusing to load it (load only checkpoints you wrote)") from None
+        again = io.BytesIO()
+        torch.save(checked, again)  # the parent unpickles what it gets; give it only what passed the check
+        again.seek(0)
+        super().load_bytes(read_item, again)
+
+
+def documented_fsdp1_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """FSDP1's documented full-state-dict route (``FullStateDictConfig(offload_to_cpu=True,
+    rank0_only=True)``), kept to show why dtlib avoids it on the CPU: there it raises
+    "setStorage ... out of bounds for storage of size 0" (see the module docstring).
+    Use it on GPUs; ``FSDP.state_dict_type`` itself is deprecated in torch 2.13 in favour of
+    ``get_state_dict``, which :func:`save` uses.
+    """
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecation is the docstring's point
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+                                  FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+            return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}

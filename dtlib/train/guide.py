@@ -1,0 +1,277 @@
+"""Which data-parallel strategy fits: a decision guide built on the memory formulas of ``dtlib.measure.memory``.
+
+Model state per GPU (GB = 1e9 bytes), as PyTorch's DDP and FSDP2 hold it with mixed-precision AdamW:
+fp32 weights, fp32 gradients and Adam's two fp32 moments, 16 bytes per parameter, with bf16 compute
+(P parameters, N GPUs in all, g GPUs per node)::
+
+    DDP                              16P                 a full replica on every GPU
+    FSDP, no reshard after forward   2P + 16P/N          fp32 shards, bf16 weights gathered fwd to bwd
+    HSDP                             16P/g               full sharding within each node, replicas across
+    FSDP full sharding               16P/N               everything sharded over all GPUs
+    full sharding + CPU offload      host: 16P in all    weights, gradients and the optimizer step in host RAM
+
+The rules, in order: the simplest strategy whose model state fits the GPU's budget: the GPU minus 30% for
+activations (10% with activation checkpointing), or, given the ``activation_gb`` you measured for the batch
+you want, minus 10% and minus those. CPU offload fits when the node's RAM (minus 20%) holds the offloaded
+state. On several nodes linked more slowly than 12.5 GB/s (100 Gbit/s) per GPU, HSDP comes first wherever
+it fits: it keeps the all-gathers and reduce-scatters inside each node. Beyond offload: tensor or pipeline
+parallelism.
+
+Example::
+
+    dtlib.train.guide.recommend(7e9, gpu_memory_gb=80, num_gpus=8).choice   # "FSDP, no reshard after forward"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtlib.feedback import Feedback
+from dtlib.measure import memory
+
+ACTIVATION_RESERVE = 0.3  # share of each GPU kept for activations, buffers and fragmentation
+CHECKPOINTING_RESERVE = 0.1  # what is left with activation checkpointing; the buffers' share with activation_gb
+HOST_RESERVE = 0.2  # share of each node's RAM kept for the OS, data-loader workers and the ranks' processes
+SLOW_LINK_GB_PER_S = 12.5  # 100 Gbit/s per GPU between nodes: below it, keep the big collectives inside nodes
+
+CHOICES = ("DDP", "DDP + activation checkpointing", "FSDP, no reshard after forward", "HSDP",
+           "FSDP full sharding", "FSDP full sharding + CPU offload", "tensor / pipeline parallelism")
+OFFLOAD = "FSDP full sharding + CPU offload"
+ON_GPU = ("DDP", "FSDP, no reshard after forward", "HSDP", "FSDP full sharding")  # what gb_per_gpu holds
+
+
+@dataclass
+class Recommendation:
+    """The choice, the reason in one sentence, and the arithmetic behind it (GB = 1e9 bytes)."""
+
+    choice: str
+    reason: str
+    gb_per_gpu: dict[str, float] = field(default_factory=dict)  # model state per GPU under each GPU candidate
+    budget_gb: float = 0.0  # what model state may use: the GPU minus the activations' share
+    host_gb_per_node: float = 0.0  # CPU offload: host RAM each node needs (weight and gradient shards pinned)
+    host_budget_gb: float = 0.0  # the node's RAM minus HOST_RESERVE
+    activation_room_gb: dict[str, float] = field(default_factory=dict)  # 90% of the GPU minus the model state
+    cross_node_gb: dict[str, float] = field(default_factory=dict)  # sent across nodes per GPU and step
+
+    def __str__(self) -> str:
+        return f"{self.choice}: {self.reason}"
+
+
+def bytes_per_param(mixed_precision: bool = True, optimizer: str = "adamw") -> dict[str, float]:
+    """Bytes per parameter as PyTorch's DDP and FSDP2 keep them: fp32 weights and gradients (4 + 4), the
+    optimizer's fp32 moments (8 for Adam(W), 4 for SGD with momentum), and the dtype the weights are
+    gathered in for compute (2 with bf16 mixed precision, 4 in fp32).
+
+    Example: ``bytes_per_param()`` gives 4, 4, 8 and 2: 16 bytes of model state per parameter.
+    """
+    moments = {"adamw": 8, "adam": 8, "sgd": 4}
+    if optimizer not in moments:
+        raise ValueError(f"optimizer must be one of {', '.join(moments)}, got {optimizer!r}")
+    return {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": moments[optimizer],
+            "compute_bytes": 2 if mixed_precision else 4}
+
+
+def model_state_gb(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_precision: bool = True,
+                   optimizer: str = "adamw") -> dict[str, float]:
+    """GB of model state per GPU under each of :data:`ON_GPU`, and the host GB per node under CPU offload.
+
+    Example: ``model_state_gb(13e9, 8)["FSDP full sharding"] == 26.0`` (16 x 13 / 8).
+    """
+    sizes = bytes_per_param(mixed_precision, optimizer)
+    moments, compute = sizes["optim_bytes_per_param"], sizes["compute_bytes"]
+    per_node = memory.whole("num_gpus", num_gpus) // memory.whole("nodes", nodes)
+
+    def fsdp(group: int, reshard: bool = True) -> float:
+        return memory.fsdp_estimate(num_params, group, reshard_after_forward=reshard, compute_bytes=compute,
+                                    moment_bytes=moments) / 1e9
+
+    return {
+        "DDP": memory.estimate(num_params, num_gpus, "ddp", param_bytes=4, grad_bytes=4,
+                               optim_bytes_per_param=moments) / 1e9,
+        "FSDP, no reshard after forward": fsdp(num_gpus, reshard=False),
+        "HSDP": fsdp(per_node),
+        "FSDP full sharding": fsdp(num_gpus),
+        # Offload: every shard and the optimizer step live in the node's RAM, its GPUs' shares together
+        OFFLOAD: fsdp(num_gpus) * per_node,
+    }
+
+
+def cross_node_gb(num_params: float, num_gpus: int, nodes: int, *, mixed_precision: bool = True) -> dict[str, float]:
+    """GB one GPU sends across nodes per step under each strategy, ring collectives (notebook 03).
+
+    DDP all-reduces fp32 gradients over all N GPUs: 2(N-1)/N x 4P. FSDP all-gathers the weights in the
+    compute dtype (c bytes: twice with full sharding, once without resharding) and reduce-scatters fp32
+    gradients over all N: (N-1)/N x (2c + 4)P or (c + 4)P. HSDP keeps those inside each node of g GPUs and
+    all-reduces only each gradient shard across the r = nodes replicas: 2(r-1)/r x 4P/g. One node: all 0.
+    Example: ``cross_node_gb(1e9, 16, 2)["HSDP"] == 0.5``.
+    """
+    compute = bytes_per_param(mixed_precision)["compute_bytes"]
+    num_params = memory.finite("num_params", num_params)
+    num_gpus, nodes = memory.whole("num_gpus", num_gpus), memory.whole("nodes", nodes)
+    if nodes == 1:
+        return dict.fromkeys(CHOICES, 0.0)
+    spread = (num_gpus - 1) / num_gpus
+    ddp = 2 * spread * 4 * num_params / 1e9
+    return {"DDP": ddp, "DDP + activation checkpointing": ddp,
+            "FSDP, no reshard after forward": spread * (compute + 4) * num_params / 1e9,
+            "HSDP": 2 * (nodes - 1) / nodes * 4 * num_params / (num_gpus // nodes) / 1e9,
+            "FSDP full sharding": spread * (2 * compute + 4) * num_params / 1e9,
+            OFFLOAD: spread * (2 * compute + 4) * num_params / 1e9,
+            "tensor / pipeline parallelism": 0.0}  # depends on the split: not this guide's arithmetic
+
+
+def _inputs(num_params: object, gpu_memory_gb: object, num_gpus: object, nodes: object, host_memory_gb: object,
+            activation_gb: object, inter_node_gb_per_s: object) -> tuple[float, float, int, int, float, float | None,
+                                                                          float]:
+    """Every number checked: finite (NaN and infinity refused), positive, GPUs and nodes whole."""
+    num_params = memory.finite("num_params", num_params)
+    gpu_memory_gb = memory.finite("gpu_memory_gb", gpu_memory_gb)
+    if num_params <= 0 or gpu_memory_gb <= 0:
+        raise ValueError(f"num_params and gpu_memory_gb must be > 0, got {num_params} and {gpu_memory_gb}")
+    num_gpus, nodes = memory.whole("num_gpus", num_gpus), memory.whole("nodes", nodes)
+    if num_gpus % nodes:
+        raise ValueError(f"need num_gpus >= 1 split evenly over nodes >= 1, got {num_gpus} GPUs on {nodes} nodes")
+    host = memory.finite("host_memory_gb", host_memory_gb)
+    activations = None if activation_gb is None else memory.finite("activation_gb", activation_gb)
+    link = memory.finite("inter_node_gb_per_s", inter_node_gb_per_s)
+    if link <= 0:
+        raise ValueError(f"inter_node_gb_per_s must be > 0, got {inter_node_gb_per_s!r}")
+    return num_params, gpu_memory_gb, num_gpus, nodes, host, activations, link
+
+
+def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: int = 1,
+              mixed_precision: bool = True, optimizer: str = "adamw", host_memory_gb: float = 1000.0,
+              activation_gb: float | None = None, inter_node_gb_per_s: float = 50.0) -> Recommendation:
+    """The simplest strategy whose model state fits, with the numbers that decided it.
+
+    ``num_gpus`` counts all GPUs; ``nodes`` of them share it equally, each node with ``host_memory_gb`` of
+    RAM. ``activation_gb``: the activation memory per GPU of the batch you want (measure it on one GPU:
+    the step's peak minus the model state); a larger batch needs more, and sharding frees the room for it.
+    Given, it replaces the 30% reserve, and the guide no longer assumes activation checkpointing (measure
+    ``activation_gb`` with checkpointing on if you use it).
+    ``inter_node_gb_per_s``: bandwidth per GPU between nodes (50 for 400 Gbit/s InfiniBand per GPU).
+    Example: ``recommend(1e9, 80, 8)`` is DDP (16 GB of model state per GPU fits 80 GB).
+    """
+    num_params, gpu_memory_gb, num_gpus, nodes, host_memory_gb, activation_gb, link = _inputs(
+        num_params, gpu_memory_gb, num_gpus, nodes, host_memory_gb, activation_gb, inter_node_gb_per_s)
+    states = model_state_gb(num_params, num_gpus, nodes, mixed_precision=mixed_precision, optimizer=optimizer)
+    gb = {name: states[name] for name in ON_GPU}
+    usable = gpu_memory_gb * (1 - CHECKPOINTING_RESERVE)  # buffers and fragmentation take the rest
+    budget = gpu_memory_gb * (1 - ACTIVATION_RESERVE) if activation_gb is None else usable - activation_gb
+    host_budget = host_memory_gb * (1 - HOST_RESERVE)
+    across = cross_node_gb(num_params, num_gpus, nodes, mixed_precision=mixed_precision)
+    per_node = num_gpus // nodes
+
+    def make(choice: str, reason: str) -> Recommendation:
+        return Recommendation(choice, reason, gb, budget, states[OFFLOAD], host_budget,
+                              {name: usable - value for name, value in gb.items()}, across)
+
+    def room(name: str) -> str:
+        return f"; it leaves {usable - gb[name]:.1f} GB per GPU for activations"
+
+    if nodes > 1 and link < SLOW_LINK_GB_PER_S and gb["HSDP"] <= budget:
+        usual = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes, mixed_precision=mixed_precision,
+                          optimizer=optimizer, host_memory_gb=host_memory_gb, activation_gb=activation_gb).choice
+        if usual != "HSDP":  # what a fast link would get sends more across nodes: HSDP's g-fold saving decides
+            return make("HSDP", f"{nodes} nodes linked at {link:g} GB/s per GPU: {usual} would send "
+                        f"{across[usual]:.1f} GB per GPU across nodes each step ({across[usual] / link:.1f} s), "
+                        f"HSDP {across['HSDP']:.1f} GB ({across['HSDP'] / link:.1f} s), sharding within each node "
+                        f"({gb['HSDP']:.1f} GB per GPU)" + room("HSDP"))
+    if gb["DDP"] <= budget:
+        return make("DDP", f"a full replica's model state ({gb['DDP']:.1f} GB) fits the {budget:.1f} GB budget; "
+                           "DDP is the simplest and fastest" + room("DDP"))
+    if activation_gb is None and gb["DDP"] <= usable:
+        return make("DDP + activation checkpointing", f"a replica ({gb['DDP']:.1f} GB) fits only if activations "
+                    f"stay under {gpu_memory_gb - gb['DDP']:.1f} GB: recompute them in backward")
+    name = "FSDP, no reshard after forward"
+    if gb[name] <= budget:
+        return make(name, f"sharding over {num_gpus} GPUs, with the weights gathered from forward to backward, "
+                    f"peaks at {gb[name]:.1f} GB per GPU, gathering once per step (DDP's bytes at equal precision)"
+                    + room(name))
+    if nodes > 1 and gb["HSDP"] <= budget:
+        return make("HSDP", f"full sharding within one node ({per_node} GPUs) needs {gb['HSDP']:.1f} GB; "
+                    "replicating across nodes keeps the all-gathers on fast intra-node links" + room("HSDP"))
+    name = "FSDP full sharding"
+    if gb[name] <= budget:
+        return make(name, f"only sharding the parameters too fits: {gb[name]:.1f} GB per GPU over {num_gpus} GPUs, "
+                    "gathering twice per step (1.5x DDP's bytes at equal precision)" + room(name))
+    if states[OFFLOAD] <= host_budget:
+        return make(OFFLOAD, f"even full sharding needs {gb['FSDP full sharding']:.1f} GB per GPU; offloaded, "
+                    f"weights, gradients and the optimizer step live in host RAM, {states[OFFLOAD]:.0f} GB per "
+                    f"node of {host_budget:.0f} GB usable, and the GPUs hold only the layers being computed "
+                    "(slower: host transfers every step)")
+    return make("tensor / pipeline parallelism", f"full sharding needs {gb['FSDP full sharding']:.1f} GB per GPU "
+                f"and offloading {states[OFFLOAD]:.0f} GB of host RAM per node, more than the {host_budget:.0f} GB "
+                "usable: add nodes, or split layers with tensor or pipeline parallelism")
+
+
+def table(sizes_b: tuple[float, ...] = (0.5, 1, 3, 7, 13, 30, 70), gpu_memory_gb: tuple[float, ...] = (40, 80),
+          num_gpus: int = 8, **options: object) -> list[dict[str, object]]:
+    """Recommendations for common model sizes (billions of parameters) on one node of ``num_gpus``;
+    ``options`` go to :func:`recommend` (``host_memory_gb=2000``, say)."""
+    return [{"params_b": size, "gpu_gb": mem, "choice": recommend(size * 1e9, mem, num_gpus, **options).choice}
+            for size in sizes_b for mem in gpu_memory_gb]
+
+
+def largest_model(choice: str, gpu_memory_gb: float = 80, num_gpus: int = 8, *, nodes: int = 1,
+                  mixed_precision: bool = True, optimizer: str = "adamw") -> float:
+    """The most parameters whose model state fits the budget (the GPU minus 30%) under ``choice``, one of
+    :data:`ON_GPU`. Model state grows linearly with the parameters, so one parameter's bytes decide.
+    Example: ``largest_model("DDP") / 1e9`` is 3.5 (billion)."""
+    if choice not in ON_GPU:
+        raise ValueError(f"choice must be one of {', '.join(ON_GPU)}, got {choice!r}")
+    if memory.finite("gpu_memory_gb", gpu_memory_gb) <= 0:
+        raise ValueError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb!r}")
+    one = model_state_gb(1, num_gpus, nodes, mixed_precision=mixed_precision, optimizer=optimizer)[choice] * 1e9
+    return gpu_memory_gb * (1 - ACTIVATION_RESERVE) * 1e9 / one
+
+
+def _two_gb(needed: float, budget: float) -> tuple[str, str]:
+    """Both in GB with enough decimals that two different numbers never print the same."""
+    decimals = 1
+    while f"{needed:.{decimals}f}" == f"{budget:.{decimals}f}" and decimals < 6:
+        decimals += 1
+    return f"{needed:.{decimals}f}", f"{budget:.{decimals}f}"
+
+
+def _why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: int) -> str | None:
+    """Why ``answer`` fails its own rule of :func:`recommend` on this job, or None where it would work."""
+    if answer == "HSDP" and nodes == 1:
+        return ("HSDP shards the model within each node and replicates it across nodes; this job has one node, "
+                "so there is nothing to replicate across (on one node HSDP is just full sharding).")
+    if answer == "tensor / pipeline parallelism":
+        return None  # splitting layers always fits; the guide keeps it for when nothing simpler does
+    if answer == OFFLOAD:
+        if advice.host_gb_per_node <= advice.host_budget_gb:
+            return None
+        needed, budget = _two_gb(advice.host_gb_per_node, advice.host_budget_gb)
+        return (f"{answer} needs {needed} GB of host RAM per node (16 bytes per parameter, shared by the node's "
+                f"GPUs), more than the {budget} GB usable (the node's RAM minus {HOST_RESERVE:.0%}).")
+    checkpointing = answer == "DDP + activation checkpointing"
+    needed = advice.gb_per_gpu["DDP" if checkpointing else answer]
+    reserve = CHECKPOINTING_RESERVE if checkpointing else ACTIVATION_RESERVE
+    budget = gpu_memory_gb * (1 - reserve)
+    if needed <= budget:
+        return None
+    shown_needed, shown_budget = _two_gb(needed, budget)
+    activations = "activations: checkpointing keeps few, recomputing the rest" if checkpointing else "activations"
+    return (f"{answer} needs {shown_needed} GB of model state per GPU, more than the {shown_budget} GB budget "
+            f"(the GPU minus {reserve:.0%} for {activations}).")
+
+
+def check_choice(answer: object, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> object:
+    """Notebook 06's exercise: is ``answer`` (one of :data:`CHOICES`) what :func:`recommend` picks?
+
+    A wrong answer gets the reason it fails (it does not fit its budget, or HSDP on one node), or, where it
+    would work, the simpler choice that works too. Example: ``check_choice("HSDP", 20e9, 80, 8)`` says one node.
+    """
+
+    advice = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes)
+    if answer not in CHOICES:
+        return Feedback(False, f"Answer with one of: {', '.join(repr(choice) for choice in CHOICES)}.")
+    if answer == advice.choice:
+        return Feedback(True, f"Right: {advice}")
+    why = _why_not(str(answer), advice, gpu_memory_gb, nodes)
+    if why:
+        return Feedback(False, why)
+    return Feedback(False, f"{answer} would fit, but a simpler strategy fits too: {advice}")
