@@ -23,14 +23,6 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def check_torch_version() -> None:
-    """Raise a clear error when torch is older than dtlib supports."""
-    if torch_version() < MIN_TORCH:
-        raise RuntimeError(
-            f"dtlib needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}"
-        )
-
-
 def destroy_process_group(group: Any = None) -> None:
     """``dist.destroy_process_group(group)``, without the deadlock of torch 2.6 and 2.7.
 
@@ -106,14 +98,6 @@ def store_on(listener: socket.socket) -> dist.TCPStore:
         master_listen_fd=listener.detach(),  # closed by the store when it is deleted
         use_libuv=torch_version() >= (2, 8),
     )
-
-
-def loopback_store(world_size: int) -> dist.TCPStore:
-    """A rendezvous store on 127.0.0.1 only, on a free port (read it from ``.port``).
-
-    Example: ``store = loopback_store(2); dist.TCPStore("127.0.0.1", store.port)`` connects.
-    """
-    return store_on(loopback_listener(world_size))
 
 
 def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:

@@ -160,7 +160,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 # What opens the rendezvous port (dtlib.compat), for tests that must show nothing started.
-STORE_FACTORIES = ("loopback_listener", "store_on", "loopback_store")
+STORE_FACTORIES = ("loopback_listener", "store_on")
 
 
 @pytest.fixture

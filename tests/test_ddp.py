@@ -18,7 +18,6 @@ import torch
 from dtlib.train import ddp, models
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP, _trainable
 
-QUIET = {"output": "none"}
 CONFIG = ddp.TrainConfig(steps=6)
 
 
@@ -28,7 +27,7 @@ def _num_params(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def plain():
-    return ddp.run(CONFIG, 2, **QUIET)
+    return ddp.run(CONFIG, 2, output="none")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,8 @@ def single():
 @pytest.fixture(scope="module")
 def accumulated():
     """grad_accum=4: under no_sync (one all-reduce per step), and without it (one per micro-batch)."""
-    return {no_sync: ddp.run(replace(CONFIG, grad_accum=4, no_sync=no_sync), 2, **QUIET) for no_sync in (True, False)}
+    return {no_sync: ddp.run(replace(CONFIG, grad_accum=4, no_sync=no_sync), 2, output="none")
+            for no_sync in (True, False)}
 
 
 def _assert_matches_single(results, reference, what):
@@ -82,7 +82,7 @@ def test_transformer_on_four_ranks_matches_one_process():
     """Four ranks, the transformer, and ``gradient_as_bucket_view`` (gradients live in DDP's buckets and are
     zeroed, not freed): one run for two claims, to keep the suite fast."""
     config = ddp.TrainConfig(model="transformer", steps=3, global_batch=16, gradient_as_bucket_view=True)
-    results = ddp.run(config, 4, **QUIET)
+    results = ddp.run(config, 4, output="none")
     assert [r.rank for r in results] == [0, 1, 2, 3] and {r.world_size for r in results} == {4}
     reference = ddp.train_single(config, world_size=4)
     _assert_matches_single(results, reference, "transformer, DDP x4")
@@ -116,7 +116,7 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern) as info:  # the patched spawn proves no process started
-        ddp.run(config, world_size, **QUIET)
+        ddp.run(config, world_size, output="none")
     return str(info.value)
 
 
@@ -156,7 +156,7 @@ def test_numpy_integers_are_accepted_and_train_like_ints(plain):
                      save_after_step=None, num_samples=np.int64(CONFIG.num_samples))
     ddp.validate(config, np.int64(2))
     assert [type(getattr(config, name)) for name in ("steps", "global_batch", "num_samples")] == [int, int, int]
-    results = ddp.run(replace(config, steps=np.int64(CONFIG.steps)), 2, **QUIET)  # run() converts them too
+    results = ddp.run(replace(config, steps=np.int64(CONFIG.steps)), 2, output="none")  # run() converts them too
     for result, reference in zip(results, plain, strict=True):
         assert torch.equal(result.params, reference.params) and result.losses == reference.losses
 

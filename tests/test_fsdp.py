@@ -14,7 +14,6 @@ from dtlib.measure import memory
 from dtlib.train import data, fsdp, models
 from dtlib.train.fsdp import FSDPConfig
 
-QUIET = {"output": "none"}
 STEPS = FSDPConfig().steps  # 4
 NUM_PARAMS = sum(p.numel() for p in models.build("transformer").parameters())  # 28,064: every size divides by 4
 NUM_TENSORS = len(list(models.build("transformer").parameters()))  # 30: Adam keeps one fp32 step scalar each
@@ -30,7 +29,7 @@ def runs():
     def get(world_size: int = 2, **changes) -> list[fsdp.FSDPResult]:
         key = (world_size, tuple(sorted(changes.items())))
         if key not in cache:
-            cache[key] = fsdp.run(FSDPConfig(**changes), world_size, **QUIET)
+            cache[key] = fsdp.run(FSDPConfig(**changes), world_size, output="none")
         return cache[key]
 
     return get
@@ -297,7 +296,7 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):  # and spawn, patched above, was never called
-        fsdp.run(config, world_size, **QUIET)
+        fsdp.run(config, world_size, output="none")
 
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, FSDP1's CPUOffload can run")
@@ -346,7 +345,7 @@ def _refused_without_processes(monkeypatch, config, world_size, pattern):
     monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):
-        fsdp.run(config, world_size, **QUIET)
+        fsdp.run(config, world_size, output="none")
 
 
 @pytest.mark.parametrize("config, world_size, pattern", [
@@ -378,7 +377,8 @@ def test_validate_accepts_numpy_integers_and_stores_them_as_ints():
 
 @pytest.mark.timeout(120)
 def test_numpy_integers_train_like_ints(runs):
-    results = fsdp.run(FSDPConfig(steps=np.int64(2), global_batch=np.int64(16), grad_accum=np.int8(1)), 2, **QUIET)
+    config = FSDPConfig(steps=np.int64(2), global_batch=np.int64(16), grad_accum=np.int8(1))
+    results = fsdp.run(config, 2, output="none")
     assert _losses(results) == _losses(runs(2))[:2]
 
 
@@ -414,8 +414,8 @@ def test_command_line_prints_the_losses(runs):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.timeout(180)
 def test_fsdp1_cpu_offload_on_gpus_trains_like_fsdp2():
-    fsdp1 = fsdp.run(FSDPConfig(api="fsdp1", cpu_offload=True), 2, **QUIET)
-    fsdp2 = fsdp.run(FSDPConfig(api="fsdp2", cpu_offload=True), 2, **QUIET)
+    fsdp1 = fsdp.run(FSDPConfig(api="fsdp1", cpu_offload=True), 2, output="none")
+    fsdp2 = fsdp.run(FSDPConfig(api="fsdp2", cpu_offload=True), 2, output="none")
     _assert_close(_losses(fsdp1), _losses(fsdp2), "CPU offload on GPUs", atol=1e-4)
     assert not any("pin_memory=False" in note for note in fsdp2[0].notes)
 
@@ -483,7 +483,7 @@ def test_run_many_equals_one_run_per_config(runs, tmp_path):
     configs = [FSDPConfig(), FSDPConfig(api="fsdp1", strategy="shard_grad_op"), FSDPConfig(api="ddp"),
                FSDPConfig(steps=2, save_after_step=2, checkpoint_dir=str(tmp_path)),
                FSDPConfig(resume=True, checkpoint_dir=str(tmp_path))]
-    together = fsdp.run_many(configs, 2, **QUIET)
+    together = fsdp.run_many(configs, 2, output="none")
     assert len(together) == len(configs) and all(len(results) == 2 for results in together)
     for results, changes in zip(together[:3], ({}, {"api": "fsdp1", "strategy": "shard_grad_op"}, {"api": "ddp"}),
                                 strict=True):

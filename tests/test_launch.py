@@ -656,7 +656,7 @@ def test_any_invalid_world_size_rejected(world_size):
     """Property: every non-positive int and every non-int world_size is a ValueError before anything starts."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: pytest.fail("process started"))
-        for name in ("loopback_listener", "store_on", "loopback_store"):  # what opens the rendezvous port
+        for name in ("loopback_listener", "store_on"):  # what opens the rendezvous port
             if hasattr(dtlib.compat, name):
                 patch.setattr(dtlib.compat, name, lambda *a: pytest.fail("rendezvous socket opened"))
         with pytest.raises(ValueError, match="world_size"):

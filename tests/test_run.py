@@ -147,3 +147,26 @@ def test_ranks_of_spawn_are_not_under_torchrun_even_if_parent_is(monkeypatch):
     assert dtlib.spawn(under_torchrun_in_rank, world_size=2) == [False, False]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer-job")
     assert dtlib.spawn(under_torchrun_in_rank, world_size=2) == [False, False]
+
+
+def _devices_of_ddp(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlib.launch.entry import device_ids
+
+    device = dtlib.rank_device()
+    model = DistributedDataParallel(torch.nn.Linear(2, 2).to(device), device_ids=device_ids(device))
+    return str(device), model.device_ids
+
+
+@pytest.mark.timeout(60)
+def test_device_ids_is_what_ddp_accepts_on_the_ranks_device(monkeypatch):
+    """Oracle: torch's DDP takes it (a list on a GPU, None on the CPU) and keeps the device it names."""
+    from dtlib.launch.entry import device_ids
+
+    assert device_ids(torch.device("cpu")) is None
+    assert device_ids(torch.device("cuda", 1)) == [1]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert device_ids(torch.device("cuda")) == [3]
+    for device, ids in dtlib.spawn(_devices_of_ddp, 2, timeout=45):
+        assert ids == (None if device == "cpu" else [int(device.split(":")[1])])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtlib import ring
+from dtlib import arguments, ring
 from dtlib.bench import bandwidth, startup
 from dtlib.bench._table import Column
 from dtlib.bench._table import format_table as _format_table
@@ -141,8 +141,7 @@ def run(only: Iterable[str] | None = None, repeats: int = 3, notebooks: Path = P
     unknown = sorted(set(names) - set(TARGETS))
     if unknown:
         raise ValueError(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    repeats = arguments.count("repeats", repeats, 1)
     results: list[Result] = []
     for measure in dict.fromkeys(TARGETS[name] for name in names):  # in order, without repeats
         if measure is _notebooks:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dtlib import arguments
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as _as_records
 from dtlib.bench._table import format_table as _format_table
@@ -30,8 +31,7 @@ def measure(world_size: int = 2, steps: int = 6, **spawn_options: Any) -> list[S
         divisors = [d for d in range(1, GLOBAL_BATCH + 1) if GLOBAL_BATCH % d == 0]
         raise ValueError(f"world_size={world_size} cannot split the comparison's global batch of {GLOBAL_BATCH} "
                          f"samples evenly: use {', '.join(map(str, divisors[:-1]))} or {divisors[-1]} ranks")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    steps = arguments.count("steps", steps, 1)
     return fsdp_compare.strategies(world_size, steps=steps, **spawn_options)
 
 

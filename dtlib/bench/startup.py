@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 import dtlib
-from dtlib import compat
+from dtlib import arguments, compat
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as _as_records
 from dtlib.bench._table import format_table as _format_table
@@ -115,8 +115,7 @@ def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = N
         raise ValueError(f"no method to measure; choose from {', '.join(METHODS)}")
     if "accelerate" in methods and "accelerate" not in default_methods():
         raise ValueError("method 'accelerate' needs the accelerate package, which is not installed")
-    if repeats < 1 or world_size < 1:
-        raise ValueError(f"repeats and world_size must be >= 1, got {repeats} and {world_size}")
+    repeats, world_size = arguments.count("repeats", repeats, 1), arguments.count("world_size", world_size, 1)
     timings = {method: LaunchTiming(method, []) for method in methods}
     if "forkserver-first" in timings:
         timings["forkserver-first"].seconds.append(time_once("forkserver-first", world_size))

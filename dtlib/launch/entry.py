@@ -36,6 +36,17 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def device_ids(device: torch.device) -> list[int] | None:
+    """What ``DistributedDataParallel(model, device_ids=...)`` wants for a module on ``device``: the one GPU
+    it lives on, or None on the CPU (where a list is refused). Example (inside a rank)::
+
+        device = rank_device()
+        DistributedDataParallel(model.to(device), device_ids=device_ids(device))
+    """
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" \
+        else None
+
+
 def under_torchrun() -> bool:
     """True inside a process that torchrun (torch.distributed.run) started.
 

@@ -14,10 +14,7 @@ Example::
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
-import numbers
-import operator
 import os
 import traceback
 import warnings
@@ -27,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib import compat
+from dtlib import arguments, compat
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.job import Job
@@ -122,14 +119,7 @@ def max_world_size() -> int:
 
 
 def check_world_size(world_size: Any) -> int:
-    try:
-        if isinstance(world_size, bool):
-            raise TypeError
-        count = operator.index(world_size)  # any integral number: int, numpy.int64, ...
-    except TypeError:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}") from None
-    if count < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
+    count = arguments.count("world_size", world_size, 1)  # any integral number: int, numpy.int64, ...
     limit = max_world_size()
     if count > limit:
         raise ValueError(
@@ -163,15 +153,6 @@ def check_call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[
     if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
         raise TypeError(f"kwargs must be a dict of fn's keyword arguments (str keys), got {kwargs!r:.60}")
     return tuple(args), dict(kwargs)
-
-
-def check_timeout(timeout: Any) -> float | None:
-    """Seconds, or None for no limit (an infinite timeout is no limit)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
 
 
 def spawn(
@@ -223,7 +204,7 @@ def spawn(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     world_size = check_world_size(world_size)
     args, kwargs = check_call_arguments(args, kwargs)
-    timeout = check_timeout(timeout)
+    timeout = arguments.seconds("timeout", timeout)
     if output not in OUTPUT_MODES:
         raise ValueError(f"output must be one of {OUTPUT_MODES}, got {output!r}")
     resolved_backend = resolve_backend(backend, world_size)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dtlib import arguments
 from dtlib.feedback import Feedback
 from dtlib.launch.processes import free_port
 
@@ -128,8 +129,7 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
     node 0 hosting the store, as with ``torch.distributed.launch`` of old.
     """
-    if nnodes < 1:
-        raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+    nnodes = arguments.count("nnodes", nnodes, 1)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
     port = free_port()

@@ -25,10 +25,11 @@ import time
 import weakref
 from typing import Any
 
+from dtlib import arguments
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.processes import HeldInterrupts
-from dtlib.launch.spawn import check_timeout, check_world_size, resolve_backend, resolve_start_method
+from dtlib.launch.spawn import check_world_size, resolve_backend, resolve_start_method
 from dtlib.live import doctor as _doctor
 from dtlib.live import rank as _live_rank
 from dtlib.live.job import Ranks, close_quietly
@@ -56,7 +57,7 @@ class LiveRanks:
 
     def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0) -> None:
         self.world_size = check_world_size(world_size)
-        self.timeout = check_timeout(timeout)
+        self.timeout = arguments.seconds("timeout", timeout)
         self.backend = resolve_backend(backend, self.world_size)
         self._method = resolve_start_method("auto")
         self._cells = 0
@@ -153,7 +154,7 @@ class LiveRanks:
             failures = ranks.dead()
             self._restart()
             raise WorkerError(failures, note=f"this happened before the {what}, which did not run; {LOST}.")
-        limit = self.timeout if timeout is None else check_timeout(timeout)
+        limit = self.timeout if timeout is None else arguments.seconds("timeout", timeout)
         everyone = set(range(self.world_size))
         ranks.send(message)
         try:

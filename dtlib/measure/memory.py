@@ -18,11 +18,11 @@ GB here is 1e9 bytes, GiB 2**30.
 
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import Any
 
 import torch
+
+from dtlib.arguments import finite, whole
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ALIASES = {"no_shard": "ddp", "zero0": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3",
@@ -35,26 +35,6 @@ def canonical(strategy: str) -> str:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES + tuple(ALIASES))}")
     return name
-
-
-def finite(name: str, value: object, minimum: float = 0.0) -> float:
-    """``value`` as a float, refused with a ValueError naming ``name`` unless it is a finite real number
-    >= ``minimum``: NaN and infinity would otherwise flow through every formula (NaN compares False with
-    everything, so no later ``<=`` catches it). Example: ``finite("num_params", 7e9)``."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum:g}, got {value!r}")
-    return float(value)
-
-
-def whole(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` as an int: any whole number (``8``, ``8.0``, ``numpy.int64(8)``) >= ``minimum``, else a
-    ValueError naming ``name``. Example: ``whole("world_size", 8.0) == 8``."""
-    number = finite(name, value, minimum)
-    if not number.is_integer():
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
-    return int(number)
 
 
 def breakdown(num_params: float, world_size: int, strategy: str, *, param_bytes: float = 2, grad_bytes: float = 2,

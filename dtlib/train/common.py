@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from dtlib.arguments import count
 from dtlib.measure.timing import slowest_median
 
 
@@ -27,10 +27,9 @@ def check_whole_numbers(config: Any, world_size: Any, names: Sequence[str]) -> N
     for name, value in {"world_size": world_size, **{name: getattr(config, name) for name in names}}.items():
         if value is None and name == "save_after_step":
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are fine; 2.5 is not
-            raise ValueError(f"{name} must be a whole number (an int), got {value!r}")
+        number = count(name, value)  # numpy ints are fine; 2.5 is not
         if name != "world_size":
-            setattr(config, name, int(value))
+            setattr(config, name, number)
 
 
 def check_checkpointing(config: Any, location: str, example: str = "") -> None:

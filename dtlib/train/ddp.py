@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import compat
-from dtlib.launch.entry import rank_device
+from dtlib.launch.entry import device_ids, rank_device
 from dtlib.launch.entry import run as run_everywhere
 from dtlib.launch.files import write_atomically
 from dtlib.measure.commlog import CommLog, hidden_share
@@ -130,7 +130,7 @@ def _wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Mod
             raise ValueError(f"PowerSGD on gloo needs every gradient in one bucket: set bucket_cap_mb >= "
                              f"{grad_mb:.1f}. Its callbacks start all-reduces from gloo's threads, and with "
                              "several buckets the ranks can issue them in different orders (a collective mismatch)")
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
+    ddp = DistributedDataParallel(model, device_ids=device_ids(device), **options)
     state, inner = _comm_hook(config.comm_hook)
 
     def hook(hook_state, bucket):  # noqa: ANN001 - DDP rejects string annotations (from __future__)

@@ -17,12 +17,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlib.launch.entry import rank_device
+from dtlib.launch.entry import device_ids, rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.train import data, models
 from dtlib.train.ddp import TrainConfig, run
-
-QUIET: dict[str, Any] = {"output": "none"}
 
 
 def bucket_layout(bucket_caps_mb: Sequence[float | None] = (None, 0.5, 2, 25), model: str = "wide_mlp",
@@ -44,7 +42,7 @@ def bucket_layout(bucket_caps_mb: Sequence[float | None] = (None, 0.5, 2, 25), m
     for cap in bucket_caps_mb:
         config = TrainConfig(model=model, steps=steps, bucket_cap_mb=cap, find_unused_parameters=find_unused_parameters,
                              static_graph=static_graph)
-        first = run(config, world_size, **QUIET)[0]
+        first = run(config, world_size, output="none")[0]
         rows.append({"bucket_cap_mb": cap, "find_unused_parameters": find_unused_parameters,
                      "static_graph": static_graph, "calls": first.comm_calls, "bucket_bytes": first.comm_sizes,
                      "bytes_per_step": first.comm_bytes[-1]})
@@ -60,7 +58,7 @@ def _search_per_step(rank: int, world_size: int, model: str, steps: int) -> dict
     out = {}
     for option in ("find_unused_parameters", "static_graph"):
         base = models.build(model, seed=0).to(device)
-        net = DistributedDataParallel(base, device_ids=[device.index] if device.type == "cuda" else None,
+        net = DistributedDataParallel(base, device_ids=device_ids(device),
                                       **{option: True})
         optimizer = torch.optim.SGD(base.parameters(), lr=0.05, momentum=0.9)
         batches = data.batches(data.for_model(model, 512), world_size, rank, 16)
@@ -89,7 +87,7 @@ def unused_parameter_search(world_size: int = 2, steps: int = 4, model: str = "b
     learns the unused parameters during the first step and never searches.
     Example: ``unused_parameter_search()["find_unused_parameters=True"]["searches"]``.
     """
-    return spawn(_search_per_step, world_size, args=(model, steps), **QUIET)[0]
+    return spawn(_search_per_step, world_size, args=(model, steps), output="none")[0]
 
 
 def _gradient_storage(rank: int, world_size: int, settings: list[tuple[bool, bool]], model: str,
@@ -98,7 +96,7 @@ def _gradient_storage(rank: int, world_size: int, settings: list[tuple[bool, boo
     out = {}
     for as_view, set_to_none in settings:
         base = models.build(model, seed=0).to(device)
-        net = DistributedDataParallel(base, device_ids=[device.index] if device.type == "cuda" else None,
+        net = DistributedDataParallel(base, device_ids=device_ids(device),
                                       gradient_as_bucket_view=as_view)
         optimizer = torch.optim.SGD(base.parameters(), lr=0.05)
         arrived_apart: list[bool] = []  # per gradient, when autograd has just written it: its own tensor?
@@ -132,7 +130,7 @@ def gradient_views(world_size: int = 2, model: str = "wide_mlp", steps: int = 3)
     Example: ``gradient_views()["gradient_as_bucket_view=True, set_to_none=False"]["copied_per_step"]``.
     """
     settings = [(False, True), (True, False), (True, True)]
-    return spawn(_gradient_storage, world_size, args=(settings, model, steps), **QUIET)[0]
+    return spawn(_gradient_storage, world_size, args=(settings, model, steps), output="none")[0]
 
 
 def buffer_sync(world_size: int = 2, steps: int = 6) -> dict[str, float]:
@@ -140,7 +138,7 @@ def buffer_sync(world_size: int = 2, steps: int = 6) -> dict[str, float]:
     buffer sync on and off (each rank sees different samples, so their statistics drift apart)."""
     out = {}
     for flag in (True, False):
-        results = run(TrainConfig(model="batchnorm", steps=steps, sync_buffers=flag), world_size, **QUIET)
+        results = run(TrainConfig(model="batchnorm", steps=steps, sync_buffers=flag), world_size, output="none")
         out[f"sync_buffers={flag}"] = max((r.buffers - results[0].buffers).abs().max().item() for r in results)
     return out
 

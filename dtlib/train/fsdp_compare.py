@@ -23,8 +23,6 @@ from dtlib.train.common import slowest_median_step_s
 from dtlib.train.fsdp import FSDPConfig, FSDPResult, run
 from dtlib.train.guide import largest_model
 
-QUIET: dict[str, Any] = {"output": "none"}
-
 
 def max_difference(first: list[float], second: list[float]) -> float:
     """The largest difference between two loss curves of equal length."""
@@ -85,7 +83,7 @@ def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, st
 
     Example: ``[(r.label, r.at_rest) for r in strategies(2)]``.
     """
-    spawn_options = {**QUIET, **spawn_options}
+    spawn_options = {"output": "none", **spawn_options}
     chosen = labels or tuple(label for label in SETTINGS if "HSDP" not in label or world_size % 4 == 0)
     rows = []
     for label in chosen:

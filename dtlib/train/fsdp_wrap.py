@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.launch.entry import device_ids
 from dtlib.train import models
 
 HYBRID = ("hybrid_shard", "hybrid_shard_zero2")  # FSDP1's hybrid strategies: a 2-D (replicate, shard) mesh
@@ -105,7 +106,7 @@ def wrap(model: nn.Module, config: Any, world_size: int, device: torch.device, n
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = DistributedDataParallel(model, device_ids=device_ids(device))
     wrapped.register_comm_hook(None, default_hooks.allreduce_hook)  # DDP's all-reduce in Python: CommLog sees it
     return wrapped
 

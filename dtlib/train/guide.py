@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dtlib.arguments import finite, whole
 from dtlib.feedback import Feedback
 from dtlib.measure import memory
 
@@ -79,7 +80,7 @@ def model_state_gb(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_pr
     """
     sizes = bytes_per_param(mixed_precision, optimizer)
     moments, compute = sizes["optim_bytes_per_param"], sizes["compute_bytes"]
-    per_node = memory.whole("num_gpus", num_gpus) // memory.whole("nodes", nodes)
+    per_node = whole("num_gpus", num_gpus) // whole("nodes", nodes)
 
     def fsdp(group: int, reshard: bool = True) -> float:
         return memory.fsdp_estimate(num_params, group, reshard_after_forward=reshard, compute_bytes=compute,
@@ -106,8 +107,8 @@ def cross_node_gb(num_params: float, num_gpus: int, nodes: int, *, mixed_precisi
     Example: ``cross_node_gb(1e9, 16, 2)["HSDP"] == 0.5``.
     """
     compute = bytes_per_param(mixed_precision)["compute_bytes"]
-    num_params = memory.finite("num_params", num_params)
-    num_gpus, nodes = memory.whole("num_gpus", num_gpus), memory.whole("nodes", nodes)
+    num_params = finite("num_params", num_params)
+    num_gpus, nodes = whole("num_gpus", num_gpus), whole("nodes", nodes)
     if nodes == 1:
         return dict.fromkeys(CHOICES, 0.0)
     spread = (num_gpus - 1) / num_gpus
@@ -124,16 +125,16 @@ def _inputs(num_params: object, gpu_memory_gb: object, num_gpus: object, nodes: 
             activation_gb: object, inter_node_gb_per_s: object) -> tuple[float, float, int, int, float, float | None,
                                                                           float]:
     """Every number checked: finite (NaN and infinity refused), positive, GPUs and nodes whole."""
-    num_params = memory.finite("num_params", num_params)
-    gpu_memory_gb = memory.finite("gpu_memory_gb", gpu_memory_gb)
+    num_params = finite("num_params", num_params)
+    gpu_memory_gb = finite("gpu_memory_gb", gpu_memory_gb)
     if num_params <= 0 or gpu_memory_gb <= 0:
         raise ValueError(f"num_params and gpu_memory_gb must be > 0, got {num_params} and {gpu_memory_gb}")
-    num_gpus, nodes = memory.whole("num_gpus", num_gpus), memory.whole("nodes", nodes)
+    num_gpus, nodes = whole("num_gpus", num_gpus), whole("nodes", nodes)
     if num_gpus % nodes:
         raise ValueError(f"need num_gpus >= 1 split evenly over nodes >= 1, got {num_gpus} GPUs on {nodes} nodes")
-    host = memory.finite("host_memory_gb", host_memory_gb)
-    activations = None if activation_gb is None else memory.finite("activation_gb", activation_gb)
-    link = memory.finite("inter_node_gb_per_s", inter_node_gb_per_s)
+    host = finite("host_memory_gb", host_memory_gb)
+    activations = None if activation_gb is None else finite("activation_gb", activation_gb)
+    link = finite("inter_node_gb_per_s", inter_node_gb_per_s)
     if link <= 0:
         raise ValueError(f"inter_node_gb_per_s must be > 0, got {inter_node_gb_per_s!r}")
     return num_params, gpu_memory_gb, num_gpus, nodes, host, activations, link
@@ -220,7 +221,7 @@ def largest_model(choice: str, gpu_memory_gb: float = 80, num_gpus: int = 8, *, 
     Example: ``largest_model("DDP") / 1e9`` is 3.5 (billion)."""
     if choice not in ON_GPU:
         raise ValueError(f"choice must be one of {', '.join(ON_GPU)}, got {choice!r}")
-    if memory.finite("gpu_memory_gb", gpu_memory_gb) <= 0:
+    if finite("gpu_memory_gb", gpu_memory_gb) <= 0:
         raise ValueError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb!r}")
     one = model_state_gb(1, num_gpus, nodes, mixed_precision=mixed_precision, optimizer=optimizer)[choice] * 1e9
     return gpu_memory_gb * (1 - ACTIVATION_RESERVE) * 1e9 / one
