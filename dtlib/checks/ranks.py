@@ -1,8 +1,8 @@
 """Checkers of a function every rank runs, ``fn(rank, world_size)``: its result and its communication.
 
-Each runs the learner's function with ``dtlib.spawn`` on two world sizes (one refuses an answer
-written for one size), compares every rank's result with the right one, and counts the collectives
-it called (:mod:`dtlib.measure.counting`), so that an answer worked out without communicating is refused.
+Each is an exercise written as data (:class:`dtlib.checks.skeleton.RankExercise`: the right value, how to
+read a rank's answer, a table of hints for wrong ones); :func:`dtlib.checks.skeleton.check` runs the
+learner's function on two world sizes, names a hang, and refuses an answer worked out without communicating.
 
 Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
 """
@@ -16,10 +16,50 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
+from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, check
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
-from dtlib.measure.counting import rank_without_communication, spawn_counting
 from dtlib.ring.send_recv import starting_values
+
+
+def _raised(err: WorkerError) -> str:
+    return f"Your function raised on a rank:\n{err.failures[0].headline()}"
+
+
+def _sum_hung(err: WorkerError) -> str:
+    return f"Your function hung: does every rank call the same collective? Details:\n{err}"
+
+
+def _should_return(answer: Answer, hint: str) -> str:
+    return f"With {answer.size} ranks, rank {answer.rank} should return {answer.expected}, but {hint}"
+
+
+SUM_OF_RANKS = RankExercise(
+    expected=lambda size: size * (size - 1) // 2,
+    read=lambda value: value,
+    same=equals,
+    hints=[
+        (lambda a: a.returned is None, lambda a: _should_return(
+            a, "it returned None: return the tensor (or its .item()) after the all-reduce.")),
+        (lambda a: all(equals(v, r) for r, v in enumerate(a.values)), lambda a: _should_return(
+            a, "each rank returned its own rank: was dist.all_reduce called before returning?")),
+        (lambda a: equals(a.value, a.expected * a.size), lambda a: _should_return(
+            a, "the sum came out world_size times too big: add each rank's number once, not the total.")),
+        (lambda a: a.size != a.world_size and equals(a.value, a.world_size * (a.world_size - 1) // 2),
+         lambda a: _should_return(a, f"it returned {as_number(a.value)!r}, the answer for {a.world_size} ranks: let "
+                                     "the collective add up the ranks that are there instead of writing the answer "
+                                     "for one world size.")),
+    ],
+    otherwise=lambda a: _should_return(a, f"it returned {a.returned!r}."),
+    no_collective=lambda rank, expected: (
+        f"Rank {rank} returned {expected}, but no collective was called: each rank worked the sum out alone, which "
+        "no rank can do with numbers only the others hold. Put the rank's own number in a tensor and use "
+        "dist.all_reduce to add them up."),
+    right=lambda first, second: (f"Every rank returned the sum, with {first} ranks and with {second}: the all-reduce "
+                                 "added every rank's number."),
+    hang=lambda err, name: _sum_hung(err),
+    failure=lambda err: _sum_hung(err) if any("still running" in f.message for f in err.failures) else _raised(err),
+)
 
 
 def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: float = 30.0) -> Feedback:
@@ -28,41 +68,55 @@ def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: fl
 
     Example: ``sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
     """
-    if not callable(fn):
-        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size
-    for size in sizes:
-        expected = size * (size - 1) // 2
-        try:
-            results, calls = spawn_counting(fn, size, timeout=timeout)
-        except WorkerError as err:
-            if any("still running" in failure.message for failure in err.failures):
-                return Feedback(False, "Your function hung: does every rank call the same collective? "
-                                       f"Details:\n{err}")
-            return Feedback(False, f"Your function raised on a rank:\n{err.failures[0].headline()}")
-        wrong = {rank: value for rank, value in enumerate(results) if not equals(value, expected)}
-        if wrong:
-            rank, value = next(iter(wrong.items()))
-            if value is None:
-                hint = "it returned None: return the tensor (or its .item()) after the all-reduce."
-            elif all(equals(v, r) for r, v in enumerate(results)):
-                hint = "each rank returned its own rank: was dist.all_reduce called before returning?"
-            elif equals(value, expected * size):
-                hint = "the sum came out world_size times too big: add each rank's number once, not the total."
-            elif size != world_size and equals(value, world_size * (world_size - 1) // 2):
-                hint = (f"it returned {as_number(value)!r}, the answer for {world_size} ranks: let the collective "
-                        "add up the ranks that are there instead of writing the answer for one world size.")
-            else:
-                hint = f"it returned {value!r}."
-            return Feedback(False, f"With {size} ranks, rank {rank} should return {expected}, but {hint}")
-        silent = rank_without_communication(calls)
-        if silent is not None:
-            return Feedback(False, f"Rank {silent} returned {expected}, but no collective was called: each rank "
-                                   "worked the sum out alone, which no rank can do with numbers only the others "
-                                   "hold. Put the rank's own number in a tensor and use dist.all_reduce to add "
-                                   "them up.")
-    return Feedback(True, f"Every rank returned the sum, with {sizes[0]} ranks and with {sizes[1]}: the all-reduce "
-                          "added every rank's number.")
+    return check(fn, SUM_OF_RANKS, world_size, timeout)
+
+
+def _starting(size: int) -> torch.Tensor:
+    """Every rank's starting values, (ranks, slots), in float64."""
+    return torch.stack([starting_values(r, size) for r in range(size)]).double()
+
+
+def _as_float64(value: Any) -> Any:
+    try:
+        return torch.as_tensor(value, dtype=torch.float64)  # a list, tuple or numpy array is fine too
+    except (TypeError, ValueError, RuntimeError):
+        return UNREADABLE
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return got.shape == expected.shape and torch.allclose(got, expected)
+
+
+AVERAGE_OF_RANKS = RankExercise(
+    expected=lambda size: _starting(size).mean(0),
+    read=_as_float64,
+    same=_close,
+    hints=[
+        (lambda a: a.value is UNREADABLE or a.value.shape != a.expected.shape,
+         lambda a: f"Rank {a.rank} returned {a.returned!r}; return the averaged tensor of {a.size} values."),
+        (lambda a: _close(a.value, _starting(a.size).sum(0)),
+         lambda a: f"Rank {a.rank} holds the sum {a.value.tolist()}: divide by world_size."),
+        (lambda a: _close(a.value, _starting(a.size)[a.rank]),
+         lambda a: f"Rank {a.rank} still holds its own values: call dist.all_reduce on them."),
+        (lambda a: constant_divisor(a.value, _starting(a.size).sum(0)) is not None,
+         lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by "
+                   f"{constant_divisor(a.value, _starting(a.size).sum(0))}: divide by world_size "
+                   "(dist.get_world_size()), not by a fixed number."),
+    ],
+    otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {a.value.tolist()}, expected "
+                         f"{a.expected.tolist()}."),
+    no_collective=lambda rank, expected: (
+        f"Rank {rank} holds the mean, but no collective was called: it computed every rank's values itself, which "
+        "works only because starting_values is a formula; a real rank holds data no other rank has. Use "
+        "dist.all_reduce on the rank's own values, then divide by world_size."),
+    right=lambda first, second: (
+        f"Every rank holds the mean, with {first} ranks and with {second}. all_reduce(SUM) / world_size works on "
+        "every backend and torch version; DDP averages gradients with the same sum and division, dividing first so "
+        "that fp16 sums cannot overflow (notebook 04)."),
+    hang=lambda err, name: "Your function hung: every rank must call the same collectives in the same order.",
+    failure=lambda err: ("This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide."
+                         if "AVG" in err.failures[0].headline() else _raised(err)),
+)
 
 
 def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout: float = 30.0) -> Feedback:
@@ -73,54 +127,7 @@ def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout
 
     Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
     """
-    import torch
-
-    if not callable(fn):
-        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
-    for size in sizes:
-        start = torch.stack([starting_values(r, size) for r in range(size)]).double()  # (ranks, slots)
-        expected, total = start.mean(0), start.sum(0)
-        try:
-            results, calls = spawn_counting(fn, size, timeout=timeout)
-        except WorkerTimeout:
-            return Feedback(False, "Your function hung: every rank must call the same collectives in the same "
-                                   "order.")
-        except WorkerError as err:
-            headline = err.failures[0].headline()
-            if "AVG" in headline:
-                return Feedback(False, "This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide.")
-            return Feedback(False, f"Your function raised on a rank:\n{headline}")
-        for rank, value in enumerate(results):
-            try:
-                got = torch.as_tensor(value, dtype=torch.float64)  # a list, tuple or numpy array is fine too
-            except (TypeError, ValueError, RuntimeError):
-                got = None
-            if got is None or got.shape != expected.shape:
-                return Feedback(False, f"Rank {rank} returned {value!r}; return the averaged tensor of "
-                                       f"{size} values.")
-            if torch.allclose(got, expected):
-                continue
-            if torch.allclose(got, total):
-                return Feedback(False, f"Rank {rank} holds the sum {got.tolist()}: divide by world_size.")
-            if torch.allclose(got, start[rank]):
-                return Feedback(False, f"Rank {rank} still holds its own values: call dist.all_reduce on them.")
-            divisor = constant_divisor(got, total)
-            if divisor is not None:
-                return Feedback(False, f"With {size} ranks, rank {rank} holds the sum divided by {divisor}: "
-                                       "divide by world_size (dist.get_world_size()), not by a fixed number.")
-            return Feedback(False, f"With {size} ranks, rank {rank} returned {got.tolist()}, expected "
-                                   f"{expected.tolist()}.")
-        silent = rank_without_communication(calls)
-        if silent is not None:
-            return Feedback(False, f"Rank {silent} holds the mean, but no collective was called: it computed "
-                                   "every rank's values itself, which works only because starting_values is a "
-                                   "formula; a real rank holds data no other rank has. Use dist.all_reduce on "
-                                   "the rank's own values, then divide by world_size.")
-    return Feedback(True, f"Every rank holds the mean, with {sizes[0]} ranks and with {sizes[1]}. "
-                          "all_reduce(SUM) / world_size works on every backend and torch version; DDP averages "
-                          "gradients with the same sum and division, dividing first so that fp16 sums cannot "
-                          "overflow (notebook 04).")
+    return check(fn, AVERAGE_OF_RANKS, world_size, timeout)
 
 
 def _stuck_in(stack: str, function_name: str) -> str:
@@ -146,6 +153,54 @@ def _hang_message(err: WorkerTimeout, function_name: str) -> str:
             "the same collectives in the same order: move the collective out of the `if rank == ...` branch.")
 
 
+def _loss(value: Any) -> Any:
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    return float(number) if isinstance(number, (int, float)) and not isinstance(number, bool) else UNREADABLE
+
+
+def _divisor(answer: Answer) -> float:
+    """The constant the sum was divided by, if the answer is the sum over a whole number > 1 of it."""
+    divisor = answer.expected * answer.size / answer.value if answer.value else 0.0
+    return divisor if divisor > 1.5 and abs(divisor - round(divisor)) < 1e-6 else 0.0
+
+
+def _failed(err: WorkerError) -> str:
+    raised = [failure for failure in err.failures if failure.exc_type is not None]
+    hint = "" if raised else " (a rank dying inside a collective: the ranks called different ones or shapes)"
+    return f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}"
+
+
+FIXED_BARRIER = RankExercise(
+    expected=lambda size: (size + 1) / 2,
+    read=_loss,
+    same=lambda value, expected: abs(value - expected) < 1e-6,
+    hints=[
+        (lambda a: a.value is UNREADABLE,
+         lambda a: f"Rank {a.rank} returned {a.returned!r}: return the mean loss as a number on every rank "
+                   "(loss.item()), not only on rank 0."),
+        (lambda a: abs(a.value - (a.rank + 1)) < 1e-6,
+         lambda a: f"Rank {a.rank} returned its own loss {a.value:g}: it never took part in the all_reduce. Call "
+                   "dist.all_reduce on every rank."),
+        (lambda a: abs(a.value - a.expected * a.size) < 1e-6,
+         lambda a: f"Rank {a.rank} returned the sum {a.value:g}: divide by world_size for the mean."),
+        (lambda a: _divisor(a) > 0,
+         lambda a: f"With {a.size} ranks, rank {a.rank} returned {a.value:g}, the sum divided by "
+                   f"{round(_divisor(a))}: divide by world_size (dist.get_world_size()), not a constant."),
+    ],
+    otherwise=lambda a: (f"Rank {a.rank} returned {a.value:g}, expected the mean {a.expected:g}: all_reduce (SUM) "
+                         "once on every rank, then divide by world_size once."),
+    no_collective=lambda rank, expected: (
+        f"Rank {rank} returned the mean {expected:g}, but no collective was called: it worked the mean out from a "
+        "formula, while a real rank knows only its own loss. Call dist.all_reduce on the loss on every rank, then "
+        "divide by world_size."),
+    right=lambda first, second: (
+        f"Every rank returned the mean loss, with {first} ranks ({(first + 1) / 2:g}) and with {second} "
+        f"({(second + 1) / 2:g}): every rank called the same collective, so none waited for ever."),
+    hang=lambda err, name: _hang_message(err, name),
+    failure=_failed,
+)
+
+
 def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
     """Notebook 08's exercise: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
     each rank's loss ``rank + 1``, every rank calling the same collectives in the same order. It runs with
@@ -153,43 +208,4 @@ def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: f
 
     Example: ``fixed_barrier(lambda rank, world_size: rank + 1)`` says rank 0 kept its own loss.
     """
-    if not callable(fn):
-        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
-    for size in sizes:
-        expected = (size + 1) / 2
-        try:
-            results, calls = spawn_counting(fn, size, timeout=timeout)
-        except WorkerTimeout as err:
-            return Feedback(False, _hang_message(err, getattr(fn, "__name__", "")))
-        except WorkerError as err:
-            raised = [failure for failure in err.failures if failure.exc_type is not None]
-            hint = "" if raised else " (a rank dying inside a collective: the ranks called different ones or shapes)"
-            return Feedback(False, f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}")
-        for rank, value in enumerate(results):
-            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-            if not isinstance(number, (int, float)) or isinstance(number, bool):
-                return Feedback(False, f"Rank {rank} returned {value!r}: return the mean loss as a number on every "
-                                       "rank (loss.item()), not only on rank 0.")
-            if abs(number - expected) < 1e-6:
-                continue
-            if abs(number - (rank + 1)) < 1e-6:
-                return Feedback(False, f"Rank {rank} returned its own loss {number:g}: it never took part in the "
-                                       "all_reduce. Call dist.all_reduce on every rank.")
-            if abs(number - expected * size) < 1e-6:
-                return Feedback(False, f"Rank {rank} returned the sum {number:g}: divide by world_size for the mean.")
-            divisor = expected * size / number if number else 0.0
-            if divisor > 1.5 and abs(divisor - round(divisor)) < 1e-6:
-                return Feedback(False, f"With {size} ranks, rank {rank} returned {number:g}, the sum divided by "
-                                       f"{round(divisor)}: divide by world_size (dist.get_world_size()), not a "
-                                       "constant.")
-            return Feedback(False, f"Rank {rank} returned {number:g}, expected the mean {expected:g}: all_reduce "
-                                   "(SUM) once on every rank, then divide by world_size once.")
-        silent = rank_without_communication(calls)
-        if silent is not None:
-            return Feedback(False, f"Rank {silent} returned the mean {expected:g}, but no collective was called: it "
-                                   "worked the mean out from a formula, while a real rank knows only its own loss. "
-                                   "Call dist.all_reduce on the loss on every rank, then divide by world_size.")
-    return Feedback(True, f"Every rank returned the mean loss, with {sizes[0]} ranks ({(sizes[0] + 1) / 2:g}) and "
-                          f"with {sizes[1]} ({(sizes[1] + 1) / 2:g}): every rank called the same collective, so none "
-                          "waited for ever.")
+    return check(fn, FIXED_BARRIER, world_size, timeout)

@@ -1,0 +1,77 @@
+"""The one checker loop for exercises whose answer is a function every rank runs, ``fn(rank, world_size)``.
+
+An exercise is data: the right value for a world size, how to read a rank's answer, and a table of hints,
+each a test of a wrong answer and what to say about it. :func:`check` does the rest, the same way for
+every exercise: refuse what is not a function; run it with ``dtlib.spawn`` on ``world_size`` ranks and
+on one more (an answer written for one size fails the other); name a hang or a failure; compare every
+rank's answer, the first matching hint explaining a wrong one; and refuse a right answer that no
+collective produced (:mod:`dtlib.measure.counting`).
+
+Example: ``check(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.feedback.Feedback`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.feedback import Feedback
+from dtlib.measure.counting import rank_without_communication, spawn_counting
+
+UNREADABLE = object()  # what ``read`` returns for an answer it cannot compare (a string, a wrong shape)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One rank's wrong answer, as a hint sees it."""
+
+    rank: int
+    size: int  # the world size of this run
+    world_size: int  # the one asked for: the first run's
+    returned: Any  # what fn returned
+    value: Any  # as ``read`` made it, or UNREADABLE
+    expected: Any
+    values: Sequence[Any]  # every rank's, as read
+
+
+@dataclass(frozen=True)
+class RankExercise:
+    """What one exercise asks, and what it says about each kind of wrong answer."""
+
+    expected: Callable[[int], Any]  # the world size -> the right value, the same on every rank
+    read: Callable[[Any], Any]  # what a rank returned -> a value to compare, or UNREADABLE
+    same: Callable[[Any, Any], bool]  # (a rank's value, the expected one)
+    hints: Sequence[tuple[Callable[[Answer], bool], Callable[[Answer], str]]]  # the first that holds explains
+    otherwise: Callable[[Answer], str]  # when no hint holds (also for UNREADABLE, unless a hint takes it)
+    no_collective: Callable[[int, Any], str]  # (the rank, the expected value): right, but nothing communicated
+    right: Callable[[int, int], str]  # (the two world sizes): the message of a right answer
+    hang: Callable[[WorkerTimeout, str], str]  # (the timeout, fn's name)
+    failure: Callable[[WorkerError], str]  # a rank raised or died
+
+
+def check(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> Feedback:
+    """Run ``fn`` on ``world_size`` ranks and on one more, and judge it by ``exercise``."""
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size
+    for size in sizes:
+        expected = exercise.expected(size)
+        try:
+            results, calls = spawn_counting(fn, size, timeout=timeout)
+        except WorkerTimeout as err:
+            return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
+        except WorkerError as err:
+            return Feedback(False, exercise.failure(err))
+        values = [exercise.read(value) for value in results]
+        for rank, value in enumerate(values):
+            if value is not UNREADABLE and exercise.same(value, expected):
+                continue
+            answer = Answer(rank, size, world_size, results[rank], value, expected, values)
+            say = next((say for holds, say in exercise.hints if holds(answer)), exercise.otherwise)
+            return Feedback(False, say(answer))
+        silent = rank_without_communication(calls)
+        if silent is not None:
+            return Feedback(False, exercise.no_collective(silent, expected))
+    return Feedback(True, exercise.right(*sizes))
