@@ -5,7 +5,7 @@ written out as formulas of N; ``fit_alpha_beta`` reads alpha and the bandwidth o
 
     AlphaBeta(1e-5, 1e9).time("ring all-reduce", 4, 1e6)   # 6e-5 + 1.5e-3 seconds
 
-``tests/test_ring.py`` checks the ring's terms against the published formula, and halving-doubling's
+``tests/ring/test_ring.py`` checks the ring's terms against the published formula, and halving-doubling's
 against its simulation.
 """
 

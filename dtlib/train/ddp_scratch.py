@@ -10,7 +10,7 @@ Call :meth:`finish_gradient_sync` between ``loss.backward()`` and ``optimizer.st
     model.finish_gradient_sync()     # waits for the last buckets, copies averages into .grad
     optimizer.step()
 
-``tests/test_ddp_scratch.py`` checks both against ``torch.nn.parallel.DistributedDataParallel``.
+``tests/train/test_ddp_scratch.py`` checks both against ``torch.nn.parallel.DistributedDataParallel``.
 """
 
 from __future__ import annotations

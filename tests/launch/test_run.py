@@ -17,7 +17,7 @@ from dtlib.launch.processes import free_port
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def rank_summary(rank, world_size, base, scale=1):

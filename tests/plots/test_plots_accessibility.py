@@ -7,7 +7,7 @@ pass, built without launching a process), so a new plot function without inputs 
 ``test_every_plot_function_has_inputs``. Each check returns its problems as sentences; the
 ``test_check_*`` tests feed the checks broken figures to show that they can fail.
 
-Run: ``.venv/bin/python -m pytest tests/test_plots_accessibility.py -q``.
+Run: ``.venv/bin/python -m pytest tests/plots/test_plots_accessibility.py -q``.
 """
 
 from __future__ import annotations

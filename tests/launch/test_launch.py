@@ -32,7 +32,7 @@ import dtlib.compat
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RELAYED_LINE = re.compile(r"^\[rank (\d)\] r\1 line (\d+) x+$")
 

@@ -27,7 +27,7 @@ import pytest
 import dtlib
 from dtlib.launch import pickling
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CELL = '''\
 def cell_fn(rank, world_size):
     def inner():
