@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -62,21 +61,12 @@ def test_strategies_run_the_settings_that_fit(two, four):
 
 
 @pytest.mark.timeout(180)
-def test_every_strategy_reaches_the_same_loss(rows):
-    losses = [row.final_loss for row in rows.values()]
-    np.testing.assert_allclose(losses, losses[0], rtol=0, atol=1e-5)
-    assert losses[0] < np.log(models.VOCAB) - 0.5  # it trained
-
-
-@pytest.mark.timeout(180)
-def test_ddp_holds_the_most_and_full_shard_a_world_size_th(rows):
+def test_each_row_carries_its_runs_memory_and_ddp_holds_the_most(rows):
+    """The table's plumbing. That the memory equals the ZeRO formulas and the losses equal DDP's is proven
+    once, in tests/train/test_fsdp.py, on the same runner."""
     ddp = rows["DDP"]
-    world_size = ddp.world_size
     assert all(ddp.at_rest > row.at_rest for label, row in rows.items() if label != "DDP")
-    for label in ("FSDP2 full shard", "FSDP1 FULL_SHARD"):
-        assert rows[label].at_rest == pytest.approx(ddp.at_rest / world_size, rel=0.05), label
-    assert ddp.estimate == 16 * S / 4  # 4 + 4 + 8 bytes per parameter, all replicated
-    assert 1 <= ddp.at_rest / ddp.estimate <= 1.05
+    assert ddp.estimate == 16 * S / 4  # the row's formula: 4 + 4 + 8 bytes per parameter, all replicated
     for row in rows.values():
         assert sum(row.at_rest_parts.values()) == row.at_rest and set(row.at_rest_parts) == {
             "parameters", "gradients", "optimizer_state"}
