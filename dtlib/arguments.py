@@ -36,17 +36,17 @@ def whole(name: str, value: object, minimum: int = 1) -> int:
     return int(number)
 
 
-def count(name: str, value: object, minimum: int = 0) -> int:
+def count(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as an int, if it is an integer of any kind (``int``, ``numpy.int64``, a 0-d integer
-    tensor: whatever ``operator.index`` takes; not ``bool``, not ``3.0``) and >= ``minimum``: for counts
-    handed to torch. Example: ``count("steps", 3) == 3``."""
+    tensor: whatever ``operator.index`` takes; not ``bool``, not ``3.0``) and >= ``minimum`` if one is
+    given: for counts handed to torch. Example: ``count("steps", 3) == 3``."""
     try:
         if isinstance(value, bool):
             raise TypeError
         number = operator.index(value)  # type: ignore[call-overload]
     except TypeError:
         raise ValueError(f"{name} must be a whole number (an int), got {value!r}") from None
-    if number < minimum:
+    if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return number
 

@@ -13,7 +13,8 @@ from dtlib import arguments
 def test_accepted_values_come_back_in_the_type_the_code_needs():
     assert arguments.finite("x", 7) == 7.0 and isinstance(arguments.finite("x", np.float32(0.5)), float)
     assert arguments.whole("world_size", 8.0) == 8 and arguments.whole("n", np.int64(3)) == 3
-    assert arguments.count("steps", np.int64(3)) == 3 and type(arguments.count("steps", np.int8(2))) is int
+    assert arguments.count("steps", np.int64(3)) == 3 and arguments.count("offset", -2) == -2
+    assert type(arguments.count("steps", np.int8(2))) is int
     assert arguments.seconds("timeout", 30) == 30.0
     assert arguments.seconds("timeout", None) is None and arguments.seconds("timeout", math.inf) is None
 
@@ -28,7 +29,7 @@ def test_accepted_values_come_back_in_the_type_the_code_needs():
     (arguments.whole, 0, "x must be >= 1, got 0"),
     (arguments.count, 3.0, r"x must be a whole number \(an int\), got 3.0"),
     (arguments.count, False, r"x must be a whole number \(an int\), got False"),
-    (arguments.count, -2, "x must be >= 0, got -2"),
+    (lambda name, value: arguments.count(name, value, 1), 0, "x must be >= 1, got 0"),
     (arguments.seconds, 0, "x must be a positive number of seconds or None, got 0"),
     (arguments.seconds, -1.5, "x must be a positive number of seconds or None, got -1.5"),
     (arguments.seconds, math.nan, "x must be a positive number of seconds or None, got nan"),

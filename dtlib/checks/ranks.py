@@ -83,6 +83,14 @@ def _as_float64(value: Any) -> Any:
         return UNREADABLE
 
 
+def _floating(value: Any) -> bool:
+    """Whether a returned value holds floating-point numbers (a tensor, array, list or tuple of them)."""
+    try:
+        return torch.as_tensor(value).is_floating_point()
+    except (TypeError, ValueError, RuntimeError):
+        return True  # not for this hint to judge
+
+
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return got.shape == expected.shape and torch.allclose(got, expected)
 
@@ -94,10 +102,22 @@ AVERAGE_OF_RANKS = RankExercise(
     hints=[
         (lambda a: a.value is UNREADABLE or a.value.shape != a.expected.shape,
          lambda a: f"Rank {a.rank} returned {a.returned!r}; return the averaged tensor of {a.size} values."),
+        (lambda a: not _floating(a.returned),
+         lambda a: f"Rank {a.rank} returned integers ({a.value.tolist()}): the mean of the ranks' values is not a "
+                   "whole number, so keep them as floats and divide with /, not with //."),
+        (lambda a: _close(a.value, a.expected.floor()),
+         lambda a: f"Rank {a.rank} holds the mean rounded down ({a.value.tolist()}): divide with /, not with //, "
+                   "which throws the fraction away."),
         (lambda a: _close(a.value, _starting(a.size).sum(0)),
          lambda a: f"Rank {a.rank} holds the sum {a.value.tolist()}: divide by world_size."),
         (lambda a: _close(a.value, _starting(a.size)[a.rank]),
          lambda a: f"Rank {a.rank} still holds its own values: call dist.all_reduce on them."),
+        (lambda a: constant_divisor(a.value, _starting(a.size).sum(0)) == a.size * a.size,
+         lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by world_size twice: divide once."),
+        (lambda a: a.size == a.world_size > 2  # in the second run, world_size - 1 is the first's hard-coded size
+                   and constant_divisor(a.value, _starting(a.size).sum(0)) == a.size - 1,
+         lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by world_size - 1: the mean divides "
+                   "by the number of ranks that added their values, world_size."),
         (lambda a: constant_divisor(a.value, _starting(a.size).sum(0)) is not None,
          lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by "
                    f"{constant_divisor(a.value, _starting(a.size).sum(0))}: divide by world_size "

@@ -19,8 +19,11 @@ import torch.distributed as dist
 
 
 def starting_values(rank: int, world_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``10 * rank + i`` for i in 0..world_size-1, as float32 on ``device``: rank 1 of 3 holds [10, 11, 12]."""
-    return torch.arange(world_size, dtype=torch.float32, device=device) + 10 * rank  # (world_size,)
+    """``10 * rank + i + 0.5`` for i in 0..world_size-1, as float32 on ``device``: rank 1 of 3 holds
+    [10.5, 11.5, 12.5]. The tens and units still say where a number came from; the half keeps the mean over
+    any number of ranks off the whole numbers (5(N - 1) + i + 0.5), so that a floor division or an integer
+    tensor cannot pass for a mean."""
+    return torch.arange(world_size, dtype=torch.float32, device=device) + 10 * rank + 0.5  # (world_size,)
 
 
 # -- a ring all-reduce from send and recv --------------------------------------------------

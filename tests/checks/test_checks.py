@@ -193,6 +193,21 @@ def _average_by_four(rank, world_size):
     return values / 4  # wrong: the world size of the notebook, hard-coded
 
 
+def _average_dividing(how):
+    def average(rank, world_size):
+        import torch.distributed as dist
+
+        from dtlib.ring.send_recv import starting_values
+
+        values = starting_values(rank, world_size)
+        dist.all_reduce(values)
+        return {"floor": lambda: values // world_size, "twice": lambda: values / world_size / world_size,
+                "by one less": lambda: values / (world_size - 1),
+                "as integers": lambda: values.long() // world_size}[how]()
+
+    return average
+
+
 def _average_without_a_collective(rank, world_size):
     import torch
 
@@ -227,6 +242,10 @@ def _average_as(kind):
         (lambda rank, world_size: None, False, ["return the averaged tensor"]),
         (_average_by_four, False, ["With 5 ranks, rank 0 holds the sum divided by 4", "not by a fixed number"]),
         (_average_without_a_collective, False, ["no collective was called", "Use dist.all_reduce"]),
+        (_average_dividing("floor"), False, ["rounded down", "not with //"]),
+        (_average_dividing("twice"), False, ["divided by world_size twice"]),
+        (_average_dividing("by one less"), False, ["divided by world_size - 1"]),
+        (_average_dividing("as integers"), False, ["returned integers", "keep them as floats"]),
     ],
 )
 def test_average_of_ranks(fn, ok, fragments):

@@ -14,7 +14,7 @@ from dtlib.ring import send_recv as collectives
 
 
 def test_starting_values_say_which_rank_and_slot_they_came_from():
-    assert collectives.starting_values(2, 4).tolist() == [20.0, 21.0, 22.0, 23.0]
+    assert collectives.starting_values(2, 4).tolist() == [20.5, 21.5, 22.5, 23.5]
     assert collectives.starting_values(0, 3, device="meta").device.type == "meta"  # made on the rank's device
 
 
