@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 
+from dtlib import arguments
 from dtlib.launch.entry import under_torchrun
 from dtlib.train import ddp, fsdp
 
@@ -29,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("fsdp", "a tiny transformer under FSDP2, FSDP1 or DDP")):
         runner = runners.add_parser(name, help=text, description=f"Train {text}.")
         runner.add_argument("--world-size", type=int, default=2, help="ranks to start (ignored under torchrun)")
+        runner.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+                            help="stop the ranks and show where each waits if the job runs longer (default 3600; "
+                                 "'none': no limit; ignored under torchrun, which has its own)")
     ddp_options = runners.choices["ddp"]
     for name in ("model", "steps", "global_batch", "wrapper", "bucket_cap_mb"):
         default = getattr(ddp.TrainConfig, name)
@@ -45,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float | None:
+    """An argparse type: a positive number of seconds, or ``none``."""
+    if text.lower() == "none":
+        return None
+    try:
+        return arguments.seconds("timeout", float(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error}; or 'none' for no limit") from None
+
+
 def _losses(values: list[float]) -> str:
     return " ".join(f"{v:.4f}" for v in values)
 
@@ -58,17 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] not in ("ddp", "fsdp"):  # argparse would exit; say how instead, with status 2
         print("usage: python -m dtlib.train {ddp|fsdp} [options]   (--help after the runner's name)", file=sys.stderr)
         return 2
-    options = vars(_parser().parse_args(args))
-    runner, world_size = options.pop("runner"), options.pop("world_size")
+    parser = _parser()
+    options = vars(parser.parse_args(args))
+    runner, world_size, timeout = options.pop("runner"), options.pop("world_size"), options.pop("timeout")
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
+    module, config = (ddp, ddp.TrainConfig(**options)) if runner == "ddp" else (fsdp, fsdp.FSDPConfig(**options))
+    try:
+        module.validate(config, world_size)  # a bad setting is a usage error, not a traceback
+    except ValueError as error:
+        parser.error(f"{runner}: {error}")
+    spawn_options = {} if under_torchrun() else {"timeout": timeout}
     if runner == "ddp":
-        results = ddp.run(ddp.TrainConfig(**options), world_size)
+        results = ddp.run(config, world_size, **spawn_options)
         first = results[0]
         lines = [f"DDP on {first.world_size} rank(s), {first.backend}: losses {_losses(first.losses)}",
                  f"all-reduce calls per step: {first.comm_calls[-1]}, bytes per step: {first.comm_bytes[-1]}"]
     else:
-        results = fsdp.run(fsdp.FSDPConfig(**options), world_size)
+        results = fsdp.run(config, world_size, **spawn_options)
         first = results[0]
         lines = [f"{first.api} {options['strategy']} on {first.world_size} ranks: losses {_losses(first.losses)}",
                  f"model state on rank 0: {sum(first.memory_at_rest.values())} bytes "

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import compat
+from dtlib.arguments import finite
 from dtlib.launch.entry import device_ids, rank_device
 from dtlib.launch.entry import run as run_everywhere
 from dtlib.launch.files import write_atomically
@@ -109,6 +110,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
                          f"{max(1, config.global_batch // unit) * unit}")
     if config.global_batch > config.num_samples:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
+    if config.bucket_cap_mb is not None:
+        config.bucket_cap_mb = finite("bucket_cap_mb", config.bucket_cap_mb)
     check_checkpointing(config, "checkpoint_path")
 
 

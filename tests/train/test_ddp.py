@@ -269,3 +269,39 @@ def test_a_save_that_runs_out_of_room_keeps_the_previous_checkpoint(tmp_path):
     assert saved["step"] == 1
     reference = models.build("wide_mlp", seed=0).state_dict()
     assert all(torch.equal(saved["model"][name], tensor) for name, tensor in reference.items())
+
+
+# --- the command line: usage errors, and a timeout of its own -------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ddp", "--bucket-cap-mb", "-5"], "ddp: bucket_cap_mb must be >= 0, got -5.0"),
+    (["ddp", "--global-batch", "7"], "ddp: global_batch=7 must divide evenly"),
+    (["fsdp", "--steps", "0"], "fsdp: steps and grad_accum must be >= 1"),
+    (["fsdp", "--timeout", "0"], "argument --timeout: timeout must be a positive number of seconds"),
+])
+def test_bad_settings_are_usage_errors_before_any_rank_starts(monkeypatch, capsys, argv, message):
+    from dtlib.train import cli
+
+    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, timeout", [([], 3600.0), (["--timeout", "7200"], 7200.0),
+                                           (["--timeout", "none"], None)])
+def test_the_command_line_gives_a_long_job_its_own_timeout(monkeypatch, capsys, argv, timeout):
+    """spawn's default (120 s) would stop a healthy long job; the runners' command line has its own."""
+    from dtlib.train import cli
+
+    seen = {}
+
+    def run(config, world_size, **spawn_options):
+        seen.update(spawn_options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(ddp, "run", run)
+    with pytest.raises(SystemExit):
+        cli.main(["ddp", *argv])
+    assert seen == {"timeout": timeout}
