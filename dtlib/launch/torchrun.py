@@ -35,6 +35,18 @@ class Finished:
     output: str
 
 
+def _checked(target: Sequence[str], nproc_per_node: int, timeout: float) -> tuple[list[str], int, float]:
+    """The arguments every helper takes, checked before anything starts."""
+    if isinstance(target, str) or not isinstance(target, Sequence) or not target or \
+            not all(isinstance(part, str) for part in target):
+        raise ValueError(f"target must be a non-empty list of strings, as after torchrun's options on a command line "
+                         f"(['train.py', '--steps', '4'] or ['-m', 'dtlib.train', 'ddp']), got {target!r:.80}")
+    seconds = arguments.seconds("timeout", timeout)
+    if seconds is None:
+        raise ValueError("timeout must be a number of seconds: a torchrun job that hangs would hang the caller")
+    return list(target), arguments.count("nproc_per_node", nproc_per_node, 1), seconds
+
+
 def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
              module: str = "torch.distributed.run") -> list[str]:
     # --tee=3: torchrun relays each rank's stdout and stderr line by line, prefixed [default<LOCAL_RANK>]:
@@ -90,6 +102,7 @@ def single_node(target: Sequence[str], nproc_per_node: int = 2, *, timeout: floa
     ``["-m", "dtlib.train", "ddp"]``. ``legacy=True`` runs the deprecated ``python -m
     torch.distributed.launch`` instead, which also passes ``--local-rank=N`` to the script.
     """
+    target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
     module = "torch.distributed.launch" if legacy else "torch.distributed.run"
     command = _command(target, nproc_per_node, ["--standalone"], module)
     return _finish([_start(command)], [command], timeout)[0]
@@ -129,6 +142,7 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
     node 0 hosting the store, as with ``torch.distributed.launch`` of old.
     """
+    target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
     nnodes = arguments.count("nnodes", nnodes, 1)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")

@@ -187,6 +187,23 @@ def test_bad_node_settings():
         torchrun.simulate_nodes(["x.py"], rendezvous="etcd")
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda: torchrun.single_node("train.py"), "target must be a non-empty list of strings"),
+    (lambda: torchrun.single_node([]), "target must be a non-empty list of strings"),
+    (lambda: torchrun.single_node(["x.py", 3]), "target must be a non-empty list of strings"),
+    (lambda: torchrun.single_node(["x.py"], nproc_per_node=0), "nproc_per_node must be >= 1"),
+    (lambda: torchrun.single_node(["x.py"], nproc_per_node=1.5), r"nproc_per_node must be a whole number"),
+    (lambda: torchrun.single_node(["x.py"], timeout=-1), "timeout must be a positive number of seconds"),
+    (lambda: torchrun.single_node(["x.py"], timeout=None), "a torchrun job that hangs would hang the caller"),
+    (lambda: torchrun.simulate_nodes("x.py"), "target must be a non-empty list of strings"),
+    (lambda: torchrun.simulate_nodes(["x.py"], nproc_per_node=-2), "nproc_per_node must be >= 1"),
+])
+def test_the_helpers_check_their_arguments_before_starting_anything(monkeypatch, call, message):
+    monkeypatch.setattr(torchrun.subprocess, "Popen", lambda *a, **k: pytest.fail("torchrun started"))
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 def test_failure_report_shows_each_failed_ranks_own_lines_then_the_summary():
     """A SIGABRT's reason is in the rank's own lines, not in the summary's tail."""
     output = "\n".join(["[default0]:step 1", "[default1]:terminate called without an active exception",
