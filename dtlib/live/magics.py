@@ -19,6 +19,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
+from dtlib import arguments
+from dtlib.launch.spawn import check_world_size, resolve_backend
 from dtlib.live.ranks import LiveRanks
 from dtlib.live.rankview import RankValues
 
@@ -57,6 +59,12 @@ class RanksMagics(Magics):
         if args.command is None:
             print(self.live if self.live is not None and not self.live.closed else "no live ranks")
         elif args.command == "start":
+            try:  # checked before the running ranks stop: a refused start must not lose their variables
+                check_world_size(args.world_size)
+                arguments.seconds("timeout", args.timeout)
+                resolve_backend(args.backend, args.world_size)
+            except ValueError as exc:
+                raise UsageError(f"%ranks start: {exc} (the running ranks, if any, keep going)") from None
             self._stop()
             try:
                 self.live = LiveRanks(args.world_size, backend=args.backend, timeout=args.timeout)

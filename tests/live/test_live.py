@@ -263,3 +263,25 @@ def test_the_live_benchmark_reports_every_row_with_its_target(tmp_path):
     assert rows["ranks.run round trip"]["target_ms"] == 20.0 and rows["ranks.run round trip"]["samples"] == 3
     assert rows["%%ranks cell round trip"]["median_ms"] > 0
     assert "warm LiveRanks start and close" in rows and any(name.startswith("nbdistributed") for name in rows)
+
+
+@pytest.mark.parametrize("line", ["start 0", "start -1", "start 2 --timeout -5", "start 2 --timeout 0",
+                                  "start 2 --backend mpi"])
+def test_a_refused_start_leaves_the_running_ranks_and_their_variables_alone(line):
+    """%ranks start validates before it stops anything; the running ranks (here a stand-in) stay."""
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    from dtlib.live.magics import RanksMagics
+
+    class Running:
+        closed = False
+
+        def close(self):
+            raise AssertionError("the running ranks were stopped by a start that was then refused")
+
+    magics = RanksMagics(shell=get_ipython())
+    magics.live = running = Running()
+    with pytest.raises(UsageError, match="%ranks start: .*the running ranks, if any, keep going"):
+        magics.ranks(line)
+    assert magics.live is running
