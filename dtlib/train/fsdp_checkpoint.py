@@ -255,6 +255,21 @@ class _CheckedPlanner(dcp.DefaultLoadPlanner):
     """DCP's default planner, except that non-tensor entries (the optimizer's lr, betas, ...) are read
     with ``torch.load(weights_only=True)``; torch's default reads them with ``weights_only=False``."""
 
+    def __init__(self, *args: Any, whole: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.whole = whole  # False: load a part of the checkpoint on purpose
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        """As DCP's, then refuse a checkpoint with entries the model has no place for: DCP itself loads
+        what fits and silently drops the rest (a 2-block checkpoint into a 1-block model), while the
+        full-state path refuses the same mismatch."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        extra = sorted(set(getattr(metadata, "state_dict_metadata", {})) - set(self.state_dict))
+        if extra and self.whole:
+            shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+            raise ValueError(f"the checkpoint holds {len(extra)} entries this model and optimizer have no place "
+                             f"for ({shown}): it was saved from a different model")
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
             checked = torch.load(value, weights_only=True)  # refuses anything but plain values and tensors

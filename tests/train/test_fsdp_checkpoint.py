@@ -274,7 +274,8 @@ def test_a_payload_planted_in_a_value_is_refused(resumed, tmp_path):
     marker.rmdir()
     with pytest.raises(CheckpointException, match=r"entry optim.param_groups.0.lr holds more than a value "
                                                   r"\(Trying to load unsupported GLOBAL posix.mkdir"):
-        load_lr(storage_reader=fsdp_checkpoint._CheckedReader(folder), planner=fsdp_checkpoint._CheckedPlanner())
+        load_lr(storage_reader=fsdp_checkpoint._CheckedReader(folder),
+                planner=fsdp_checkpoint._CheckedPlanner(whole=False))  # only the lr, on purpose
     with pytest.raises(dtlib.WorkerError, match=r"optim.param_groups.0.lr holds more than a value"):
         fsdp.run(FSDPConfig(steps=SAVED_AT + 1, resume=True, checkpoint_dir=str(folder.parent)), 2, output="none")
     assert not marker.exists()
@@ -346,3 +347,25 @@ def test_a_sharded_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_pa
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, expected[name] + 0.5, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     leftovers.assert_clean()
+
+
+# --- a checkpoint from another model is refused, not half loaded -------------------------------------------
+
+
+def _save_two_blocks_load_one(rank: int, world_size: int, directory: str) -> None:
+    torch.set_num_threads(1)
+    config = FSDPConfig()
+    for blocks, action in ((2, "save"), (1, "load")):
+        model = fsdp_wrap.wrap_fsdp2(models.TinyTransformer(blocks=blocks), config, world_size, torch.device("cpu"), [])
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+        if action == "save":
+            fsdp_checkpoint.save(model, optimizer, 1, directory)
+        else:
+            fsdp_checkpoint.load(model, optimizer, directory)
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_checkpoint_of_another_model_is_refused_as_the_full_one_is(tmp_path):
+    with pytest.raises(dtlib.WorkerError, match=r"entries this model and optimizer have no place for "
+                                                r"\(model\.blocks\.1\..*it was saved from a different model"):
+        dtlib.spawn(_save_two_blocks_load_one, 2, args=(str(tmp_path / "ckpt"),), timeout=90, output="none")
