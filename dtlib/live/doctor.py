@@ -49,8 +49,10 @@ class Collective:
         args = f" ({', '.join(self.tensors)})" if self.tensors else ""
         return f"{self.op}{f' #{self.seq}' if number else ''}{args}{where}"
 
-    def signature(self) -> tuple[str, tuple[str, ...]]:
-        return self.op, self.tensors
+    def signature(self) -> tuple[str, str, tuple[str, ...]]:
+        """What every rank's call of the same collective must agree on: the operation, the group, and each
+        tensor's dtype and shape (the Flight Recorder's fields)."""
+        return self.op, self.group, self.tensors
 
 
 def _tensor(size: list[int], dtype: str) -> str:
@@ -166,11 +168,18 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
         return "no rank waits in a collective"
     first = min(record.seq for record in waiting.values())
     at_first = {rank: record for rank, record in waiting.items() if record.seq == first}
-    signatures = {record.signature() for record in at_first.values()}
-    if len(signatures) > 1:
+    group = next(iter(at_first.values())).group
+    # Every rank's record of that collective, the ranks that got past it included: a rank that finished it
+    # with other arguments (gloo lets a shorter tensor through) is where the ranks disagree.
+    called = {rank: record for rank, record in last.items() if record is not None and record.seq == first
+              and record.group == group and states.get(rank) != "died"}
+    if len({record.signature() for record in called.values()}) > 1:
         calls = ", ".join(f"rank {rank} calls {record.describe(number=False)}"
-                          for rank, record in sorted(at_first.items()))
-        return f"the ranks disagree at collective #{first}: {calls}"
+                          for rank, record in sorted(called.items()))
+        past = sorted(rank for rank, record in called.items() if record.done)
+        wrong = (f"; {_ranks(past)} got past it, so what {'it' if len(past) == 1 else 'they'} received is wrong"
+                 if past else "")
+        return f"the ranks disagree at collective #{first}: {calls}{wrong}"
     missing = [rank for rank in sorted(states) if rank not in waiting
                and _position(last.get(rank), waiting=False) <= first]
     if missing:
@@ -184,8 +193,20 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
         ahead = ", ".join(f"rank {rank} at #{record.seq}" for rank, record in sorted(later.items()))
         return (f"the ranks are at different collectives (collective #{first}, {ahead}): "
                 "they called different numbers of collectives")
+    past = sorted(rank for rank, record in called.items() if record.done)
+    if past:
+        inside = _ranks(sorted(at_first))
+        return (f"{inside} {'waits' if len(at_first) == 1 else 'wait'} in collective #{first}, which {_ranks(past)} "
+                "finished with the same arguments: the rest is below Python (a peer's network, or a device)")
     return (f"every rank waits in collective #{first} with the same arguments: it is stuck below Python "
             "(a peer's network, or a device)")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 1", "ranks 1 and 2", "ranks 1, 2 and 3"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
 def group_is_broken(states: dict[int, str], last: dict[int, Collective | None]) -> bool:

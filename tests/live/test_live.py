@@ -7,6 +7,7 @@ each rank was made to wait in; for clean-up, the process table.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
@@ -95,6 +96,16 @@ def test_mismatched_collectives_are_named_by_number(ranks):
     assert ranks.run("rank") == [0, 1]
 
 
+def test_a_shorter_tensor_on_one_rank_is_named_and_its_wrong_result_said(ranks):
+    """gloo lets the rank with the shorter tensor through; the doctor compares its finished record too."""
+    with pytest.raises(dtlib.WorkerTimeout) as caught:
+        ranks.run("x = torch.ones(4 if rank == 0 else 3)\ndist.all_reduce(x)\n", timeout=3)
+    assert re.search(r"the ranks disagree at collective #\d+: rank 0 calls all_reduce \(float32\[4\]\), rank 1 calls "
+                     r"all_reduce \(float32\[3\]\); rank 1 got past it, so what it received is wrong",
+                     str(caught.value)), str(caught.value)
+    assert "with the same arguments" not in str(caught.value)
+
+
 def test_a_loop_that_runs_too_long_is_interrupted_and_the_ranks_keep_their_variables(ranks):
     ranks.run("kept = rank + 40")
     with pytest.raises(dtlib.WorkerTimeout) as caught:
@@ -160,6 +171,21 @@ def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
     ({0: "running", 1: "running"}, {0: None, 1: None}, "no rank waits in a collective that the Flight Recorder"),
     ({0: "running", 1: "running"}, {0: _c("barrier", 2, False), 1: _c("barrier", 2, False)},
      "every rank waits in collective #2 with the same arguments"),
+    # a shorter tensor on rank 1: gloo lets rank 1 through with wrong numbers while rank 0 waits
+    ({0: "running", 1: "finished"}, {0: _c("all_reduce", 1, False, "float32[4]"),
+                                     1: _c("all_reduce", 1, True, "float32[3]")},
+     "the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4]), rank 1 calls all_reduce "
+     "(float32[3]); rank 1 got past it, so what it received is wrong"),
+    ({0: "running", 1: "running"}, {0: _c("all_reduce", 1, False, "float32[4]"),
+                                    1: _c("all_reduce", 1, False, "float64[4]")},
+     "the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4]), rank 1 calls all_reduce (float64[4])"),
+    ({0: "running", 1: "running"}, {0: _c("all_reduce", 1, False, "float32[4]"),
+                                    1: _c("broadcast", 1, False, "float32[4]")},
+     "the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4]), rank 1 calls broadcast"),
+    ({0: "running", 1: "finished", 2: "running"}, {0: _c("all_reduce", 1, False, "float32[4]"),
+                                                   1: _c("all_reduce", 1, True, "float32[4]"),
+                                                   2: _c("all_reduce", 1, False, "float32[4]")},
+     "ranks 0 and 2 wait in collective #1, which rank 1 finished with the same arguments"),
 ])
 def test_the_doctor_finds_where_the_ranks_disagree(states, last, verdict):
     lines, found = _doctor.explain(states, last)
