@@ -157,8 +157,8 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
     died = [rank for rank, state in sorted(states.items()) if state == "died"]
     if died:
         who = ", ".join(map(str, died))
-        return (f"rank {who} died, and a process group cannot go on without a rank "
-                "(its last output, above, says why: gloo and NCCL abort a rank on a mismatched collective)")
+        return (f"rank {who} died, and a process group cannot go on without a rank (its last output, above, "
+                "says why: an error in native code, a signal, running out of memory, or gloo or NCCL aborting it)")
     waiting = {rank: record for rank, record in last.items()
                if states.get(rank) == "running" and record is not None and not record.done}
     if not waiting:
@@ -184,10 +184,17 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
                and _position(last.get(rank), waiting=False) <= first]
     if missing:
         inside = ", ".join(map(str, sorted(at_first)))
-        absent = ", ".join(map(str, missing))
         alone = "is alone" if len(at_first) == 1 else "are alone"
-        return (f"rank {inside} {alone} in collective #{first}: rank {absent} never called it "
-                "(a collective under `if rank == ...`, or a rank that returned early?)")
+        busy = [rank for rank in missing if states.get(rank) == "running"]
+        gone = [rank for rank in missing if rank not in busy]
+        said = []
+        if gone:
+            said.append(f"rank {', '.join(map(str, gone))} never called it (a collective under `if rank == ...`, "
+                        "or a rank that returned early?)")
+        if busy:
+            said.append(f"rank {', '.join(map(str, busy))} has not called it yet and still runs Python code (slow "
+                        "work before the collective, or a loop that never reaches it: its stack is below)")
+        return f"rank {inside} {alone} in collective #{first}: " + "; ".join(said)
     later = {rank: record for rank, record in waiting.items() if record.seq != first}
     if later:
         ahead = ", ".join(f"rank {rank} at #{record.seq}" for rank, record in sorted(later.items()))

@@ -171,6 +171,8 @@ def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
     ({0: "running", 1: "running"}, {0: None, 1: None}, "no rank waits in a collective that the Flight Recorder"),
     ({0: "running", 1: "running"}, {0: _c("barrier", 2, False), 1: _c("barrier", 2, False)},
      "every rank waits in collective #2 with the same arguments"),
+    ({0: "running", 1: "running"}, {0: _c("all_reduce", 3, False, "float32[4]"), 1: _c("all_reduce", 2, True)},
+     "rank 0 is alone in collective #3: rank 1 has not called it yet and still runs Python code"),
     # a shorter tensor on rank 1: gloo lets rank 1 through with wrong numbers while rank 0 waits
     ({0: "running", 1: "finished"}, {0: _c("all_reduce", 1, False, "float32[4]"),
                                      1: _c("all_reduce", 1, True, "float32[3]")},
