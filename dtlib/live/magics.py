@@ -53,6 +53,7 @@ class RanksMagics(Magics):
 
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> Any:
+        __tracebackhide__ = True  # IPython leaves dtlib's own frames out of the traceback: the error is the news
         if cell is not None:
             return self._run_cell(line, cell)
         args = _parser().parse_args(shlex.split(line))
@@ -92,6 +93,7 @@ class RanksMagics(Magics):
         return None
 
     def _run_cell(self, line: str, cell: str) -> Any:
+        __tracebackhide__ = True
         parser = _Parser(prog="%%ranks", add_help=False)
         parser.add_argument("--timeout", type=float, default=None)
         args = parser.parse_args(shlex.split(line))

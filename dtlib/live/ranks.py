@@ -125,6 +125,7 @@ class LiveRanks:
             WorkerTimeout: the code ran past ``timeout`` (default: the object's); says which
                 collective each rank waits in, and whether the ranks had to be restarted.
         """
+        __tracebackhide__ = True  # IPython shows the error, not dtlib's frames that carried it
         if not isinstance(code, str):
             raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
         self._cells += 1
@@ -138,17 +139,20 @@ class LiveRanks:
 
         Example: ``ranks.push(lr=0.1, model=model)``.
         """
+        __tracebackhide__ = True
         payload = pickling.dumps(values, parts=[(repr(name), value) for name, value in values.items()],
                                   refusal="cannot push {part} to the ranks")
         self._call(("push", payload), None, "push")
 
     def pull(self, name: str) -> list[Any]:
         """Every rank's value of ``name``, by rank. Example: ``ranks.pull("loss")`` -> ``[0.71, 0.69]``."""
+        __tracebackhide__ = True
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"name must be a Python identifier, got {name!r}")
         return self._call(("pull", name), None, "pull")
 
     def _call(self, message: tuple[str, Any], timeout: float | None, what: str) -> list[Any]:
+        __tracebackhide__ = True
         ranks = self._ranks()
         if ranks.dead():  # died between calls (killed, out of memory): say so, start afresh
             failures = ranks.dead()

@@ -313,3 +313,22 @@ def test_a_refused_start_leaves_the_running_ranks_and_their_variables_alone(line
     with pytest.raises(UsageError, match="%ranks start: .*the running ranks, if any, keep going"):
         magics.ranks(line)
     assert magics.live is running
+
+
+@pytest.mark.timeout(120)
+def test_a_ranks_cell_error_shows_the_ranks_traceback_not_dtlibs_frames(capsys):
+    """IPython hides the frames dtlib marks with __tracebackhide__: the magic, LiveRanks.run and its helpers."""
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "dtlib")
+    shell.run_line_magic("ranks", "start 2 --backend gloo --timeout 30")
+    try:
+        capsys.readouterr()
+        shell.run_cell("%%ranks\nraise ValueError(f'boom on {rank}')\n")
+        shown = capsys.readouterr().out
+    finally:
+        shell.run_line_magic("ranks", "stop")
+    assert "ValueError: boom on 1" in shown and '<rank cell' in shown
+    assert "magics.py" not in shown and "def run(" not in shown
+    assert shown.count("dtlib/live/ranks.py") <= 1  # the frame that raised, which IPython always shows
