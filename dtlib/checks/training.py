@@ -132,8 +132,14 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any
         error = None
     except Exception as exc:  # noqa: BLE001 - reported to the learner, with what was sharded before it
         returned, error = None, f"{type(exc).__name__}: {exc}"
+    def unit(module: Any) -> int | None:  # which FSDP unit a module is (modules sharded together share one)
+        return id(module._get_fsdp_state()) if isinstance(module, FSDPModule) else None
+
     report: dict[str, Any] = {"root": isinstance(model, FSDPModule), "error": error,
                               "blocks": [isinstance(block, FSDPModule) for block in model.blocks],
+                              "block_units": len({unit(block) for block in model.blocks} - {None}),
+                              "finer": any(isinstance(inner, FSDPModule) for block in model.blocks
+                                           for inner in block.modules() if inner is not block),
                               "returned_other": returned is not None and returned is not model}
     if error or report["returned_other"]:
         return report
@@ -199,6 +205,18 @@ def fsdp_wrap(wrap: Callable[[Any], Any], world_size: int = 2, steps: int = 3, t
         return Feedback(False, "The blocks are units but the root is not: the embedding, positions, final norm and "
                                "head stay whole on every rank, and their gradients are never averaged over ranks "
                                f"(your losses drift from DDP's by up to {gap:.2g}). Call fully_shard(model) last.")
+    if report["finer"] and not blocks:
+        return Feedback(False, f"Your units are smaller than a block (a unit per layer, say): forward holds at most "
+                               f"{report['peak_parameters']:,} bytes of parameters at once (the whole model is "
+                               f"{full_bytes:,}), less than a unit per block would, for more and smaller "
+                               "all-gathers, each paying its own latency. That works; the exercise asks for the usual "
+                               "balance: fully_shard(block) for every block, then the root.")
+    if blocks == len(report["blocks"]) and report["block_units"] < blocks:
+        return Feedback(False, f"Your {blocks} blocks are {report['block_units']} unit"
+                               f"{'s' if report['block_units'] > 1 else ''}: fully_shard given a list groups its "
+                               "modules into one unit, gathered and freed together, so forward holds "
+                               f"{report['peak_parameters']:,} bytes of parameters at once (the whole model is "
+                               f"{full_bytes:,}). Call fully_shard(block) once per block, then on the root.")
     if blocks < len(report["blocks"]):
         return Feedback(False, f"Only {'the root is a unit' if not blocks else 'some blocks are units'}: forward "
                                f"gathers {report['peak_parameters']:,} bytes of parameters at once on each rank "

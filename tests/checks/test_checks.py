@@ -525,6 +525,23 @@ def _wrap_one_block(model):
     return model
 
 
+def _wrap_blocks_as_one_group(model):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(list(model.blocks))  # one unit for both blocks
+    return fully_shard(model)
+
+
+def _wrap_every_linear(model):
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    return fully_shard(model)
+
+
 def _wrap_in_ddp(model):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -541,6 +558,8 @@ def _wrap_in_ddp(model):
     (_wrap_root_first, False, ["fully_shard(model) came before the blocks"]),
     (_wrap_in_ddp, False, ["Return the model you were given"]),
     ("fully_shard", False, ["Pass your function itself"]),
+    (_wrap_blocks_as_one_group, False, ["Your 2 blocks are 1 unit", "groups its modules into one unit"]),
+    (_wrap_every_linear, False, ["Your units are smaller than a block", "less than a unit per block would"]),
 ])
 def test_fsdp_wrap(wrap, ok, fragments):
     _assert_verdict(checks.fsdp_wrap(wrap), ok, fragments)
