@@ -217,11 +217,17 @@ def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, 
     if not isinstance(command, str) or not command.strip():
         return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")
     try:
-        words = shlex.split(command)
+        words = shlex.split(command.replace("\\\n", " "))  # a backslash before a newline continues the line
     except ValueError as err:  # an unclosed quote
         return Feedback(False, f"The shell could not read this line: {err}.")
+    if not words:
+        return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")
     arguments = _torchrun_arguments(words)
     if arguments is None:
+        if "torch.distributed.launch" in words:
+            return Feedback(False, "python -m torch.distributed.launch is torchrun's deprecated predecessor: it also "
+                                   "passes --local-rank=N to the script, which must then accept it, and it will "
+                                   "go. Write the same options after torchrun (or python -m torch.distributed.run).")
         if os.path.basename(words[0]).startswith("python") and "train.py" in words:
             return Feedback(False, "`python train.py` starts one process and no rendezvous: launch it with torchrun "
                                    "(or python -m torch.distributed.run), its options first, then train.py.")
@@ -251,6 +257,9 @@ def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, 
     if endpoint not in (_NOT_GIVEN, "", f"{master_addr}:{master_port}"):
         return Feedback(False, f"--rdzv_endpoint={endpoint} wins over --master_addr and --master_port, and this "
                                f"job's store is at {master_addr}:{master_port}: leave --rdzv_endpoint out.")
+    if endpoint == f"{master_addr}:{master_port}":  # a static rendezvous uses the endpoint when given one
+        wanted.pop("master_addr")
+        wanted.pop("master_port")
     defaults = _torchrun_defaults()
     if defaults["master_port"] is None:  # newer torchrun fills it in after parsing: 29500 for a static rendezvous
         defaults["master_port"] = 29500

@@ -156,6 +156,14 @@ def test_train_without_a_runner_name_says_how():
      "--rdzv_backend=c10d train.py", False, "--rdzv_backend=c10d: this job numbers its nodes by hand"),
     ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --rdzv_endpoint=10.0.0.1:29500 --rdzv_backend=static "
      "--master_addr=10.0.0.1 train.py", True, "Right"),
+    # the endpoint alone is enough: a static rendezvous takes the store's address from it
+    ("torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --rdzv_endpoint=10.0.0.1:29500 train.py", True, "Right"),
+    # one command over several lines, as a shell script writes it
+    ("torchrun --nnodes=2 --nproc_per_node=4 \\\n    --node_rank=1 --master_addr=10.0.0.1 \\\n    --master_port=29500 "
+     "train.py", True, "Right"),
+    ("python -m torch.distributed.launch --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 "
+     "--master_port=29500 train.py", False, "torchrun's deprecated predecessor"),
+    ("   ", False, "Write the command as one string"),
 ])
 def test_exercise_checker(command, ok, says):
     verdict = torchrun.check_command(command)
