@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
-from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, check
+from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, check, reduce_hint
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
 from dtlib.ring.send_recv import starting_values
@@ -41,6 +41,7 @@ SUM_OF_RANKS = RankExercise(
     hints=[
         (lambda a: a.returned is None, lambda a: _should_return(
             a, "it returned None: return the tensor (or its .item()) after the all-reduce.")),
+        (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
         (lambda a: all(equals(v, r) for r, v in enumerate(a.values)), lambda a: _should_return(
             a, "each rank returned its own rank: was dist.all_reduce called before returning?")),
         (lambda a: equals(a.value, a.expected * a.size), lambda a: _should_return(
@@ -49,6 +50,9 @@ SUM_OF_RANKS = RankExercise(
          lambda a: _should_return(a, f"it returned {as_number(a.value)!r}, the answer for {a.world_size} ranks: let "
                                      "the collective add up the ranks that are there instead of writing the answer "
                                      "for one world size.")),
+        (lambda a: a.called("all_reduce") and a.size > 2 and equals(a.value, a.size - 1), lambda a: _should_return(
+            a, f"it returned {a.size - 1}, the largest rank: ReduceOp.MAX keeps the largest value; add them with "
+               "ReduceOp.SUM (all_reduce's default).")),
     ],
     otherwise=lambda a: _should_return(a, f"it returned {a.returned!r}."),
     no_collective=lambda rank, expected: (
@@ -102,6 +106,16 @@ AVERAGE_OF_RANKS = RankExercise(
     hints=[
         (lambda a: a.value is UNREADABLE or a.value.shape != a.expected.shape,
          lambda a: f"Rank {a.rank} returned {a.returned!r}; return the averaged tensor of {a.size} values."),
+        (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
+        (lambda a: a.called("all_reduce") and a.value is not UNREADABLE
+         and _close(a.value, _starting(a.size).max(0).values),
+         lambda a: f"Rank {a.rank} holds the largest values, not the mean: ReduceOp.MAX keeps the largest; sum with "
+                   "ReduceOp.SUM, then divide by world_size."),
+        (lambda a: a.value is not UNREADABLE and a.called("all_reduce")
+         and _close(a.value, _starting(a.size)[a.rank] / a.size),
+         lambda a: f"Rank {a.rank} holds its own values divided by world_size: the all-reduce had not finished "
+                   "when you divided. With async_op=True, call .wait() on the work it returns before using the "
+                   "tensor."),
         (lambda a: not _floating(a.returned),
          lambda a: f"Rank {a.rank} returned integers ({a.value.tolist()}): the mean of the ranks' values is not a "
                    "whole number, so keep them as floats and divide with /, not with //."),
@@ -198,6 +212,7 @@ FIXED_BARRIER = RankExercise(
         (lambda a: a.value is UNREADABLE,
          lambda a: f"Rank {a.rank} returned {a.returned!r}: return the mean loss as a number on every rank "
                    "(loss.item()), not only on rank 0."),
+        (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
         (lambda a: abs(a.value - (a.rank + 1)) < 1e-6,
          lambda a: f"Rank {a.rank} returned its own loss {a.value:g}: it never took part in the all_reduce. Call "
                    "dist.all_reduce on every rank."),
@@ -206,6 +221,9 @@ FIXED_BARRIER = RankExercise(
         (lambda a: _divisor(a) > 0,
          lambda a: f"With {a.size} ranks, rank {a.rank} returned {a.value:g}, the sum divided by "
                    f"{round(_divisor(a))}: divide by world_size (dist.get_world_size()), not a constant."),
+        (lambda a: a.called("all_reduce") and abs(a.value - a.size) < 1e-6 and a.rank + 1 != a.size,
+         lambda a: f"Rank {a.rank} returned {a.value:g}, the largest loss: ReduceOp.MAX keeps the largest; sum with "
+                   "ReduceOp.SUM, then divide by world_size."),
     ],
     otherwise=lambda a: (f"Rank {a.rank} returned {a.value:g}, expected the mean {a.expected:g}: all_reduce (SUM) "
                          "once on every rank, then divide by world_size once."),

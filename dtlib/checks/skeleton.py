@@ -34,6 +34,11 @@ class Answer:
     value: Any  # as ``read`` made it, or UNREADABLE
     expected: Any
     values: Sequence[Any]  # every rank's, as read
+    calls: Sequence[dict[str, int]]  # every rank's collectives, {name: times} (dtlib.measure.counting)
+
+    def called(self, name: str) -> bool:
+        """Whether this rank's function called the collective ``name`` ("reduce", "all_reduce", ...)."""
+        return bool(self.calls[self.rank].get(name))
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,12 @@ class RankExercise:
     right: Callable[[int, int], str]  # (the two world sizes): the message of a right answer
     hang: Callable[[WorkerTimeout, str], str]  # (the timeout, fn's name)
     failure: Callable[[WorkerError], str]  # a rank raised or died
+
+
+def reduce_hint(answer: Answer) -> str:
+    """What to say when ``dist.reduce`` stood where ``dist.all_reduce`` belongs."""
+    return (f"Rank {answer.rank} does not hold the result: dist.reduce leaves it on one rank only (dst), and the "
+            "others keep what they had. Use dist.all_reduce, which leaves it on every rank.")
 
 
 def check(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> Feedback:
@@ -68,10 +79,10 @@ def check(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> F
         for rank, value in enumerate(values):
             if value is not UNREADABLE and exercise.same(value, expected):
                 continue
-            answer = Answer(rank, size, world_size, results[rank], value, expected, values)
+            answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls)
             say = next((say for holds, say in exercise.hints if holds(answer)), exercise.otherwise)
             return Feedback(False, say(answer))
-        silent = rank_without_communication(calls)
+        silent = rank_without_communication(calls)  # right values, but did they travel?
         if silent is not None:
             return Feedback(False, exercise.no_collective(silent, expected))
     return Feedback(True, exercise.right(*sizes))

@@ -83,6 +83,17 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
             yours, ddp, local = result["yours"], result["ddp"], result["local"]
             if torch.allclose(yours, ddp, atol=1e-6) and torch.allclose(yours, single, atol=1e-6):
                 continue
+            calls = result["calls"]
+            if calls.get("reduce") and not calls.get("all_reduce"):
+                return Feedback(False, f"Rank {rank}'s gradients were not averaged: dist.reduce leaves the sum on "
+                                       "one rank only (dst), and the others keep their own. Use dist.all_reduce.")
+            if torch.allclose(yours, torch.stack([r["local"] for r in results]).max(0).values, atol=1e-6):
+                return Feedback(False, f"Rank {rank} holds the largest gradient of the ranks, not their mean: "
+                                       "ReduceOp.MAX keeps the largest; sum with ReduceOp.SUM and divide.")
+            if calls.get("all_reduce") and torch.allclose(yours, local / size, atol=1e-6):
+                return Feedback(False, f"Rank {rank} holds its own gradients divided by world_size: the all-reduce "
+                                       "had not finished when you divided. With async_op=True, call .wait() on the "
+                                       "work it returns before using the tensor.")
             if torch.allclose(yours, local, atol=1e-6):
                 if rank_without_communication([result["calls"]]) is not None:
                     return Feedback(False, f"Rank {rank} kept its own gradients: your hook called no collective. "
@@ -103,7 +114,7 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
     try:
         halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none")
     except (WorkerError, WorkerTimeout) as err:
-        return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err}")
+        return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err.failures[0].headline()}")
     if not all(torch.isfinite(half).all() for half in halves):
         return Feedback(False, "Right in fp32, but in fp16 two gradients of 40000 summed make 80000, past fp16's "
                                "largest number (65504), so your average is inf. DDP divides each gradient by the "
@@ -117,7 +128,14 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
     """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
     import torch
 
-    return hook(torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())).float().cpu()
+    grad = torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())
+    returned = hook(grad)
+    if returned is None:
+        returned = grad  # as autograd does: None means the hook changed the gradient in place, or not at all
+    if not isinstance(returned, torch.Tensor):
+        raise TypeError(f"your hook returned a {type(returned).__name__}: return the gradient tensor (or None "
+                        "after changing it in place)")
+    return returned.float().cpu()
 
 
 def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any], steps: int) -> dict[str, Any]:

@@ -104,11 +104,25 @@ def _two_numbers(rank, world_size):
     return value  # the sum, twice: not one number
 
 
+def _sum_by_reduce(rank, world_size):
+    value = torch.tensor([float(rank)])
+    dist.reduce(value, dst=0)
+    return value
+
+
+def _sum_by_max(rank, world_size):
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("fn", "ok", "fragments"),
     [
         (_correct, True, ["with 3 ranks and with 4"]),
+        (_sum_by_reduce, False, ["does not hold the result: dist.reduce leaves it on one rank only"]),
+        (_sum_by_max, False, ["the largest rank: ReduceOp.MAX keeps the largest value"]),
         (lambda rank, world_size: torch.tensor([float(rank)]), False, ["each rank returned its own rank"]),
         (lambda rank, world_size: None, False, ["returned None"]),
         (_double_counted, False, ["world_size times too big"]),
@@ -208,6 +222,24 @@ def _average_dividing(how):
     return average
 
 
+def _average_wrong_collective(how):
+    def average(rank, world_size):
+        import torch.distributed as dist
+
+        from dtlib.ring.send_recv import starting_values
+
+        values = starting_values(rank, world_size)
+        if how == "reduce":
+            dist.reduce(values, dst=0)
+        elif how == "max":
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        else:  # what an async all-reduce read before its wait() looks like: the rank's own values
+            dist.all_reduce(values.clone())
+        return values / world_size if how in ("reduce", "unfinished") else values
+
+    return average
+
+
 def _average_without_a_collective(rank, world_size):
     import torch
 
@@ -246,6 +278,9 @@ def _average_as(kind):
         (_average_dividing("twice"), False, ["divided by world_size twice"]),
         (_average_dividing("by one less"), False, ["divided by world_size - 1"]),
         (_average_dividing("as integers"), False, ["returned integers", "keep them as floats"]),
+        (_average_wrong_collective("reduce"), False, ["does not hold the result: dist.reduce"]),
+        (_average_wrong_collective("max"), False, ["holds the largest values, not the mean: ReduceOp.MAX"]),
+        (_average_wrong_collective("unfinished"), False, ["the all-reduce had not finished", ".wait()"]),
     ],
 )
 def test_average_of_ranks(fn, ok, fragments):
@@ -426,6 +461,27 @@ def _hook_reduces_a_copy(grad):
     return grad  # the sum landed in the copy
 
 
+def _hook_by_reduce(grad):
+    grad = grad / dist.get_world_size()
+    dist.reduce(grad, dst=0)
+    return grad
+
+
+def _hook_by_max(grad):
+    dist.all_reduce(grad, op=dist.ReduceOp.MAX)
+    return grad
+
+
+def _hook_divides_before_the_sum_arrives(grad):
+    dist.all_reduce(grad.clone())  # as an async all-reduce read before its wait(): the sum is not there yet
+    return grad / dist.get_world_size()
+
+
+def _hook_in_place_returning_none(grad):
+    grad.div_(dist.get_world_size())
+    dist.all_reduce(grad)  # in place: autograd keeps the changed gradient when the hook returns None
+
+
 def test_the_hooks_oracle_is_the_mean_of_the_ranks_gradients():
     """One process on every rank's samples: its gradient is the mean of the ranks' gradients (the loss is a mean)."""
     from dtlib.train import data, models
@@ -453,6 +509,10 @@ def test_the_hooks_oracle_is_the_mean_of_the_ranks_gradients():
                                         "divides each gradient by the world size first"]),
         (_hook_reduces_a_copy, False, ["kept its own gradients although your hook called all_reduce"]),
         ("average_gradient", False, ["Pass your hook function itself"]),
+        (_hook_by_reduce, False, ["dist.reduce leaves the sum on one rank only"]),
+        (_hook_by_max, False, ["the largest gradient of the ranks, not their mean"]),
+        (_hook_divides_before_the_sum_arrives, False, ["the all-reduce had not finished", ".wait()"]),
+        (_hook_in_place_returning_none, True, ["one process"]),
     ],
 )
 def test_gradient_hook(hook, ok, fragments):

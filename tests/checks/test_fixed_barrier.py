@@ -151,3 +151,23 @@ def test_checker_names_the_ranks_that_returned_whatever_their_number(fn, world_s
 def test_checker_says_what_is_wrong(fn, fragment):
     feedback = fixed_barrier(fn)
     assert not feedback.ok and fragment in feedback.message, feedback.message
+
+
+def _mean_by_max(rank, world_size):
+    loss = torch.tensor(float(rank + 1))
+    dist.all_reduce(loss, op=dist.ReduceOp.MAX)
+    return loss.item()
+
+
+def _mean_by_reduce(rank, world_size):
+    loss = torch.tensor(float(rank + 1))
+    dist.reduce(loss, dst=0)
+    return loss.item() / world_size
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("fn", "fragment"), [(_mean_by_max, "the largest loss: ReduceOp.MAX keeps the largest"),
+                                              (_mean_by_reduce, "dist.reduce leaves it on one rank only")])
+def test_the_wrong_collective_is_named(fn, fragment):
+    feedback = fixed_barrier(fn, world_size=2, timeout=10)
+    assert not feedback.ok and fragment in feedback.message, feedback.message
