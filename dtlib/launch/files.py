@@ -10,8 +10,10 @@ file as it was. Example::
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -21,11 +23,13 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
 
     On any failure the partial file is removed, ``path`` is left as it was, and an ``OSError``
     names the path, says what went wrong, and that the previous file is unchanged. The new file is
-    readable by its owner only (``tempfile.mkstemp``'s mode 0o600).
+    readable by its owner only (``tempfile.mkstemp``'s mode 0o600). A partial file that a killed
+    process left behind (no ``except`` runs on SIGKILL) is removed after the next successful write.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     existed = os.path.exists(path)
+    started = time.time()
     partial = None
     try:
         handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".partial")
@@ -43,6 +47,10 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
         before = f"the previous {path} is unchanged" if existed else f"nothing was written to {path}"
         raise OSError(f"could not write {path}: {type(error).__name__}: {error}; {before}") from error
     _sync_directory(folder)
+    for stale in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(os.path.basename(path))}.*.partial")):
+        with contextlib.suppress(OSError):
+            if os.stat(stale).st_mtime < started:  # older than this write: no writer of ours is still on it
+                os.unlink(stale)
 
 
 def _sync_directory(folder: str) -> None:
