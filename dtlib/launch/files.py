@@ -1,4 +1,5 @@
-"""Write a file so that a failure never leaves a damaged one: write beside it, then rename.
+"""Write a file so that a failure never leaves a damaged one: write beside it, then rename; and
+folders of dtlib's own, private to you, that a rerun reuses instead of adding another.
 
 ``os.replace`` within one directory is atomic: a reader (or a resumed job) finds the old file or
 the new one, never a mix. A full disk, a crash or an exception half way through leaves the old
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,3 +63,32 @@ def _sync_directory(folder: str) -> None:
             os.fsync(handle)
         finally:
             os.close(handle)
+
+
+def private_folder(*parts: str, empty: bool = False) -> str:
+    """``<cache>/dtlib/<parts>`` (``$XDG_CACHE_HOME`` or ``~/.cache``), readable and writable by you alone
+    (mode 0o700): created if missing, tightened if looser, refused if another user owns any level of it,
+    who could plant a file there. ``empty=True`` removes what an earlier run left in it first, so a
+    notebook run again reuses one folder instead of leaving one more. Every process on one machine gets
+    the same path. Example: ``private_folder("notebooks", "04", empty=True)``.
+    """
+    if not parts or not all(isinstance(part, str) and part and os.sep not in part and part not in (".", "..")
+                            for part in parts):
+        raise ValueError(f"parts must be folder names (no separators, not '.' or '..'), got {parts!r}")
+    path = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for part in ("dtlib", *parts):
+        path = os.path.join(path, part)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+        if info.st_uid != os.getuid() or os.path.islink(path):
+            raise PermissionError(f"{path} belongs to another user (uid {info.st_uid}) or is a link, and could hold "
+                                  "files planted there; pass a directory of your own")
+        if info.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    if empty:
+        for entry in os.scandir(path):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+    return path

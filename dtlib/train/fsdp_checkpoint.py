@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from dtlib.launch.files import write_atomically
+from dtlib.launch.files import private_folder, write_atomically
 
 FULL_FILE = "full.pt"
 STEP_FILE = "step.json"  # {"step": 4, "kind": "sharded", "folder": "a"}: written last, in one rename
@@ -60,24 +60,12 @@ FOLDERS = ("a", "b")  # a save writes into the one step.json does not name
 
 
 def default_directory(name: str = "fsdp") -> str:
-    """``<cache>/dtlib/checkpoints/<name>`` (``$XDG_CACHE_HOME`` or ``~/.cache``), readable and writable by
-    you alone (mode 0o700); created if missing, tightened if looser, refused if another user owns it.
+    """``<cache>/dtlib/checkpoints/<name>`` (:func:`dtlib.launch.files.private_folder`): yours alone, mode 0o700.
 
     Every rank on one machine gets the same path. For ranks on several machines, pass a directory
     on a file system they share. Example: ``save(model, optimizer, 4, default_directory("run1"))``.
     """
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = cache
-    for part in ("dtlib", "checkpoints", name):
-        path = os.path.join(path, part)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.stat(path)
-        if info.st_uid != os.getuid():
-            raise PermissionError(f"{path} belongs to another user (uid {info.st_uid}), who could plant a checkpoint "
-                                  "there; pass a directory of your own")
-        if info.st_mode & 0o077:
-            os.chmod(path, 0o700)
-    return path
+    return private_folder("checkpoints", name)
 
 
 @contextlib.contextmanager

@@ -45,3 +45,39 @@ def test_the_partial_file_of_a_killed_writer_goes_with_the_next_write(tmp_path):
 
     write_atomically(tmp_path / "ckpt.pt", write)
     assert not stale.exists() and other.exists() and fresh.exists()
+
+
+def test_a_private_folder_is_reused_and_emptied_on_request(tmp_path, monkeypatch):
+    """What a notebook writes goes to one folder of its own, emptied when the notebook runs again."""
+    import stat
+
+    from dtlib.launch.files import private_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = private_folder("notebooks", "04", empty=True)
+    assert folder == str(tmp_path / "dtlib" / "notebooks" / "04")
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    (tmp_path / "dtlib" / "notebooks" / "04" / "sub").mkdir()
+    (tmp_path / "dtlib" / "notebooks" / "04" / "ckpt.pt").write_bytes(b"last run")
+    assert private_folder("notebooks", "04") == folder and len(os.listdir(folder)) == 2  # kept unless asked
+    assert private_folder("notebooks", "04", empty=True) == folder and os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("parts", [(), ("..",), ("a/b",), ("",), (3,)])
+def test_a_private_folder_takes_folder_names_only(tmp_path, monkeypatch, parts):
+    from dtlib.launch.files import private_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="parts must be folder names"):
+        private_folder(*parts)
+
+
+def test_a_private_folder_that_is_a_link_is_refused(tmp_path, monkeypatch):
+    from dtlib.launch.files import private_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "dtlib").mkdir()
+    (tmp_path / "dtlib" / "notebooks").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="or is a link"):
+        private_folder("notebooks", "04", empty=True)
