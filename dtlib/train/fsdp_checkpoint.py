@@ -159,7 +159,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
 
     Load only checkpoints you wrote (module docstring): an object in the files that a checkpoint
     never holds is refused with ``pickle.UnpicklingError`` (inside DCP's ``CheckpointException`` for a
-    sharded one), but the numbers themselves are trusted. ``directory`` defaults to :func:`default_directory`.
+    sharded one), but the numbers themselves are trusted: DCP keeps no checksum, so a flipped byte in a
+    ``.distcp`` file loads as a changed weight without an error. ``directory`` defaults to :func:`default_directory`.
     """
     directory = os.fspath(directory) if directory else default_directory()
     record = _committed(directory)
