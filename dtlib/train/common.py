@@ -9,10 +9,13 @@
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from dtlib.arguments import count
 from dtlib.measure.timing import slowest_median
@@ -70,3 +73,15 @@ def stop_and_resume(run: Callable[..., list[Any]], config: Any, world_size: int 
                     **spawn_options)[0].losses
         second = run(replace(config, steps=steps, resume=True, **where), world_size, **spawn_options)[0].losses
     return {"straight": straight, "stopped_and_resumed": first + second}
+
+
+def load_file(path: str, map_location: Any) -> Any:
+    """``torch.load(path, map_location=..., weights_only=True)``, with ``path`` named in any error: torch's own
+    message for a truncated file ("failed finding central directory") names no file. The error keeps its type.
+    Example: ``load_file("ckpt.pt", "cpu")``.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise type(error)(f"{path} could not be loaded (cut short by a save that was killed, or not written by "
+                          f"torch.save?): {error}") from error

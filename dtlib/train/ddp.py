@@ -29,7 +29,7 @@ from dtlib.launch.entry import run as run_everywhere
 from dtlib.launch.files import write_atomically
 from dtlib.measure.commlog import CommLog, hidden_share
 from dtlib.train import data, models
-from dtlib.train.common import check_checkpointing, check_whole_numbers
+from dtlib.train.common import check_checkpointing, check_whole_numbers, load_file
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
@@ -174,7 +174,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     optimizer = torch.optim.SGD(base.parameters(), lr=config.lr, momentum=config.momentum)
     start = 0
     if config.resume:  # every rank reads the file; map_location puts tensors on this rank's device
-        checkpoint = torch.load(config.checkpoint_path, map_location=device, weights_only=True)
+        checkpoint = load_file(config.checkpoint_path, device)
         base.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         start = checkpoint["step"]

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dtlib.launch.files import private_folder, write_atomically
+from dtlib.train.common import load_file
 
 FULL_FILE = "full.pt"
 STEP_FILE = "step.json"  # {"step": 4, "kind": "sharded", "folder": "a"}: written last, in one rename
@@ -124,6 +125,9 @@ def _committed(directory: str) -> dict[str, Any] | None:
             record = json.load(file)
     except FileNotFoundError:
         return None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is empty or cut short, not the record that dtlib.train.fsdp_checkpoint.save "
+                         f"writes last ({error})") from None
     if not isinstance(record, dict) or record.get("folder") not in FOLDERS or record.get("kind") not in (
             "sharded", "full") or not isinstance(record.get("step"), int):
         raise ValueError(f"{path} is not one that dtlib.train.fsdp_checkpoint.save wrote: {record!r}")
@@ -184,7 +188,7 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, ki
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        full = torch.load(os.path.join(directory, FULL_FILE), map_location=device, weights_only=True)
+        full = load_file(os.path.join(directory, FULL_FILE), device)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
                        options=StateDictOptions(full_state_dict=True))
 

@@ -369,3 +369,20 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_as_the_full_one_is(tmp
     with pytest.raises(dtlib.WorkerError, match=r"entries this model and optimizer have no place for "
                                                 r"\(model\.blocks\.1\..*it was saved from a different model"):
         dtlib.spawn(_save_two_blocks_load_one, 2, args=(str(tmp_path / "ckpt"),), timeout=90, output="none")
+
+
+def test_an_empty_step_file_and_a_truncated_checkpoint_are_named(tmp_path):
+    """Errors that name the file: json's and torch's own messages name none."""
+    from dtlib.train.common import load_file
+
+    (tmp_path / fsdp_checkpoint.STEP_FILE).write_text("")
+    model = models.build("transformer")
+    with pytest.raises(ValueError, match=rf"{tmp_path}/step.json is empty or cut short"):
+        fsdp_checkpoint.load(model, torch.optim.Adam(model.parameters()), str(tmp_path))
+    whole = tmp_path / "whole.pt"
+    torch.save({"weight": torch.ones(1000)}, whole)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # a save killed half way
+    with pytest.raises(RuntimeError, match=rf"{cut} could not be loaded \(cut short"):
+        load_file(str(cut), "cpu")
+    assert torch.equal(load_file(str(whole), "cpu")["weight"], torch.ones(1000))
