@@ -10,9 +10,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import platform
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +53,27 @@ class MachineInfo:
         ])
 
 
+def gpu_names(count: int) -> list[str]:
+    """The GPUs' names, asked in a child Python: ``torch.cuda.get_device_name`` would initialise CUDA in this
+    process, after which ``fork`` (dtlib.spawn's fastest start method) is no longer safe. ``"?"`` for each
+    GPU if the child fails. Example: ``gpu_names(1) == ["NVIDIA H100 80GB HBM3"]``."""
+    ask = ("import torch\n"
+           f"print('\\n'.join(torch.cuda.get_device_name(i) for i in range({int(count)})))")
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        found = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=120, check=True)
+        names = found.stdout.splitlines()
+        if len(names) == count:
+            return names
+    return ["?"] * count
+
+
 def machine_info() -> MachineInfo:
     """Read the machine: torch build, GPUs, backends, CPUs. Never initialises CUDA.
 
     Example: ``machine_info().backends["gloo"]`` is True on every supported platform.
     """
-    gpu_count = torch.cuda.device_count()
-    names = [torch.cuda.get_device_name(i) for i in range(gpu_count)] if gpu_count else []
+    gpu_count = torch.cuda.device_count()  # NVML where it can: no CUDA context in this process
+    names = gpu_names(gpu_count) if gpu_count else []
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS has no affinity API

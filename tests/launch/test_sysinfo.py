@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -51,3 +53,28 @@ def test_implications_promise_no_timing():
     """How long a launch takes depends on the machine; notebook 00 measures it instead of quoting it."""
     for line in sysinfo.implications(sysinfo.machine_info(), world_size=2):
         assert not re.search(r"\d+\s*(ms|s)\b|second|hundredth", line), line
+
+
+def test_gpu_names_are_asked_in_a_child_so_this_process_never_initialises_cuda(monkeypatch):
+    """torch.cuda.get_device_name initialises CUDA, after which fork is unsafe (notebook 00's promise)."""
+    import subprocess
+
+    asked = []
+
+    def child(command, **kwargs):
+        asked.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout="GPU A\nGPU B\n", stderr="")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: pytest.fail("CUDA touched in this process"))
+    monkeypatch.setattr(sysinfo.subprocess, "run", child)
+    info = sysinfo.machine_info()
+    assert info.gpu_count == 2 and info.gpu_names == ["GPU A", "GPU B"]
+    assert asked and asked[0][0] == sys.executable and "get_device_name" in asked[0][-1]
+    assert not torch.cuda.is_initialized()
+
+
+def test_gpu_names_that_cannot_be_read_are_question_marks():
+    assert sysinfo.gpu_names(0) == []
+    if not torch.cuda.is_available():
+        assert sysinfo.gpu_names(1) == ["?"]  # the child fails: no GPU to name
