@@ -44,11 +44,12 @@ def wrap_fsdp2(model: nn.Module, config: Any, world_size: int, device: torch.dev
     if config.mixed_precision:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.cpu_offload:
-        pin = torch.cuda.is_available()  # pinning needs an accelerator
+        pin = device.type == "cuda"  # pinned host memory is for copies to a GPU: only if the rank computes on one
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
         if not pin:
-            notes.append("CPUOffloadPolicy(pin_memory=False): on a CPU-only machine the parameters already live in "
-                         "host memory, so offloading changes nothing here")
+            where = "on a CPU-only machine" if not torch.cuda.is_available() else "with ranks that compute on the CPU"
+            notes.append(f"CPUOffloadPolicy(pin_memory=False): {where} the parameters already live in host memory, "
+                         "so offloading changes nothing here")
     for block in model.blocks:
         fully_shard(block, **options)
     if config.mixed_precision:  # the root hands fp32 logits to the loss; blocks must not (their LayerNorm is bf16)
