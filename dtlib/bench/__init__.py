@@ -7,5 +7,5 @@ below declares only its columns (``dtlib.bench._table`` writes every table and e
   sweeps over message sizes with algbw and busbw (``--algo ring`` for the send/recv ring).
 - ``ddp``, ``fsdp`` (``dtlib.bench.ddp``, ``dtlib.bench.fsdp``): the runners' step times, memory and traffic,
   strategy against strategy.
-- ``check`` (``dtlib.bench.check``): every speed target against its limit, with repeats; exits 1 on a miss.
+- ``check`` (``dtlib.bench.targets``): every speed target against its limit, with repeats; exits 1 on a miss.
 """

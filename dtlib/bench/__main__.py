@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from dtlib.bench import bandwidth, check, ddp, fsdp, live, startup
+from dtlib.bench import bandwidth, ddp, fsdp, live, startup, targets
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,17 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     live_parser.add_argument("--starts", type=_count(1), default=5, help="starts and spawns timed")
     live_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     check_parser = commands.add_parser("check", help="every speed target against its limit; exit 1 on a miss")
-    check_parser.add_argument("--only", default=",".join(check.TARGETS),
-                              help=f"comma-separated subset of {','.join(check.TARGETS)}")
+    check_parser.add_argument("--only", default=",".join(targets.TARGETS),
+                              help=f"comma-separated subset of {','.join(targets.TARGETS)}")
     check_parser.add_argument("--repeats", type=_count(1), default=3, help="attempts per target; the best counts")
     check_parser.add_argument("--notebooks", type=Path, default=Path("notebooks"),
                               help="the folder of the notebooks to time (default: ./notebooks)")
     options = parser.parse_args(argv)
     try:
         if options.what == "check":
-            results = check.run([n.strip() for n in options.only.split(",") if n.strip()], options.repeats,
+            results = targets.run([n.strip() for n in options.only.split(",") if n.strip()], options.repeats,
                                 options.notebooks)
-            print(check.format_table(results))
+            print(targets.format_table(results))
             return 0 if all(r.met for r in results) else 1
         print(_measure(options))
     except (ValueError, FileNotFoundError) as error:  # refused before any rank starts

@@ -1,7 +1,7 @@
 """Checkers of a function every rank runs, ``fn(rank, world_size)``: its result and its communication.
 
 Each is an exercise written as data (:class:`dtlib.checks.skeleton.RankExercise`: the right value, how to
-read a rank's answer, a table of hints for wrong ones); :func:`dtlib.checks.skeleton.check` runs the
+read a rank's answer, a table of hints for wrong ones); :func:`dtlib.checks.skeleton.judge` runs the
 learner's function on two world sizes, names a hang, and refuses an answer worked out without communicating.
 
 Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
-from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, check, reduce_hint
+from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, reduce_hint
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
 from dtlib.ring.send_recv import starting_values
@@ -72,7 +72,7 @@ def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: fl
 
     Example: ``sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
     """
-    return check(fn, SUM_OF_RANKS, world_size, timeout)
+    return judge(fn, SUM_OF_RANKS, world_size, timeout)
 
 
 def _starting(size: int) -> torch.Tensor:
@@ -161,7 +161,7 @@ def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout
 
     Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
     """
-    return check(fn, AVERAGE_OF_RANKS, world_size, timeout)
+    return judge(fn, AVERAGE_OF_RANKS, world_size, timeout)
 
 
 def _stuck_in(stack: str, function_name: str) -> str:
@@ -246,4 +246,4 @@ def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: f
 
     Example: ``fixed_barrier(lambda rank, world_size: rank + 1)`` says rank 0 kept its own loss.
     """
-    return check(fn, FIXED_BARRIER, world_size, timeout)
+    return judge(fn, FIXED_BARRIER, world_size, timeout)

@@ -1,13 +1,13 @@
 """The one checker loop for exercises whose answer is a function every rank runs, ``fn(rank, world_size)``.
 
 An exercise is data: the right value for a world size, how to read a rank's answer, and a table of hints,
-each a test of a wrong answer and what to say about it. :func:`check` does the rest, the same way for
+each a test of a wrong answer and what to say about it. :func:`judge` does the rest, the same way for
 every exercise: refuse what is not a function; run it with ``dtlib.spawn`` on ``world_size`` ranks and
 on one more (an answer written for one size fails the other); name a hang or a failure; compare every
 rank's answer, the first matching hint explaining a wrong one; and refuse a right answer that no
 collective produced (:mod:`dtlib.measure.counting`).
 
-Example: ``check(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.feedback.Feedback`.
+Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.feedback.Feedback`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def reduce_hint(answer: Answer) -> str:
             "others keep what they had. Use dist.all_reduce, which leaves it on every rank.")
 
 
-def check(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> Feedback:
+def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> Feedback:
     """Run ``fn`` on ``world_size`` ranks and on one more, and judge it by ``exercise``."""
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")

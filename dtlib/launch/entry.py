@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib import compat
-from dtlib.launch.spawn import check_call_arguments, resolve_backend, spawn
+from dtlib.launch.spawn import resolve_backend, spawn, valid_call_arguments
 
 
 def rank_device() -> torch.device:
@@ -73,7 +73,7 @@ def run(
     """
     if not under_torchrun():
         return spawn(fn, world_size, args, kwargs, **spawn_options)
-    args, kwargs = check_call_arguments(args, kwargs)
+    args, kwargs = valid_call_arguments(args, kwargs)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = resolve_backend(spawn_options.get("backend", "auto"), local_world)

@@ -118,7 +118,7 @@ def max_world_size() -> int:
     return max(1, min(MAX_PROCESSES, (soft - FDS_KEPT_FREE) // FDS_PER_RANK))
 
 
-def check_world_size(world_size: Any) -> int:
+def valid_world_size(world_size: Any) -> int:
     count = arguments.count("world_size", world_size, 1)  # any integral number: int, numpy.int64, ...
     limit = max_world_size()
     if count > limit:
@@ -138,10 +138,10 @@ def check_world_size(world_size: Any) -> int:
     return count
 
 
-def check_call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def valid_call_arguments(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` as a tuple and ``kwargs`` as a dict, or a TypeError naming the one that is neither.
 
-    Example: ``check_call_arguments([1], None) == ((1,), {})``; ``check_call_arguments(5, None)`` raises.
+    Example: ``valid_call_arguments([1], None) == ((1,), {})``; ``valid_call_arguments(5, None)`` raises.
     """
     if isinstance(args, (str, bytes, bytearray)) or not isinstance(args, Sequence):
         raise TypeError(
@@ -202,8 +202,8 @@ def spawn(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    world_size = check_world_size(world_size)
-    args, kwargs = check_call_arguments(args, kwargs)
+    world_size = valid_world_size(world_size)
+    args, kwargs = valid_call_arguments(args, kwargs)
     timeout = arguments.seconds("timeout", timeout)
     if output not in OUTPUT_MODES:
         raise ValueError(f"output must be one of {OUTPUT_MODES}, got {output!r}")

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtlib import arguments
-from dtlib.feedback import Feedback
 from dtlib.launch.processes import free_port
 
 
@@ -165,10 +164,10 @@ def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:
     return sorted(records, key=lambda record: int(record["RANK"]))
 
 
-_NOT_GIVEN = object()  # check_command: marks the options a command line leaves to torchrun's defaults
+NOT_GIVEN = object()  # parse_options: marks the options a command line leaves to torchrun's defaults
 
 
-def _torchrun_arguments(words: list[str]) -> list[str] | None:
+def command_arguments(words: list[str]) -> list[str] | None:
     """What follows the launcher in ``torchrun ...`` or ``python -m torch.distributed.run ...``, else None."""
     if words and os.path.basename(words[0]) == "torchrun":
         return words[1:]
@@ -177,15 +176,15 @@ def _torchrun_arguments(words: list[str]) -> list[str] | None:
     return None
 
 
-def _torchrun_defaults() -> dict[str, object]:
+def option_defaults() -> dict[str, object]:
     """Every option of torchrun's parser with its default: what a bare ``torchrun train.py`` gets."""
     from torch.distributed.run import get_args_parser
 
     return vars(get_args_parser().parse_args(["train.py"]))
 
 
-def _parse_torchrun(arguments: list[str]) -> tuple[dict[str, object] | None, str]:
-    """torchrun's own parser on ``arguments``: ({option: value, ``_NOT_GIVEN`` where unset}, "") or
+def parse_options(arguments: list[str]) -> tuple[dict[str, object] | None, str]:
+    """torchrun's own parser on ``arguments``: ({option: value, ``NOT_GIVEN`` where unset}, "") or
     (None, argparse's complaint in one line)."""
     import argparse
     import contextlib
@@ -194,7 +193,7 @@ def _parse_torchrun(arguments: list[str]) -> tuple[dict[str, object] | None, str
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
-    unset = argparse.Namespace(**dict.fromkeys(_torchrun_defaults(), _NOT_GIVEN))  # argparse keeps what is set
+    unset = argparse.Namespace(**dict.fromkeys(option_defaults(), NOT_GIVEN))  # argparse keeps what is set
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
@@ -202,81 +201,3 @@ def _parse_torchrun(arguments: list[str]) -> tuple[dict[str, object] | None, str
     except SystemExit:
         complaint = [line for line in said.getvalue().splitlines() if "error:" in line]
         return None, complaint[-1].split("error:", 1)[1].strip() if complaint else "it prints torchrun's help"
-
-
-def check_command(command: object, *, nnodes: int = 2, nproc_per_node: int = 4, node_rank: int = 1,
-                  master_addr: str = "10.0.0.1", master_port: int = 29500) -> object:
-    """Notebook 07's exercise: the torchrun line for node ``node_rank`` of a static (hand-numbered) job.
-
-    The line is read by torchrun's own argument parser, so every spelling torchrun accepts is right:
-    ``--opt=value`` or ``--opt value``, dashes or underscores, abbreviations, ``python -m torch.distributed.run``.
-    Example: ``check_command("torchrun --standalone train.py")`` explains why standalone is one node only.
-    """
-    import shlex
-
-    if not isinstance(command, str) or not command.strip():
-        return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")
-    try:
-        words = shlex.split(command.replace("\\\n", " "))  # a backslash before a newline continues the line
-    except ValueError as err:  # an unclosed quote
-        return Feedback(False, f"The shell could not read this line: {err}.")
-    if not words:
-        return Feedback(False, "Write the command as one string, e.g. \"torchrun --nnodes=... train.py\".")
-    arguments = _torchrun_arguments(words)
-    if arguments is None:
-        if "torch.distributed.launch" in words:
-            return Feedback(False, "python -m torch.distributed.launch is torchrun's deprecated predecessor: it also "
-                                   "passes --local-rank=N to the script, which must then accept it, and it will "
-                                   "go. Write the same options after torchrun (or python -m torch.distributed.run).")
-        if os.path.basename(words[0]).startswith("python") and "train.py" in words:
-            return Feedback(False, "`python train.py` starts one process and no rendezvous: launch it with torchrun "
-                                   "(or python -m torch.distributed.run), its options first, then train.py.")
-        return Feedback(False, "Start with torchrun and end with the script, train.py.")
-    given, complaint = _parse_torchrun(arguments)
-    if given is None:
-        return Feedback(False, f"torchrun would refuse this line: {complaint}.")
-    if given["training_script"] != "train.py":
-        return Feedback(False, "End with the script, train.py: torchrun's options come before it "
-                               f"(this line runs {given['training_script']!r}).")
-    wanted = {"nnodes": str(nnodes), "nproc_per_node": str(nproc_per_node), "node_rank": node_rank,
-              "master_addr": master_addr, "master_port": master_port}
-    script_args = given["training_script_args"]
-    late = [str(word) for word in script_args if word.lstrip("-").replace("-", "_").split("=")[0] in wanted]
-    if late:
-        return Feedback(False, f"{late[0]} comes after train.py, so it goes to train.py, not to torchrun: put "
-                               "torchrun's options before the script.")
-    if given["standalone"] is True:
-        return Feedback(False, "--standalone starts a private rendezvous on this machine: one node only. "
-                               "Several nodes must name the same --master_addr and --master_port.")
-    backend = given.get("rdzv_backend", _NOT_GIVEN)
-    if backend not in (_NOT_GIVEN, "static"):
-        return Feedback(False, f"--rdzv_backend={backend}: this job numbers its nodes by hand, which is the static "
-                               "rendezvous (torchrun's default). c10d ignores --node_rank and finds its store at "
-                               "--rdzv_endpoint, not --master_addr: leave --rdzv_backend out.")
-    endpoint = given.get("rdzv_endpoint", _NOT_GIVEN)
-    if endpoint not in (_NOT_GIVEN, "", f"{master_addr}:{master_port}"):
-        return Feedback(False, f"--rdzv_endpoint={endpoint} wins over --master_addr and --master_port, and this "
-                               f"job's store is at {master_addr}:{master_port}: leave --rdzv_endpoint out.")
-    if endpoint == f"{master_addr}:{master_port}":  # a static rendezvous uses the endpoint when given one
-        wanted.pop("master_addr")
-        wanted.pop("master_port")
-    defaults = _torchrun_defaults()
-    if defaults["master_port"] is None:  # newer torchrun fills it in after parsing: 29500 for a static rendezvous
-        defaults["master_port"] = 29500
-    left_out = []
-    for name, value in wanted.items():
-        got = given[name]
-        if got is _NOT_GIVEN:
-            if defaults[name] == value:
-                left_out.append(f"--{name}")  # torchrun's default is this job's value
-                continue
-            return Feedback(False, f"--{name} is missing: this job needs {value}, and without it torchrun uses "
-                                   f"{defaults[name]}.")
-        same = str(got).split(":") in ([str(value)], [str(value)] * 2) if name == "nnodes" else got == value
-        if not same:  # --nnodes=2:2 is the same as 2 (min:max nodes)
-            hint = " (node ranks count from 0)" if name == "node_rank" else ""
-            return Feedback(False, f"--{name}={got} should be {value}{hint}.")
-    defaulted = f" ({' and '.join(left_out)} left out: torchrun's default is this job's value.)" if left_out else ""
-    return Feedback(True, f"Right: {nnodes * nproc_per_node} ranks; this node's get RANK "
-                          f"{node_rank * nproc_per_node}..{(node_rank + 1) * nproc_per_node - 1} and LOCAL_RANK "
-                          f"0..{nproc_per_node - 1}; node 0 hosts the store at {master_addr}:{master_port}.{defaulted}")

@@ -29,7 +29,7 @@ from dtlib import arguments
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.processes import HeldInterrupts
-from dtlib.launch.spawn import check_world_size, resolve_backend, resolve_start_method
+from dtlib.launch.spawn import resolve_backend, resolve_start_method, valid_world_size
 from dtlib.live import doctor as _doctor
 from dtlib.live import rank as _live_rank
 from dtlib.live.job import Ranks, close_quietly
@@ -56,7 +56,7 @@ class LiveRanks:
     """
 
     def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0) -> None:
-        self.world_size = check_world_size(world_size)
+        self.world_size = valid_world_size(world_size)
         self.timeout = arguments.seconds("timeout", timeout)
         self.backend = resolve_backend(backend, self.world_size)
         self._method = resolve_start_method("auto")

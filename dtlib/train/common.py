@@ -21,11 +21,11 @@ from dtlib.arguments import count
 from dtlib.measure.timing import slowest_median
 
 
-def check_whole_numbers(config: Any, world_size: Any, names: Sequence[str]) -> None:
+def validate_counts(config: Any, world_size: Any, names: Sequence[str]) -> None:
     """Refuse counts that are not whole numbers (``steps=2.5``, ``global_batch=32.0``, ``True``); store other
     integral types (numpy's) back into ``config`` as ``int``, which torch's samplers need.
 
-    ``save_after_step`` may be None. Example: ``check_whole_numbers(config, 2, ("steps", "global_batch"))``.
+    ``save_after_step`` may be None. Example: ``validate_counts(config, 2, ("steps", "global_batch"))``.
     """
     for name, value in {"world_size": world_size, **{name: getattr(config, name) for name in names}}.items():
         if value is None and name == "save_after_step":
@@ -35,7 +35,7 @@ def check_whole_numbers(config: Any, world_size: Any, names: Sequence[str]) -> N
             setattr(config, name, number)
 
 
-def check_checkpointing(config: Any, location: str, example: str = "") -> None:
+def validate_checkpointing(config: Any, location: str, example: str = "") -> None:
     """Refuse a save or resume without a place to write (``config.<location>``), and a ``save_after_step``
     that is not one of the run's steps, so that nothing would be saved."""
     if (config.save_after_step is not None or config.resume) and not getattr(config, location):

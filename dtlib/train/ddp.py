@@ -29,7 +29,7 @@ from dtlib.launch.entry import run as run_everywhere
 from dtlib.launch.files import write_atomically
 from dtlib.measure.commlog import CommLog, hidden_share
 from dtlib.train import data, models
-from dtlib.train.common import check_checkpointing, check_whole_numbers, load_file
+from dtlib.train.common import load_file, validate_checkpointing, validate_counts
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
@@ -96,7 +96,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {config.wrapper!r}")
     if config.comm_hook not in COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {config.comm_hook!r}")
-    check_whole_numbers(config, world_size, COUNTS)  # 2.5 or 32.0 would fail later inside every rank
+    validate_counts(config, world_size, COUNTS)  # 2.5 or 32.0 would fail later inside every rank
     if world_size < 1 or config.steps < 1 or config.grad_accum < 1 or config.global_batch < 1:
         raise ValueError(f"world_size, steps, grad_accum and global_batch must all be >= 1, got {world_size}, "
                          f"{config.steps}, {config.grad_accum} and {config.global_batch}")
@@ -112,7 +112,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
     if config.bucket_cap_mb is not None:
         config.bucket_cap_mb = finite("bucket_cap_mb", config.bucket_cap_mb)
-    check_checkpointing(config, "checkpoint_path")
+    validate_checkpointing(config, "checkpoint_path")
 
 
 def _wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:

@@ -34,7 +34,7 @@ from dtlib.measure import memory
 from dtlib.measure.commlog import SIZED_BY, CommLog
 from dtlib.measure.fsdp import instrument_blocks, parameter_peak, saved_for_backward, shard_example
 from dtlib.train import data, fsdp_checkpoint, models
-from dtlib.train.common import check_checkpointing, check_whole_numbers
+from dtlib.train.common import validate_checkpointing, validate_counts
 from dtlib.train.fsdp_wrap import HYBRID, build
 
 __all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "parameter_peak", "run", "run_many",
@@ -112,7 +112,7 @@ def validate(config: FSDPConfig, world_size: int) -> None:
     Counts must be whole numbers: ``steps=2.5`` or ``global_batch=32.0`` are refused. Other integral
     types (numpy's) are accepted and stored back into ``config`` as ``int``, which torch's samplers need.
     """
-    check_whole_numbers(config, world_size, ("steps", "global_batch", "grad_accum", "num_samples", "seed",
+    validate_counts(config, world_size, ("steps", "global_batch", "grad_accum", "num_samples", "seed",
                                              "threads", "shard_group_size", "save_after_step"))
     if config.api not in APIS:
         raise ValueError(f"api must be one of {APIS}, got {config.api!r}")
@@ -154,7 +154,7 @@ def validate(config: FSDPConfig, world_size: int) -> None:
                          f"grad_accum = {world_size * config.grad_accum}")
     if config.global_batch > config.num_samples:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
-    check_checkpointing(config, "checkpoint_dir",
+    validate_checkpointing(config, "checkpoint_dir",
                         ", e.g. dtlib.train.fsdp_checkpoint.default_directory() (private to you)")
     reshard = config.reshard_after_forward
     if reshard is not None and config.api != "fsdp2":

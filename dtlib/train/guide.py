@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtlib.arguments import finite, whole
-from dtlib.feedback import Feedback
 from dtlib.measure import memory
 
 ACTIVATION_RESERVE = 0.3  # share of each GPU kept for activations, buffers and fragmentation
@@ -235,7 +234,7 @@ def _two_gb(needed: float, budget: float) -> tuple[str, str]:
     return f"{needed:.{decimals}f}", f"{budget:.{decimals}f}"
 
 
-def _why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: int) -> str | None:
+def why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: int) -> str | None:
     """Why ``answer`` fails its own rule of :func:`recommend` on this job, or None where it would work."""
     if answer == "HSDP" and nodes == 1:
         return ("HSDP shards the model within each node and replicates it across nodes; this job has one node, "
@@ -258,21 +257,3 @@ def _why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: i
     activations = "activations: checkpointing keeps few, recomputing the rest" if checkpointing else "activations"
     return (f"{answer} needs {shown_needed} GB of model state per GPU, more than the {shown_budget} GB budget "
             f"(the GPU minus {reserve:.0%} for {activations}).")
-
-
-def check_choice(answer: object, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> object:
-    """Notebook 06's exercise: is ``answer`` (one of :data:`CHOICES`) what :func:`recommend` picks?
-
-    A wrong answer gets the reason it fails (it does not fit its budget, or HSDP on one node), or, where it
-    would work, the simpler choice that works too. Example: ``check_choice("HSDP", 20e9, 80, 8)`` says one node.
-    """
-
-    advice = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes)
-    if answer not in CHOICES:
-        return Feedback(False, f"Answer with one of: {', '.join(repr(choice) for choice in CHOICES)}.")
-    if answer == advice.choice:
-        return Feedback(True, f"Right: {advice}")
-    why = _why_not(str(answer), advice, gpu_memory_gb, nodes)
-    if why:
-        return Feedback(False, why)
-    return Feedback(False, f"{answer} would fit, but a simpler strategy fits too: {advice}")

@@ -8,7 +8,7 @@ import time
 import nbformat
 import pytest
 
-from dtlib.bench import check
+from dtlib.bench import targets as check
 from dtlib.bench.__main__ import main
 
 

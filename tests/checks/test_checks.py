@@ -644,7 +644,7 @@ def _rank_only(rank, world_size):
 def test_a_new_exercise_is_a_table_and_the_first_matching_hint_explains():
     """A made-up exercise (return the world size, counted by a collective) on the skeleton: right, wrong
     (its first hint that holds wins over a later one that holds too), and not a function."""
-    from dtlib.checks.skeleton import RankExercise, check
+    from dtlib.checks.skeleton import RankExercise, judge
 
     exercise = RankExercise(
         expected=float, read=float, same=lambda value, expected: value == expected,
@@ -653,7 +653,7 @@ def test_a_new_exercise_is_a_table_and_the_first_matching_hint_explains():
         otherwise=lambda a: "otherwise", no_collective=lambda rank, expected: f"silent {rank}",
         right=lambda first, second: f"right with {first} and {second}",
         hang=lambda err, name: "hung", failure=lambda err: "failed")
-    verdicts = [check(fn, exercise, 2, 60) for fn in (_world_size_everywhere, _rank_only,
+    verdicts = [judge(fn, exercise, 2, 60) for fn in (_world_size_everywhere, _rank_only,
                                                       lambda rank, world_size: float(world_size), 3)]
     assert [(v.ok, v.message) for v in verdicts] == [
         (True, "right with 2 and 3"), (False, "first: rank 0 of 2"), (False, "silent 0"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtlib import checks
 from dtlib.feedback import Feedback
 from dtlib.launch import torchrun
 
@@ -166,7 +167,7 @@ def test_train_without_a_runner_name_says_how():
     ("   ", False, "Write the command as one string"),
 ])
 def test_exercise_checker(command, ok, says):
-    verdict = torchrun.check_command(command)
+    verdict = checks.torchrun_command(command)
     assert isinstance(verdict, Feedback) and verdict.ok is ok and says in verdict.message, verdict.message
 
 
@@ -185,7 +186,7 @@ def test_exercise_checker_agrees_with_torchruns_parser():
         args = get_args_parser().parse_args([*shlex.split(options), "train.py"])
         assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, args.master_port) == (
             "2", "4", 1, "10.0.0.1", 29500)
-        assert torchrun.check_command(f"torchrun {options} train.py").ok
+        assert checks.torchrun_command(f"torchrun {options} train.py").ok
 
 
 def test_bad_node_settings():

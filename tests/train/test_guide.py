@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtlib import checks
 from dtlib.measure import memory
 from dtlib.train import guide
 
@@ -125,7 +126,7 @@ def test_nan_and_infinity_are_refused_by_name(argument):
     (lambda: guide.largest_model("DDP", num_gpus=float("inf")), "num_gpus must be a finite number"),
     (lambda: guide.cross_node_gb(float("nan"), 16, 2), "num_params must be a finite number"),
     (lambda: guide.model_state_gb(1e9, 8, nodes=float("nan")), "nodes must be a finite number"),
-    (lambda: guide.check_choice("DDP", float("inf"), 80, 8), "num_params must be a finite number"),
+    (lambda: checks.strategy_choice("DDP", float("inf"), 80, 8), "num_params must be a finite number"),
 ])
 def test_other_bad_numbers(call, match):
     with pytest.raises(ValueError, match=match):
@@ -189,10 +190,10 @@ def test_largest_model_inverts_the_formulas():
 # -- notebook 06's exercise checker --------------------------------------------------------------
 
 
-def test_check_choice_accepts_what_recommend_picks():
+def test_strategy_choice_accepts_what_recommend_picks():
     for params in (1e9, 4e9, 7e9, 20e9, 100e9, 1e12):
         advice = guide.recommend(params, MEM, 8)
-        assert guide.check_choice(advice.choice, params, MEM, 8).ok
+        assert checks.strategy_choice(advice.choice, params, MEM, 8).ok
 
 
 @pytest.mark.parametrize("params, answer, nodes, fragments", [
@@ -206,8 +207,8 @@ def test_check_choice_accepts_what_recommend_picks():
     (1e9, "FSDP full sharding", 1, ["would fit, but a simpler strategy fits too: DDP"]),
     (20e9, "FSDP", 1, ["'FSDP, no reshard after forward', 'HSDP'"]),  # each choice quoted: one has a comma
 ])
-def test_check_choice_gives_the_true_reason(params, answer, nodes, fragments):
-    feedback = guide.check_choice(answer, params, MEM, 8, nodes=nodes)
+def test_strategy_choice_gives_the_true_reason(params, answer, nodes, fragments):
+    feedback = checks.strategy_choice(answer, params, MEM, 8, nodes=nodes)
     assert not feedback.ok
     for fragment in fragments:
         assert fragment in feedback.message, feedback.message
@@ -216,7 +217,7 @@ def test_check_choice_gives_the_true_reason(params, answer, nodes, fragments):
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 8])
-def test_check_choice_says_more_than_the_budget_only_when_it_is_more(nodes):
+def test_strategy_choice_says_more_than_the_budget_only_when_it_is_more(nodes):
     """Every "needs X GB ... more than the Y GB budget" over a sweep of sizes has X > Y, and Y is the budget
     of that choice: the GPU minus 10% with activation checkpointing, minus 30% otherwise."""
     import re
@@ -224,7 +225,7 @@ def test_check_choice_says_more_than_the_budget_only_when_it_is_more(nodes):
     said = 0
     for params in [10 ** (e / 4) for e in range(32, 50)]:  # 1e8 .. 3e12 parameters
         for answer in guide.CHOICES:
-            message = guide.check_choice(answer, params, MEM, 8, nodes=nodes).message
+            message = checks.strategy_choice(answer, params, MEM, 8, nodes=nodes).message
             found = re.search(r"needs ([\d.]+) GB of model state per GPU, more than the ([\d.]+) GB budget", message)
             if found:
                 said += 1
