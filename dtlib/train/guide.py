@@ -97,26 +97,34 @@ def model_state_gb(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_pr
 
 
 def cross_node_gb(num_params: float, num_gpus: int, nodes: int, *, mixed_precision: bool = True) -> dict[str, float]:
-    """GB one GPU sends across nodes per step under each strategy, ring collectives (notebook 03).
+    """GB that cross the link between nodes per GPU and step under each strategy, ring collectives (notebook 03).
 
-    DDP all-reduces fp32 gradients over all N GPUs: 2(N-1)/N x 4P. FSDP all-gathers the weights in the
-    compute dtype (c bytes: twice with full sharding, once without resharding) and reduce-scatters fp32
-    gradients over all N: (N-1)/N x (2c + 4)P or (c + 4)P. HSDP keeps those inside each node of g GPUs and
-    all-reduces only each gradient shard across the r = nodes replicas: 2(r-1)/r x 4P/g. One node: all 0.
-    Example: ``cross_node_gb(1e9, 16, 2)["HSDP"] == 0.5``.
+    Like with like, per GPU link: a node of g GPUs has g links out (one NIC per GPU, as in the 50 GB/s per
+    GPU default), and a collective's bytes are charged to the links they cross.
+    - Over all N GPUs (DDP, FSDP): a ring's every link carries its per-link volume V, but only where it steps
+      from one node to the next does it cross, once per node; NCCL runs one ring per NIC and splits V among
+      them, so each GPU link carries V / g. DDP all-reduces fp32 gradients, V = 2(N-1)/N x 4P; FSDP
+      all-gathers in the compute dtype (c bytes: twice with full sharding, once without resharding) and
+      reduce-scatters fp32 gradients, V = (N-1)/N x (2c + 4)P or (c + 4)P.
+    - HSDP all-reduces only each GPU's gradient shard (4P/g) among the r = nodes replicas, every step of
+      that ring crossing: 2(r-1)/r x 4P/g per GPU link.
+    So HSDP sends about (N-1)/N x r/(r-1) times fewer bytes across nodes than DDP: about 2 on two nodes,
+    less on more. One node: all 0. Example: ``cross_node_gb(1e9, 16, 2)["HSDP"] == 0.5``.
     """
     compute = bytes_per_param(mixed_precision)["compute_bytes"]
     num_params = finite("num_params", num_params)
     num_gpus, nodes = whole("num_gpus", num_gpus), whole("nodes", nodes)
     if nodes == 1:
         return dict.fromkeys(CHOICES, 0.0)
+    per_node = num_gpus // nodes
     spread = (num_gpus - 1) / num_gpus
-    ddp = 2 * spread * 4 * num_params / 1e9
+    flat = num_params / per_node / 1e9  # a collective over all N: one crossing per node, over its g links
+    ddp = 2 * spread * 4 * flat
     return {"DDP": ddp, "DDP + activation checkpointing": ddp,
-            "FSDP, no reshard after forward": spread * (compute + 4) * num_params / 1e9,
-            "HSDP": 2 * (nodes - 1) / nodes * 4 * num_params / (num_gpus // nodes) / 1e9,
-            "FSDP full sharding": spread * (2 * compute + 4) * num_params / 1e9,
-            OFFLOAD: spread * (2 * compute + 4) * num_params / 1e9,
+            "FSDP, no reshard after forward": spread * (compute + 4) * flat,
+            "HSDP": 2 * (nodes - 1) / nodes * 4 * num_params / per_node / 1e9,
+            "FSDP full sharding": spread * (2 * compute + 4) * flat,
+            OFFLOAD: spread * (2 * compute + 4) * flat,
             "tensor / pipeline parallelism": 0.0}  # depends on the split: not this guide's arithmetic
 
 
@@ -172,7 +180,7 @@ def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: 
     if nodes > 1 and link < SLOW_LINK_GB_PER_S and gb["HSDP"] <= budget:
         usual = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes, mixed_precision=mixed_precision,
                           optimizer=optimizer, host_memory_gb=host_memory_gb, activation_gb=activation_gb).choice
-        if usual != "HSDP":  # what a fast link would get sends more across nodes: HSDP's g-fold saving decides
+        if usual != "HSDP":  # what a fast link would get sends more across nodes: HSDP's saving decides
             return make("HSDP", f"{nodes} nodes linked at {link:g} GB/s per GPU: {usual} would send "
                         f"{across[usual]:.1f} GB per GPU across nodes each step ({across[usual] / link:.1f} s), "
                         f"HSDP {across['HSDP']:.1f} GB ({across['HSDP'] / link:.1f} s), sharding within each node "

@@ -143,11 +143,14 @@ def test_whole_numbers_of_any_type_are_accepted():
 def test_cross_node_bytes_by_hand():
     p, n, nodes = 1e9, 16, 2
     across = guide.cross_node_gb(p, n, nodes)
-    assert across["DDP"] == pytest.approx(2 * 15 / 16 * 4)  # all-reduce of fp32 gradients over all 16
-    assert across["FSDP, no reshard after forward"] == pytest.approx(15 / 16 * (2 + 4))  # bf16 gather, fp32 RS
-    assert across["FSDP full sharding"] == pytest.approx(15 / 16 * (2 * 2 + 4))  # gathered twice
+    # per GPU link: a ring over all 16 crosses once per node, its volume split over the node's 8 links
+    assert across["DDP"] == pytest.approx(2 * 15 / 16 * 4 / 8)  # all-reduce of fp32 gradients over all 16
+    assert across["FSDP, no reshard after forward"] == pytest.approx(15 / 16 * (2 + 4) / 8)  # bf16 AG, fp32 RS
+    assert across["FSDP full sharding"] == pytest.approx(15 / 16 * (2 * 2 + 4) / 8)  # gathered twice
     assert across["HSDP"] == pytest.approx(2 * 1 / 2 * 4 / 8)  # only the shard's all-reduce, 2 replicas
-    assert across["DDP"] / across["HSDP"] == pytest.approx(15)  # 2(N-1)/N x 4P against 2(r-1)/r x 4P/g
+    assert across["DDP"] / across["HSDP"] == pytest.approx(15 / 16 * 2)  # (N-1)/N x r/(r-1): not g times
+    four = guide.cross_node_gb(p, 32, 4)
+    assert four["DDP"] / four["HSDP"] == pytest.approx(31 / 32 * 4 / 3)  # less on more nodes
     assert set(guide.cross_node_gb(p, 8, 1).values()) == {0.0}  # one node: nothing crosses nodes
     fp32 = guide.cross_node_gb(p, n, nodes, mixed_precision=False)
     assert fp32["FSDP full sharding"] / fp32["DDP"] == pytest.approx(1.5)  # notebook 06's measured ratios
