@@ -21,7 +21,8 @@ from dtlib.errors import torch_call_in
 
 #: How many collectives each rank's Flight Recorder keeps (a ring buffer; ~1 KB each).
 FR_BUFFER_SIZE = 2000
-#: The environment that turns the recorder on, for gloo and NCCL alike.
+#: The environment that keeps the recorder on, with room for FR_BUFFER_SIZE records, whatever the job's own
+#: environment says (0 would switch it off; torch 2.13 records by default).
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_SIZE)}
 
 # The Flight Recorder names dtypes as c10 does; learners know torch's names.

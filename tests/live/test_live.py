@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dtlib
 from dtlib.live import doctor as _doctor
@@ -332,3 +333,23 @@ def test_a_ranks_cell_error_shows_the_ranks_traceback_not_dtlibs_frames(capsys):
     assert "ValueError: boom on 1" in shown and '<rank cell' in shown
     assert "magics.py" not in shown and "def run(" not in shown
     assert shown.count("dtlib/live/ranks.py") <= 1  # the frame that raised, which IPython always shows
+
+
+def _recorded(rank, world_size):
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    dist.all_reduce(torch.ones(2))
+    return len(pickle.loads(_dump_fr_trace(True, False, False)).get("entries", []))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting, recorded", [(None, 1), ("0", 0)])
+def test_the_flight_recorder_records_by_default_and_zero_switches_it_off(monkeypatch, setting, recorded):
+    """Notebook 08's claim about torch's Flight Recorder, on this torch: no setting records; 0 does not."""
+    if setting is None:
+        monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", setting)
+    assert dtlib.spawn(_recorded, 2, timeout=45, output="none") == [recorded, recorded]
