@@ -46,7 +46,8 @@ browser-screenshots:
 	@$(PY) tests/browser/status.py
 
 notebooks: setup
-	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=300 notebooks/*.ipynb
+	@$(PY) -c 'import sys, pathlib; from dtlib.bench.targets import notebook_seconds; \
+	[print(f"{p}: {notebook_seconds(pathlib.Path(p), store=True):.1f} s") for p in sys.argv[1:]]' notebooks/*.ipynb
 
 bench: setup
 	$(PY) -m dtlib.bench launch

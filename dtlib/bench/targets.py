@@ -98,8 +98,10 @@ def _simulator(repeats: int) -> list[Result]:
     return [best_of("simulator", "ring.simulate_all_reduce, 64 ranks x 2^20 float32", 2.0, "s", seconds)]
 
 
-def notebook_seconds(path: Path, timeout_s: float = 600.0) -> float:
-    """Seconds to run every cell of the notebook at ``path`` in a fresh kernel started in its folder."""
+def notebook_seconds(path: Path, timeout_s: float = 600.0, *, store: bool = False) -> float:
+    """Seconds to run every cell of the notebook at ``path`` in a fresh kernel started in its folder; with
+    ``store``, its outputs are written back into the file (``make notebooks``: the one program besides the
+    tests that runs the notebooks). Example: ``notebook_seconds(Path("notebooks/00_setup_check.ipynb"))``."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -110,7 +112,10 @@ def notebook_seconds(path: Path, timeout_s: float = 600.0) -> float:
     # The kernel's own stderr (not the cells' outputs) would fill the table's terminal: 01 shows on purpose
     # how mp.spawn fails from a notebook, and those children print to the kernel's stderr.
     client.execute(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if store:
+        nbformat.write(notebook, path)
+    return seconds
 
 
 def _notebooks(repeats: int, folder: Path) -> list[Result]:
