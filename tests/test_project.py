@@ -310,3 +310,26 @@ def test_each_notebook_runs_once_nbval_leaves_out_what_the_browser_tests_run(tmp
     assert len(browser_items) >= len(NOTEBOOKS)  # collected either way (skipped, with the reason, without a browser)
     expected = set() if browser_starts else {str(path.relative_to(ROOT)) for path in NOTEBOOKS}
     assert notebook_items == expected
+
+
+def test_every_dtlib_name_the_docs_and_notebooks_use_exists():
+    """After a move, a stale ``dtlib.x.y`` in prose or code is a broken promise: each one must resolve."""
+    import importlib
+
+    texts = [path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]]
+    texts += ["\n".join(_text(cell) for cell in json.loads(path.read_text())["cells"]) for path in NOTEBOOKS]
+    names = {name for text in texts for name in re.findall(r"(?<![\w.])dtlib(?:\.[A-Za-z_]\w*)+", text)}
+    assert "dtlib.LiveRanks" in names and len(names) > 30
+    missing = []
+    for name in sorted(names):
+        found, parts = importlib.import_module("dtlib"), name.split(".")
+        for depth, part in enumerate(parts[1:], start=2):
+            if hasattr(found, part):
+                found = getattr(found, part)
+                continue
+            try:
+                found = importlib.import_module(".".join(parts[:depth]))
+            except ImportError:
+                missing.append(name)
+                break
+    assert not missing, missing
