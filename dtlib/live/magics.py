@@ -19,8 +19,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-from dtlib import arguments
-from dtlib.launch.spawn import resolve_backend, valid_world_size
 from dtlib.live.ranks import LiveRanks
 from dtlib.live.rankview import RankValues
 
@@ -61,9 +59,7 @@ class RanksMagics(Magics):
             print(self.live if self.live is not None and not self.live.closed else "no live ranks")
         elif args.command == "start":
             try:  # checked before the running ranks stop: a refused start must not lose their variables
-                valid_world_size(args.world_size)
-                arguments.seconds("timeout", args.timeout)
-                resolve_backend(args.backend, args.world_size)
+                LiveRanks.settings(args.world_size, args.backend, args.timeout)
             except ValueError as exc:
                 raise UsageError(f"%ranks start: {exc} (the running ranks, if any, keep going)") from None
             self._stop()

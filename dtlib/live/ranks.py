@@ -56,15 +56,20 @@ class LiveRanks:
     """
 
     def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0) -> None:
-        self.world_size = valid_world_size(world_size)
-        self.timeout = arguments.seconds("timeout", timeout)
-        self.backend = resolve_backend(backend, self.world_size)
+        self.world_size, self.backend, self.timeout = self.settings(world_size, backend, timeout)
         self._method = resolve_start_method("auto")
         self._cells = 0
         self._sources: dict[str, list[str]] = {}
         self._holder: list[Ranks | None] = [None]
         self._finalizer = weakref.finalize(self, close_quietly, self._holder)
         self.started_in_s = self._start()
+
+    @staticmethod
+    def settings(world_size: int, backend: str, timeout: float | None) -> tuple[int, str, float | None]:
+        """The checked ``(world_size, backend, timeout)`` the constructor would use, or its ValueError: what
+        ``%ranks start`` asks before it stops the running ranks. Example: ``settings(2, "auto", 30)``."""
+        world_size = valid_world_size(world_size)
+        return world_size, resolve_backend(backend, world_size), arguments.seconds("timeout", timeout)
 
     # -- life -----------------------------------------------------------------
     def _start(self) -> float:
