@@ -52,6 +52,7 @@ from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from dtlib.launch.entry import rank_device
 from dtlib.launch.files import private_folder, write_atomically
 from dtlib.train.common import load_file
 
@@ -187,7 +188,7 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, ki
         dcp.load(state, storage_reader=_CheckedReader(directory), planner=_CheckedPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device = rank_device()  # the one place that knows this rank's device
         full = load_file(os.path.join(directory, FULL_FILE), device)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
                        options=StateDictOptions(full_state_dict=True))
