@@ -112,6 +112,13 @@ class Ranks:
                 send(state.process.pid, signal.SIGINT, group=False)  # KeyboardInterrupt inside the cell
         return self.wait(ranks, time.monotonic() + INTERRUPT_WAIT_S)
 
+    def kill(self) -> None:
+        """SIGKILL every rank and what it started: signals only, so any thread may call it while another
+        runs the event loop (which then sees the deaths and releases the rest)."""
+        for state in self.job.ranks:
+            if state.started() and not state.exited:
+                send(state.process.pid, signal.SIGKILL, group=True)
+
     def close(self, graceful: bool = False) -> None:
         """Stop every rank (politely first with ``graceful``) and release everything; safe to repeat."""
         with HeldInterrupts() as held:

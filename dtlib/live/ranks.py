@@ -21,6 +21,7 @@ import ast
 import pickle
 import re
 import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -36,6 +37,7 @@ from dtlib.live.job import Ranks, close_quietly
 from dtlib.live.rank import RemoteRepr
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
+CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
 LOST = "the ranks were restarted with a fresh process group, so every rank's variables are gone"
 
 
@@ -62,6 +64,8 @@ class LiveRanks:
         self._sources: dict[str, list[str]] = {}
         self._holder: list[Ranks | None] = [None]
         self._finalizer = weakref.finalize(self, close_quietly, self._holder)
+        self._busy = threading.RLock()  # held by the thread inside a call: only it drives the ranks' event loop
+        self._closing = threading.Event()  # close() from another thread asked that call to stop
         self.started_in_s = self._start()
 
     @staticmethod
@@ -97,14 +101,39 @@ class LiveRanks:
         ranks, self._holder[0] = self._holder[0], None
         if ranks is not None:
             ranks.close()
+        self._stop_if_closing()
         self._start()
 
     def close(self) -> None:
-        """Stop every rank; safe to call twice. Also runs at ``with``'s end, garbage collection and exit."""
-        ranks, self._holder[0] = self._holder[0], None
-        if ranks is not None:
-            ranks.close(graceful=True)
-        self._finalizer.detach()
+        """Stop every rank; safe to call twice. Also runs at ``with``'s end, garbage collection and exit.
+
+        From another thread while a call runs, it kills the ranks at once (their cell is lost, as the
+        call's RuntimeError says), waits for that call to end, and leaves no process behind.
+        """
+        if not self._busy.acquire(blocking=False):
+            self._closing.set()
+            ranks = self._holder[0]
+            if ranks is not None:
+                ranks.kill()  # signals only, safe from any thread; the calling thread sees the deaths
+            if not self._busy.acquire(timeout=CLOSE_WAIT_S):
+                return  # that call will still stop and release everything when its event loop wakes
+        try:
+            ranks, self._holder[0] = self._holder[0], None
+            if ranks is not None:
+                ranks.close(graceful=not self._closing.is_set())
+            self._finalizer.detach()
+        finally:
+            self._busy.release()
+
+    def _stop_if_closing(self) -> None:
+        """In the calling thread: if close() came from another thread, release every rank and say so."""
+        if self._closing.is_set():
+            ranks, self._holder[0] = self._holder[0], None
+            if ranks is not None:
+                ranks.close()
+            self._finalizer.detach()
+            raise RuntimeError("these live ranks were closed by close() from another thread while this "
+                               "run ran; its cell did not finish. Start new ones with dtlib.LiveRanks(...)")
 
     @property
     def closed(self) -> bool:
@@ -158,6 +187,12 @@ class LiveRanks:
 
     def _call(self, message: tuple[str, Any], timeout: float | None, what: str) -> list[Any]:
         __tracebackhide__ = True
+        with self._busy:
+            self._ranks()
+            return self._call_held(message, timeout, what)
+
+    def _call_held(self, message: tuple[str, Any], timeout: float | None, what: str) -> list[Any]:
+        __tracebackhide__ = True
         ranks = self._ranks()
         if ranks.dead():  # died between calls (killed, out of memory): say so, start afresh
             failures = ranks.dead()
@@ -174,6 +209,7 @@ class LiveRanks:
             print(f"dtlib.LiveRanks: interrupted; {note}", file=sys.stderr)
             held.deliver()
             raise
+        self._stop_if_closing()
         ranks.flush_output()
         if ranks.dead():
             failures = _unique(ranks.dead() + self._errors(ranks))

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -144,6 +145,24 @@ def test_close_ends_every_rank_and_leaves_nothing(leftovers):
     live.close()  # twice is fine
     with pytest.raises(RuntimeError, match="closed"):
         live.run("1")
+    leftovers.assert_clean(pids)
+
+
+@pytest.mark.timeout(90)
+def test_close_from_another_thread_stops_a_running_cell_at_once_and_leaves_nothing(leftovers):
+    live = dtlib.LiveRanks(2, backend="gloo")
+    pids = live.run("import os\nos.getpid()")
+    closer = threading.Timer(0.5, live.close)
+    closer.start()
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed by close\\(\\) from another thread while this run ran"):
+        live.run("import time\ntime.sleep(20)\nrank")
+    closer.join(timeout=30)
+    assert not closer.is_alive() and time.monotonic() - began < 8  # not the 20 s cell, nor a 10 s exit grace
+    assert live.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        live.run("1")
+    live.close()
     leftovers.assert_clean(pids)
 
 
