@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from dtlib.measure import memory
 from dtlib.plots._style import tick_names
-from dtlib.train.guide import CHOICES, recommend
+from dtlib.train.guide import CHECKPOINTING, CHOICES, recommend
 
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
@@ -127,13 +127,16 @@ def guide_bars(advice: Any, title: str = "") -> Figure:
     CPU offload needs against the usable RAM."""
     names = list(advice.gb_per_gpu)
     values = [advice.gb_per_gpu[name] for name in names]
-    chosen = "DDP" if advice.choice.startswith("DDP") else advice.choice
+    chosen = advice.choice.removesuffix(CHECKPOINTING)  # the bar of the model state it holds
     fig, ax = plt.subplots(figsize=(8, 4.2))
     colors = ["#55A868" if name == chosen else ("#4C72B0" if v <= advice.budget_gb else "#BBBBBB")
               for name, v in zip(names, values, strict=True)]
     ax.barh(names, values, color=colors)
     ax.axvline(advice.budget_gb, color="#C44E52", ls="--",
                label=f"budget {advice.budget_gb:.0f} GB (after activations)")
+    if advice.checkpointing_budget_gb > advice.budget_gb:
+        ax.axvline(advice.checkpointing_budget_gb, color="#C44E52", ls=":",
+                   label=f"{advice.checkpointing_budget_gb:.0f} GB with activation checkpointing")
     for i, value in enumerate(values):
         ax.text(value, i, f" {value:.1f} GB", va="center", fontsize=8)
     ax.invert_yaxis()

@@ -11,11 +11,15 @@ fp32 weights, fp32 gradients and Adam's two fp32 moments, 16 bytes per parameter
     full sharding + CPU offload      host: 16P in all    weights, gradients and the optimizer step in host RAM
 
 The rules, in order: the simplest strategy whose model state fits the GPU's budget: the GPU minus 30% for
-activations (10% with activation checkpointing), or, given the ``activation_gb`` you measured for the batch
-you want, minus 10% and minus those. CPU offload fits when the node's RAM (minus 20%) holds the offloaded
-state. On several nodes linked more slowly than 12.5 GB/s (100 Gbit/s) per GPU, HSDP comes first wherever
-it fits: it keeps the all-gathers and reduce-scatters inside each node. Beyond offload: tensor or pipeline
-parallelism.
+activations (10% with activation checkpointing, for DDP and for full sharding), or, given the
+``activation_gb`` you measured for the batch you want, minus 10% and minus those. CPU offload fits when the
+node's RAM (minus 20%) holds the offloaded state. On several nodes linked more slowly than 12.5 GB/s
+(100 Gbit/s) per GPU, HSDP comes first wherever it fits: it keeps the all-gathers and reduce-scatters inside
+each node. Beyond offload, nothing fits these GPUs: tensor and pipeline parallelism divide the same 16 bytes
+per parameter over the same GPUs, never below full sharding's 16P/N, so the way out is more GPUs, fewer
+bytes per parameter, or a node with more RAM. Tensor and pipeline parallelism pay off elsewhere: when one
+layer's activations do not fit, or when so many GPUs share the batch that data parallelism alone runs out
+of samples or of bandwidth.
 
 Example::
 
@@ -24,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dtlib.arguments import finite, whole
@@ -34,9 +39,12 @@ CHECKPOINTING_RESERVE = 0.1  # what is left with activation checkpointing; the b
 HOST_RESERVE = 0.2  # share of each node's RAM kept for the OS, data-loader workers and the ranks' processes
 SLOW_LINK_GB_PER_S = 12.5  # 100 Gbit/s per GPU between nodes: below it, keep the big collectives inside nodes
 
-CHOICES = ("DDP", "DDP + activation checkpointing", "FSDP, no reshard after forward", "HSDP",
-           "FSDP full sharding", "FSDP full sharding + CPU offload", "tensor / pipeline parallelism")
+CHECKPOINTING = " + activation checkpointing"
+CHOICES = ("DDP", "DDP" + CHECKPOINTING, "FSDP, no reshard after forward", "HSDP", "FSDP full sharding",
+           "FSDP full sharding" + CHECKPOINTING, "FSDP full sharding + CPU offload",
+           "more GPUs or fewer bytes per parameter")
 OFFLOAD = "FSDP full sharding + CPU offload"
+BEYOND = "more GPUs or fewer bytes per parameter"  # nothing fits: no split of the model over these GPUs does
 ON_GPU = ("DDP", "FSDP, no reshard after forward", "HSDP", "FSDP full sharding")  # what gb_per_gpu holds
 
 
@@ -48,6 +56,7 @@ class Recommendation:
     reason: str
     gb_per_gpu: dict[str, float] = field(default_factory=dict)  # model state per GPU under each GPU candidate
     budget_gb: float = 0.0  # what model state may use: the GPU minus the activations' share
+    checkpointing_budget_gb: float = 0.0  # with activation checkpointing: 90% of the GPU (budget_gb with activation_gb)
     host_gb_per_node: float = 0.0  # CPU offload: host RAM each node needs (weight and gradient shards pinned)
     host_budget_gb: float = 0.0  # the node's RAM minus HOST_RESERVE
     activation_room_gb: dict[str, float] = field(default_factory=dict)  # 90% of the GPU minus the model state
@@ -124,8 +133,9 @@ def cross_node_gb(num_params: float, num_gpus: int, nodes: int, *, mixed_precisi
             "FSDP, no reshard after forward": spread * (compute + 4) * flat,
             "HSDP": 2 * (nodes - 1) / nodes * 4 * num_params / per_node / 1e9,
             "FSDP full sharding": spread * (2 * compute + 4) * flat,
+            "FSDP full sharding" + CHECKPOINTING: spread * (2 * compute + 4) * flat,
             OFFLOAD: spread * (2 * compute + 4) * flat,
-            "tensor / pipeline parallelism": 0.0}  # depends on the split: not this guide's arithmetic
+            BEYOND: 0.0}  # nothing fits: no traffic to count
 
 
 def _inputs(num_params: object, gpu_memory_gb: object, num_gpus: object, nodes: object, host_memory_gb: object,
@@ -171,7 +181,8 @@ def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: 
     per_node = num_gpus // nodes
 
     def make(choice: str, reason: str) -> Recommendation:
-        return Recommendation(choice, reason, gb, budget, states[OFFLOAD], host_budget,
+        return Recommendation(choice, reason, gb, budget, usable if activation_gb is None else budget,
+                              states[OFFLOAD], host_budget,
                               {name: usable - value for name, value in gb.items()}, across)
 
     def room(name: str) -> str:
@@ -203,14 +214,25 @@ def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: 
     if gb[name] <= budget:
         return make(name, f"only sharding the parameters too fits: {gb[name]:.1f} GB per GPU over {num_gpus} GPUs, "
                     "gathering twice per step (1.5x DDP's bytes at equal precision)" + room(name))
+    if activation_gb is None and gb[name] <= usable:
+        return make(name + CHECKPOINTING, f"fully sharded, the model state ({gb[name]:.1f} GB per GPU) fits only if "
+                    f"activations stay under {gpu_memory_gb - gb[name]:.1f} GB: recompute them in backward "
+                    "(checkpoint each block before fully_shard wraps it)")
     if states[OFFLOAD] <= host_budget:
         return make(OFFLOAD, f"even full sharding needs {gb['FSDP full sharding']:.1f} GB per GPU; offloaded, "
                     f"weights, gradients and the optimizer step live in host RAM, {states[OFFLOAD]:.0f} GB per "
                     f"node of {host_budget:.0f} GB usable, and the GPUs hold only the layers being computed "
                     "(slower: host transfers every step)")
-    return make("tensor / pipeline parallelism", f"full sharding needs {gb['FSDP full sharding']:.1f} GB per GPU "
-                f"and offloading {states[OFFLOAD]:.0f} GB of host RAM per node, more than the {host_budget:.0f} GB "
-                "usable: add nodes, or split layers with tensor or pipeline parallelism")
+    total = gb["FSDP full sharding"] * num_gpus
+    gpus_needed = math.ceil(total / usable - 1e-9)
+    return make(BEYOND, f"the model state is {total:.0f} GB in all: full sharding needs "
+                f"{gb['FSDP full sharding']:.1f} GB per GPU, over the {usable:.1f} GB even checkpointing "
+                f"leaves, and offloading needs {states[OFFLOAD]:.0f} GB of host RAM per node, over the "
+                f"{host_budget:.0f} GB usable. "
+                "Tensor and pipeline parallelism divide the same bytes over the same GPUs, so they cannot fit it "
+                f"either: use at least {gpus_needed} GPUs of {gpu_memory_gb:g} GB (fully sharded, with "
+                "checkpointing), fewer bytes per parameter (bf16 moments, an 8-bit optimizer, SGD), or nodes with "
+                f"{states[OFFLOAD] / (1 - HOST_RESERVE):.0f} GB of RAM or more for offload")
 
 
 def table(sizes_b: tuple[float, ...] = (0.5, 1, 3, 7, 13, 30, 70), gpu_memory_gb: tuple[float, ...] = (40, 80),
@@ -247,16 +269,19 @@ def why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: in
     if answer == "HSDP" and nodes == 1:
         return ("HSDP shards the model within each node and replicates it across nodes; this job has one node, "
                 "so there is nothing to replicate across (on one node HSDP is just full sharding).")
-    if answer == "tensor / pipeline parallelism":
-        return None  # splitting layers always fits; the guide keeps it for when nothing simpler does
+    if answer == BEYOND:
+        if advice.choice == BEYOND:
+            return None
+        return (f"these GPUs can hold this model: {advice.choice} fits, so more GPUs or fewer bytes per parameter "
+                "are not needed to make it fit.")
     if answer == OFFLOAD:
         if advice.host_gb_per_node <= advice.host_budget_gb:
             return None
         needed, budget = _two_gb(advice.host_gb_per_node, advice.host_budget_gb)
         return (f"{answer} needs {needed} GB of host RAM per node (16 bytes per parameter, shared by the node's "
                 f"GPUs), more than the {budget} GB usable (the node's RAM minus {HOST_RESERVE:.0%}).")
-    checkpointing = answer == "DDP + activation checkpointing"
-    needed = advice.gb_per_gpu["DDP" if checkpointing else answer]
+    checkpointing = answer.endswith(CHECKPOINTING)
+    needed = advice.gb_per_gpu[answer.removesuffix(CHECKPOINTING)]
     reserve = CHECKPOINTING_RESERVE if checkpointing else ACTIVATION_RESERVE
     budget = gpu_memory_gb * (1 - reserve)
     if needed <= budget:

@@ -49,7 +49,21 @@ def test_no_reshard_then_full_sharding_on_one_node():
     assert guide.recommend(in_fp32 * (1 + EPS), MEM, n, mixed_precision=False).choice == "FSDP full sharding"
     at_zero3 = _params_for(BUDGET, 16 / n)
     assert guide.recommend(at_zero3, MEM, n).choice == "FSDP full sharding"
-    assert guide.recommend(at_zero3 * (1 + EPS), MEM, n).choice == "FSDP full sharding + CPU offload"
+    assert guide.recommend(at_zero3 * (1 + EPS), MEM, n).choice == "FSDP full sharding + activation checkpointing"
+    at_zero3_tight = _params_for(TIGHT, 16 / n)  # with checkpointing, full sharding keeps 90% of the GPU
+    assert guide.recommend(at_zero3_tight, MEM, n).choice == "FSDP full sharding + activation checkpointing"
+    assert guide.recommend(at_zero3_tight * (1 + EPS), MEM, n).choice == "FSDP full sharding + CPU offload"
+
+
+def test_full_sharding_with_checkpointing_comes_before_offload():
+    """30B on 8 x 80 GB: 60 GB of model state per GPU, over the 56 GB budget but well within 72 GB with
+    activation checkpointing; offload (480 GB of host RAM) would fit too, and is much slower."""
+    advice = guide.recommend(30e9, MEM, 8)
+    assert advice.choice == "FSDP full sharding + activation checkpointing", advice
+    assert advice.gb_per_gpu["FSDP full sharding"] == pytest.approx(60) and advice.checkpointing_budget_gb == TIGHT
+    assert "under 20.0 GB" in advice.reason  # the GPU's 80 minus the 60 of model state
+    # the batch you measured decides instead: no checkpointing is assumed, so 60 GB + 20 GB of activations is out
+    assert guide.recommend(30e9, MEM, 8, activation_gb=20).choice == "FSDP full sharding + CPU offload"
 
 
 def test_offload_is_bounded_by_host_ram_not_by_the_gpus():
@@ -57,13 +71,35 @@ def test_offload_is_bounded_by_host_ram_not_by_the_gpus():
     parameter on each node, whatever the GPUs hold. 70B on one node needs 1,120 GB of it."""
     advice = guide.recommend(70e9, MEM, 8)
     assert advice.host_gb_per_node == pytest.approx(1120) and advice.host_budget_gb == pytest.approx(HOST)
-    assert advice.choice == "tensor / pipeline parallelism" and "1120 GB of host RAM" in advice.reason
+    assert advice.choice == "more GPUs or fewer bytes per parameter" and "1120 GB of host RAM" in advice.reason
     assert guide.recommend(70e9, MEM, 8, host_memory_gb=2000).choice == "FSDP full sharding + CPU offload"
     assert guide.recommend(70e9, MEM, 16, nodes=2).host_gb_per_node == pytest.approx(560)  # two nodes share it
     at_offload = HOST * 1e9 / 16
     assert guide.recommend(at_offload, MEM, 8).choice == "FSDP full sharding + CPU offload"
-    assert guide.recommend(at_offload * (1 + EPS), MEM, 8).choice == "tensor / pipeline parallelism"
+    assert guide.recommend(at_offload * (1 + EPS), MEM, 8).choice == "more GPUs or fewer bytes per parameter"
     assert "FSDP full sharding + CPU offload" not in advice.gb_per_gpu  # the GPUs hold only the layers computed
+
+
+def test_when_nothing_fits_the_guide_names_what_would_and_not_a_split_of_the_same_gpus():
+    """Model state of 1,120 GB cannot fit 8 GPUs of 80 GB however it is split: tensor and pipeline parallelism
+    divide the same 16 bytes per parameter, never below full sharding's 16P/N. The way out it names must fit."""
+    advice = guide.recommend(70e9, MEM, 8)
+    assert advice.choice == guide.BEYOND and "tensor / pipeline parallelism" not in guide.CHOICES
+    assert "1120 GB in all" in advice.reason and "cannot fit it either" in advice.reason
+    assert "at least 16 GPUs of 80 GB" in advice.reason  # 1120 / 72 = 15.6
+    assert guide.recommend(70e9, MEM, 16).choice == "FSDP full sharding + activation checkpointing"
+    assert guide.recommend(70e9, MEM, 15).choice != "FSDP full sharding + activation checkpointing"
+    assert "1400 GB of RAM or more" in advice.reason  # 1120 / 0.8
+    assert guide.recommend(70e9, MEM, 8, host_memory_gb=1400).choice == "FSDP full sharding + CPU offload"
+    assert guide.recommend(70e9, MEM, 8, host_memory_gb=1100).choice == guide.BEYOND  # 880 GB usable < 1120
+    assert guide.recommend(70e9, MEM, 8, optimizer="sgd", host_memory_gb=1100).choice == guide.OFFLOAD  # 840 GB
+    for gpus in (8, 32, 128):  # the named GPU count is the least that fits, at other sizes too
+        for params in (3e11, 1e12):
+            beyond = guide.recommend(params, MEM, gpus, host_memory_gb=256)
+            if beyond.choice == guide.BEYOND:
+                least = int(beyond.reason.split("at least ")[1].split()[0])
+                assert guide.recommend(params, MEM, least, host_memory_gb=256).choice != guide.BEYOND
+                assert guide.recommend(params, MEM, least - 1, host_memory_gb=256).choice == guide.BEYOND
 
 
 def test_hsdp_across_nodes_when_one_node_can_hold_a_full_shard_set():
@@ -208,6 +244,10 @@ def test_strategy_choice_accepts_what_recommend_picks():
     (20e9, "FSDP, no reshard after forward", 1, ["needs 80.0 GB", "56.0 GB budget"]),  # 2 x 20 + 16 x 20 / 8
     (70e9, "FSDP full sharding + CPU offload", 1, ["needs 1120.0 GB of host RAM per node", "800.0 GB usable"]),
     (1e9, "FSDP full sharding", 1, ["would fit, but a simpler strategy fits too: DDP"]),
+    (40e9, "FSDP full sharding + activation checkpointing", 1, ["needs 80.0 GB", "72.0 GB budget", "minus 10%"]),
+    (30e9, "FSDP full sharding", 1, ["needs 60.0 GB", "56.0 GB budget", "minus 30%"]),
+    (30e9, "more GPUs or fewer bytes per parameter", 1, ["these GPUs can hold this model",
+                                                         "FSDP full sharding + activation checkpointing fits"]),
     (20e9, "FSDP", 1, ["'FSDP, no reshard after forward', 'HSDP'"]),  # each choice quoted: one has a comma
 ])
 def test_strategy_choice_gives_the_true_reason(params, answer, nodes, fragments):
@@ -233,6 +273,6 @@ def test_strategy_choice_says_more_than_the_budget_only_when_it_is_more(nodes):
             if found:
                 said += 1
                 assert float(found[1]) > float(found[2]), message
-                tight = answer == "DDP + activation checkpointing"
+                tight = answer.endswith(guide.CHECKPOINTING)
                 assert float(found[2]) == pytest.approx(TIGHT if tight else BUDGET), message
     assert said > 0
