@@ -8,6 +8,7 @@ Every rank uses ``threads`` torch threads (1 by default), so N ranks use N cores
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -72,5 +73,6 @@ def format_table(rows: list[Row]) -> str:
          Column("speed-up", 8, lambda r: single / r.step_ms, ".2f", "x"),
          Column("calls/step", 10, lambda r: r.allreduce_calls_per_step),
          Column("MiB/step", 8, lambda r: r.allreduce_mb_per_step, ".2f"),
-         Column("hidden", 6, lambda r: r.hidden_share, ".0%"), Column("loss", 7, lambda r: r.final_loss, ".4f")],
+         Column("hidden", 6, lambda r: None if math.isnan(r.hidden_share) else r.hidden_share, ".0%"),
+         Column("loss", 7, lambda r: r.final_loss, ".4f")],
         rows)

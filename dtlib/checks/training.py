@@ -9,6 +9,7 @@ Example: ``dtlib.checks.gradient_hook(lambda grad: grad)`` says the gradients we
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -28,17 +29,19 @@ def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors
+    device = rank_device()  # cuda:LOCAL_RANK under NCCL, else the CPU: every tensor and model goes there
+    x, y = (t.to(device) for t in data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors)
     mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
-    yours = models.build("mlp", seed=0)
+    yours = models.build("mlp", seed=0).to(device)
     for param in yours.parameters():
         param.register_hook(hook)
     _, calls = count_collectives(lambda: models.loss_fn("mlp", yours(x[mine]), y[mine]).backward())
-    reference = DistributedDataParallel(models.build("mlp", seed=0))
+    reference = DistributedDataParallel(models.build("mlp", seed=0).to(device),
+                                        device_ids=[device.index] if device.type == "cuda" else None)
     models.loss_fn("mlp", reference(x[mine]), y[mine]).backward()
-    local = models.build("mlp", seed=0)
+    local = models.build("mlp", seed=0).to(device)
     models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
-    flat = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]) for m in (yours, reference.module, local)]
+    flat = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]).cpu() for m in (yours, reference.module, local)]
     return {"yours": flat[0], "ddp": flat[1], "local": flat[2], "calls": calls}
 
 
@@ -138,15 +141,22 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
     return returned.float().cpu()
 
 
-def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any], steps: int) -> dict[str, Any]:
+WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it
+
+
+def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any, Any], Any], steps: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
-    model = models.build("transformer", seed=0)
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=WRAP_MESH_DIMS)
+    model = models.build("transformer", seed=0).to(device)
     try:
-        returned = wrap(model)
+        returned = wrap(model, mesh)
         error = None
     except Exception as exc:  # noqa: BLE001 - reported to the learner, with what was sharded before it
         returned, error = None, f"{type(exc).__name__}: {exc}"
@@ -158,8 +168,11 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any
                               "block_units": len({unit(block) for block in model.blocks} - {None}),
                               "finer": any(isinstance(inner, FSDPModule) for block in model.blocks
                                            for inner in block.modules() if inner is not block),
-                              "returned_other": returned is not None and returned is not model}
-    if error or report["returned_other"]:
+                              "returned_other": returned is not None and returned is not model,
+                              "other_mesh": sorted({str(p.device_mesh) for p in model.parameters()
+                                                    if isinstance(p, DTensor) and p.device_mesh != mesh}),
+                              "mesh": str(mesh)}
+    if error or report["returned_other"] or report["other_mesh"]:
         return report
     peak = [0]  # parameter bytes this rank holds while a layer runs its forward
 
@@ -169,12 +182,13 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any
     for module in model.modules():
         if next(module.parameters(recurse=False), None) is not None:
             module.register_forward_hook(record)
-    reference = DistributedDataParallel(models.build("transformer", seed=0))
+    reference = DistributedDataParallel(models.build("transformer", seed=0).to(device),
+                                        device_ids=[device.index] if device.type == "cuda" else None)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
     batches = data.batches(data.tokens(64), world_size, rank, batch_size=4)
     losses: dict[str, list[float]] = {"yours": [], "ddp": []}
     for _ in range(steps):
-        x, y = next(batches)  # (B, T)
+        x, y = (t.to(device) for t in next(batches))  # (B, T)
         for name, net, optimizer in zip(("yours", "ddp"), (model, reference), optimizers, strict=True):
             loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
             loss.backward()
@@ -186,17 +200,26 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any], Any
     return {**report, "peak_parameters": peak[0], **losses}
 
 
-def fsdp_wrap(wrap: Callable[[Any], Any], world_size: int = 2, steps: int = 3, timeout: float = 60.0) -> Feedback:
-    """Notebook 05: ``wrap(model)`` shards ``dtlib.train.models.build("transformer")`` with ``fully_shard``;
-    every block must be a unit of its own and the root sharded last.
+def fsdp_wrap(wrap: Callable[[Any, Any], Any], world_size: int = 2, steps: int = 3, timeout: float = 60.0) -> Feedback:
+    """Notebook 05: ``wrap(model, mesh)`` shards ``dtlib.train.models.build("transformer")`` with ``fully_shard``
+    over ``mesh`` (the ranks, on the device they compute on); every block must be a unit of its own and the
+    root sharded last.
 
     Each rank measures the parameter bytes it holds while forward runs and its model state after a
     step, and trains ``steps`` steps beside ``DistributedDataParallel`` on the same samples.
-    Example: ``fsdp_wrap(lambda model: fully_shard(model))`` says the whole model is gathered at once.
+    Example: ``fsdp_wrap(lambda model, mesh: fully_shard(model, mesh=mesh))`` says the whole model is gathered
+    at once.
     """
 
     if not callable(wrap):
         return Feedback(False, f"Pass your function itself, not {type(wrap).__name__}.")
+    try:
+        inspect.signature(wrap).bind(None, None)
+    except TypeError:
+        return Feedback(False, "Write your function as my_wrap(model, mesh): the check passes each rank's mesh, and "
+                               "every fully_shard takes it as mesh=mesh.")
+    except ValueError:  # no signature to read (a builtin): let the call say
+        pass
     num_params = sum(p.numel() for p in models.build("transformer").parameters())
     full_bytes, at_rest_formula = 4 * num_params, 16 * num_params / world_size  # fp32 weights; fp32 Adam
     try:
@@ -215,6 +238,11 @@ def fsdp_wrap(wrap: Callable[[Any], Any], world_size: int = 2, steps: int = 3, t
         return Feedback(False, f"Your wrap raised on rank 0: {report['error'][:300]}")
     if report["returned_other"]:
         return Feedback(False, "Return the model you were given: fully_shard changes it in place (and returns it).")
+    if report["other_mesh"]:
+        return Feedback(False, f"Some parameters are sharded over {report['other_mesh'][0]}, not over the mesh you "
+                               f"were given ({report['mesh']}): pass mesh=mesh to every fully_shard. Without it, "
+                               "fully_shard builds a mesh on the machine's accelerator, whatever device the ranks "
+                               "compute on (cuda:0 for every rank of a one-GPU machine running gloo).")
     if not report["root"] and not blocks:
         return Feedback(False, "Nothing was sharded: every rank still holds the whole model. Call fully_shard on "
                                "each block, then on the model.")

@@ -15,6 +15,11 @@ about twice as long), which would distort the timeline, and they are thread-loca
 starts its later all-reduces from future callbacks on gloo's threads, which no dispatch mode
 (nor ``torch.profiler``) sees. Use ``count_collectives`` where counts are all you need.
 
+Finish times are this CPU's clock: right for gloo, which runs a collective on its own CPU threads. A
+CUDA collective (NCCL) returns, and its future fires, as soon as the work is queued on the GPU, so its
+finish is not on this clock: ``done_s`` stays NaN there, and :func:`hidden_share` says NaN (not measured)
+rather than a share that would mean nothing. Launch times, counts and bytes hold on every backend.
+
 ``nbytes`` is the size of the whole buffer S, as nccl-tests counts it: the tensor of
 an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -73,6 +79,7 @@ class CommLog:
     events: list[CommEvent] = field(default_factory=list)
     step: int = 0
     origin: float = field(default_factory=time.perf_counter)
+    _by_step: dict[int, list[CommEvent]] = field(default_factory=dict, repr=False)  # in_step without a scan
 
     def now(self) -> float:
         """Seconds since this log began: the clock of every event."""
@@ -103,8 +110,11 @@ class CommLog:
                               blocking=not async_op, kind=KIND[name],
                               group_size=dist.get_world_size(bound.arguments.get("group")))
             self.events.append(event)
+            self._by_step.setdefault(event.step, []).append(event)
             work = original(*args, **kwargs)
-            if not async_op or work is None:
+            if any(t.is_cuda for t in pieces):
+                pass  # queued on the GPU, not finished: done_s stays NaN (see the module's docstring)
+            elif not async_op or work is None:
                 event.done_s = self.now()
             else:
                 work.get_future().then(lambda _: setattr(event, "done_s", self.now()))
@@ -122,8 +132,9 @@ class CommLog:
         return out
 
     def in_step(self, step: int) -> list[CommEvent]:
-        """The events of one step, in launch order."""
-        return [e for e in self.events if e.step == step]
+        """The events of one step, in launch order (looked up, not searched: a long run's last step costs
+        what its first did)."""
+        return list(self._by_step.get(step, []))
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -145,7 +156,10 @@ def hidden_share(events: list[CommEvent], compute_end_s: float) -> float:
 
     1.0: every all-reduce finished while gradients were still being computed;
     0.0: all communication was exposed, after the compute or blocking it (``async_op=False``).
+    NaN: some finish is not known (CUDA collectives, whose finish this CPU clock cannot see).
     """
+    if any(math.isnan(e.done_s) for e in events):
+        return math.nan
     busy = busy_seconds([(e.launched_s, e.done_s) for e in events])
     if busy <= 0:
         return 0.0

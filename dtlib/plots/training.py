@@ -9,6 +9,7 @@ and returns a Figure. Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,6 +59,9 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
         y = row * 2
         ax.broken_barh([(0, (line["compute_end_s"] - start) * 1e3)], (y + 1, 0.8), color=COLORS["cpu"])
         for index, (launched, done, nbytes) in enumerate(line["comm"]):
+            if math.isnan(done):  # a CUDA collective: its launch only (its finish is on the GPU's clock)
+                ax.plot([(launched - start) * 1e3], [y + 0.5], marker="|", markersize=14, color=COLORS["store"])
+                continue
             ax.broken_barh([((launched - start) * 1e3, max((done - launched) * 1e3, 0.02))], (y + 0.1, 0.8),
                            color=COLORS["store"], alpha=0.9, edgecolor="black", lw=0.5)
             if len(line["comm"]) <= 12:  # labels alternate high and low: buckets launched together stay readable
@@ -68,7 +72,9 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
                   [f"rank {r.rank} all-reduce" for r in results] + [f"rank {r.rank} compute" for r in results])
     ax.set_xlabel("ms since the step began (labels: bucket size in MiB)")
     share = np.mean([r.hidden_share[-1] for r in results])
-    ax.set_title(title or f"Step {results[0].timeline['step']}: {share:.0%} of communication hidden behind compute")
+    said = (f"{share:.0%} of communication hidden behind compute" if not math.isnan(share) else
+            "launches only: a GPU collective finishes on the GPU's clock, which this timeline does not read")
+    ax.set_title(title or f"Step {results[0].timeline['step']}: {said}")
     ax.plot([], [], color=COLORS["cpu"], lw=8, label="forward + backward (until the last gradient is ready)")
     ax.plot([], [], color=COLORS["store"], lw=8, label="all-reduce of one bucket, launch to finish")
     ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1, -0.25), ncol=2)

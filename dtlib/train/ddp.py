@@ -73,7 +73,7 @@ class RankResult:
     backend: str
     first_step: int
     losses: list[float] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)  # training only: the runner's bookkeeping left out
     comm_calls: list[int] = field(default_factory=list)
     comm_bytes: list[int] = field(default_factory=list)
     comm_sizes: list[list[int]] = field(default_factory=list)  # bytes of each all-reduce, per step
@@ -201,11 +201,15 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
             if hasattr(model, "finish_gradient_sync"):
                 model.finish_gradient_sync()
             optimizer.step()
-            result.grads = _flat([p.grad for p in base.parameters() if p.grad is not None])
+            kept_s = 0.0  # the runner's own bookkeeping inside the step, left out of its time
+            if step == config.steps - 1:
+                kept_s = log.now()
+                result.grads = _flat([p.grad for p in base.parameters() if p.grad is not None])
+                kept_s = log.now() - kept_s
             optimizer.zero_grad(set_to_none=not config.gradient_as_bucket_view)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            _record_step(result, log, step, step_start, loss_value)
+            _record_step(result, log, step, step_start, log.now() - step_start - kept_s, loss_value)
             if config.save_after_step == step + 1:
                 _save(base, optimizer, step + 1, config.checkpoint_path, rank)
     result.params = _flat(list(base.parameters()))
@@ -213,11 +217,13 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
     return result
 
 
-def _record_step(result: RankResult, log: CommLog, step: int, step_start: float, loss_value: float) -> None:
+def _record_step(result: RankResult, log: CommLog, step: int, step_start: float, step_s: float,
+                 loss_value: float) -> None:
+    """Keep one step's numbers; ``step_s`` is its time, measured before this bookkeeping began."""
     events = log.in_step(step)
     compute_end = max((e.launched_s for e in events), default=log.now())
     result.losses.append(loss_value)
-    result.step_times_s.append(log.now() - step_start)
+    result.step_times_s.append(step_s)
     result.comm_calls.append(len(events))
     result.comm_bytes.append(sum(e.nbytes for e in events))
     result.comm_sizes.append([e.nbytes for e in events])

@@ -88,7 +88,7 @@ class FSDPResult:
     num_params: int
     first_step: int = 0
     losses: list[float] = field(default_factory=list)  # mean over all ranks, per step
-    step_times_s: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)  # training only: the runner's bookkeeping left out
     comm: list[dict[str, dict[str, int]]] = field(default_factory=list)  # {kind: {"calls", "bytes"}} per step
     memory_at_rest: dict[str, int] = field(default_factory=dict)  # after optimizer.step(), before zero_grad
     # Parameter bytes the module holds between forward and backward (FSDP2 and DDP; FSDP1 keeps the
@@ -138,9 +138,11 @@ def validate(config: FSDPConfig, world_size: int) -> None:
         raise ValueError(f"root_reshard_after_forward must be 'blocks', None, True, False or an int, got {root!r}")
     if config.prefetch and config.api == "ddp":
         raise ValueError("prefetch is FSDP's (it all-gathers a unit early); DDP gathers nothing")
-    if config.cpu_offload and config.api == "fsdp1" and not torch.cuda.is_available():
+    gpus = torch.cuda.device_count()  # asks NVML: no CUDA context in this process
+    if config.cpu_offload and config.api == "fsdp1" and gpus < world_size:
         raise ValueError("FSDP1's CPUOffload needs an accelerator: it moves each parameter between pinned host "
-                         "memory and the GPU, and this machine has no GPU (torch.cuda.is_available() is False)")
+                         f"memory and the rank's GPU, and with {gpus} GPU(s) for {world_size} ranks the ranks "
+                         "compute on the CPU (dtlib gives each rank a GPU only when there is one for each)")
     if config.auto_wrap not in ("transformer", "size"):
         raise ValueError(f"auto_wrap must be 'transformer' or 'size', got {config.auto_wrap!r}")
     if config.checkpoint_kind not in ("sharded", "full"):
@@ -203,23 +205,30 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     with log.recording(tuple(SIZED_BY)):
         for step in range(start, config.steps):
             log.step, calls[0] = step, 0
+            # Memory is measured in the first step only: its hooks and walks over every tensor are the runner's
+            # bookkeeping, and the step times' median leaves the first step out (it also allocates FSDP's buffers).
+            measure = step == start
             began = time.perf_counter()
             x, y = next(batches)
             loss_sum = torch.zeros((), device=device)
             for index, (xs, ys) in enumerate(zip(x.split(micro), y.split(micro), strict=True)):
                 last = index == config.grad_accum - 1
                 with _gradient_sync(model, config, last):
-                    with saved_for_backward(model) as saved:
+                    with saved_for_backward(model) if measure else contextlib.nullcontext() as saved:
                         output = model(xs.to(device))
-                        if last and config.api != "fsdp1":
+                        if measure and last and config.api != "fsdp1":
                             result.parameters_after_forward = memory.measured(model)["parameters"]
                         loss = models.loss_fn(config.model, output, ys.to(device)) / config.grad_accum
                     loss.backward()
-                result.saved_for_backward_bytes = saved.nbytes
+                if saved is not None:
+                    result.saved_for_backward_bytes = saved.nbytes
                 loss_sum += loss.detach()
             optimizer.step()
-            result.memory_at_rest = memory.measured(model, optimizer)
+            if measure:
+                result.memory_at_rest = memory.measured(model, optimizer)
             optimizer.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # GPU work is asynchronous: the step ends when it has run
             result.step_times_s.append(time.perf_counter() - began)
             result.comm.append(log.totals(step))
             result.all_gather_group_sizes = [e.group_size for e in log.in_step(step) if e.kind == "all_gather"]

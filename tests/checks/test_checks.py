@@ -545,73 +545,84 @@ def test_fsdp_memory(answer, ok, fragments):
     assert not re.search(r"(^|\s)0 bytes|factor of 0\.00", feedback.message)  # no small number shown as 0
 
 
-def _wrap_blocks_then_root(model):
+def _wrap_blocks_then_root(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
-def _wrap_root_only(model):
+def _wrap_root_only(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
     return model
 
 
-def _wrap_blocks_only(model):
+def _wrap_blocks_only(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:
-        fully_shard(block)
+        fully_shard(block, mesh=mesh)
     return model
 
 
-def _wrap_root_first(model):
+def _wrap_root_first(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
     for block in model.blocks:
-        fully_shard(block)
+        fully_shard(block, mesh=mesh)
     return model
 
 
-def _wrap_one_block(model):
+def _wrap_one_block(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model.blocks[0])
-    fully_shard(model)
+    fully_shard(model.blocks[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
-def _wrap_blocks_as_one_group(model):
+def _wrap_blocks_as_one_group(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(list(model.blocks))  # one unit for both blocks
-    return fully_shard(model)
+    fully_shard(list(model.blocks), mesh=mesh)  # one unit for both blocks
+    return fully_shard(model, mesh=mesh)
 
 
-def _wrap_every_linear(model):
+def _wrap_every_linear(model, mesh):
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     for module in list(model.modules()):
         if isinstance(module, nn.Linear):
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
-def _wrap_in_ddp(model):
+def _wrap_in_ddp(model, mesh):
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
 
 
+def _wrap_without_the_mesh(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)  # the default mesh: the accelerator's type, unnamed, whatever the ranks compute on
+    return fully_shard(model)
+
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wrap, ok, fragments", [
     (_wrap_blocks_then_root, True, ["224,632 bytes of model state", "(16P/N = 224,512)"]),
-    (lambda model: model, False, ["Nothing was sharded"]),
+    (lambda model, mesh: model, False, ["Nothing was sharded"]),
+    (lambda model: model, False, ["my_wrap(model, mesh)"]),
+    (_wrap_without_the_mesh, False, ["not over the mesh you were given", "pass mesh=mesh to every fully_shard"]),
     (_wrap_root_only, False, ["Only the root is a unit: forward gathers 112,256 bytes"]),
     (_wrap_one_block, False, ["Only some blocks are units"]),
     (_wrap_blocks_only, False, ["the root is not"]),

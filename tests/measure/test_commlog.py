@@ -159,3 +159,25 @@ def test_commlog_counts_what_commdebugmode_counts_for_ddp():
     assert [len(step) for step in logged] == [1, 4, 4]  # one bucket in step 0; 1 MiB buckets after the rebuild
     assert {event for step in logged for event in step} == {("all_reduce", 2)}
     assert sized == [("all_reduce", 2, 4), ("all_gather", 2, 8)]  # S: the gathered output, 2 x 4 bytes
+
+
+def _steps_found(rank: int, world_size: int) -> dict[str, object]:
+    log = CommLog()
+    with log.recording(("all_reduce",)):
+        for step in range(3):
+            log.step = step
+            for _ in range(step + 1):
+                dist.all_reduce(torch.ones(2))
+    found = [[e.step for e in log.in_step(step)] for step in range(4)]
+    total = len(log.events)
+    log.events.clear()  # in_step answers from its own index
+    return {"found": found, "total": total, "after_clear": len(log.in_step(2))}
+
+
+@pytest.mark.timeout(90)
+def test_in_step_finds_a_steps_events_without_searching_the_whole_log():
+    """The runners ask for each step's events as they go; a scan over every event made a long run's steps
+    slower the longer it ran (1.64 ms grew to 2.65 ms over 20,000 DDP steps)."""
+    report = dtlib.spawn(_steps_found, 1, output="none")[0]
+    assert report["found"] == [[0], [1, 1], [2, 2, 2], []] and report["total"] == 6
+    assert report["after_clear"] == 3
