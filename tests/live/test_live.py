@@ -372,3 +372,20 @@ def test_the_flight_recorder_records_by_default_and_zero_switches_it_off(monkeyp
     else:
         monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", setting)
     assert dtlib.spawn(_recorded, 2, timeout=45, output="none") == [recorded, recorded]
+
+
+def test_a_pull_keeps_none_of_the_ranks_bytes_once_it_returns(ranks):
+    """A pulled value arrives pickled; those bytes (here 2 x 40 MB) must not stay in the kernel until the next call."""
+    import tracemalloc
+
+    ranks.run("big = torch.ones(10_000_000)")  # 40 MB of float32 on each rank
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        pulled = ranks.pull("big")
+        kept = tracemalloc.get_traced_memory()[0] - before  # Python objects only: the tensors' storage is not traced
+    finally:
+        tracemalloc.stop()
+    assert [value.numel() for value in pulled] == [10_000_000] * 2
+    assert kept < 5_000_000, f"{kept:,} bytes of Python objects kept after the pull"
+    ranks.run("del big")
