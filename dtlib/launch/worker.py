@@ -187,6 +187,62 @@ def _init_process_group(backend: str, rank: int) -> None:
         dist.init_process_group(backend, init_method="env://")
 
 
+def _descendants() -> list[tuple[int, int, str]]:
+    """``(pid, process group, name)`` of every living process below this one, read from ``/proc`` (Linux;
+    elsewhere none). A process that left for a session or group of its own is still found here, by its parent."""
+    children: dict[int, list[int]] = {}
+    about: dict[int, tuple[int, str]] = {}
+    try:
+        entries = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat_file:
+                stat = stat_file.read().decode("utf-8", "replace")
+        except OSError:  # gone meanwhile
+            continue
+        name, fields = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[0] != "Z":  # a zombie is only a name waiting to be reaped
+            children.setdefault(int(fields[1]), []).append(pid)
+            about[pid] = (int(fields[2]), name)
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, *about[child]))
+            todo.append(child)
+    return found
+
+
+def _end_what_fn_left(rank: int) -> None:
+    """End the processes fn started and left running that would escape the rank's end: multiprocessing children
+    that are not daemons (Python waits for them before the rank can exit: a silent stall), and processes in
+    a group of their own (``start_new_session=True``), which killing the rank's group cannot reach. Processes
+    still in the rank's group, daemons among them, end with the group, as before. Each is named on stderr."""
+    import multiprocessing
+
+    ended = []
+    waiting = [child for child in multiprocessing.active_children() if not child.daemon]
+    for child in waiting:
+        child.terminate()
+        ended.append(f"{child.name} (pid {child.pid}, a multiprocessing child that is not a daemon)")
+    for child in waiting:
+        child.join(timeout=1.0)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=1.0)
+    for pid, group, name in _descendants():
+        if group != os.getpgid(0):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(f"{name} (pid {pid}, in a process group of its own)")
+            except OSError:
+                pass
+    if ended:
+        print(f"dtlib: rank {rank}'s function returned and left {len(ended)} process(es) running; ended: "
+              f"{'; '.join(ended)}. Wait for them (join) before returning, to keep their work.", file=sys.stderr)
+
+
 def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
     """Entry point of one rank: run ``fn(rank, world_size, *args, **kwargs)`` and report."""
     for fd in config.close_fds:
@@ -231,6 +287,11 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
             message = ("error", _error_details(wrapped))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
         message = ("error", _error_details(exc))
+    try:
+        _end_what_fn_left(config.rank)
+    except Exception as exc:  # noqa: BLE001 - the clean-up must not hide fn's result
+        print(f"dtlib: rank {config.rank} could not end what its function left running: {describe(exc)}",
+              file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     import cloudpickle

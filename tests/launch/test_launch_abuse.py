@@ -410,3 +410,31 @@ def test_a_subprocess_fn_started_ends_with_a_successful_call(start_method):
     while any(map(_living, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(_living, pids)), f"processes that fn started outlived the call: {pids}"
+
+
+def start_an_escaper_and_a_waited_child(rank, world_size):
+    import multiprocessing
+    import subprocess
+    import time
+
+    escaper = subprocess.Popen(["sleep", "300"], start_new_session=True)  # a session of its own
+    waited = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,), daemon=False)
+    waited.start()  # not a daemon: Python waits for it before the rank may exit
+    return escaper.pid, waited.pid
+
+
+@pytest.mark.timeout(120)
+def test_processes_that_escape_the_ranks_group_or_hold_its_exit_end_with_the_call_and_are_named(capfd):
+    began = time.monotonic()
+    pids = dtlib.spawn(start_an_escaper_and_a_waited_child, 2, timeout=60)
+    took = time.monotonic() - began
+    deadline = time.monotonic() + 30  # hang guard only: the kill is immediate, reaping by init may lag
+    flat = [pid for pair in pids for pid in pair]
+    while any(map(_living, flat)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_living, flat)), f"processes that fn started outlived the call: {pids}"
+    err = capfd.readouterr().err
+    for rank in range(2):
+        assert f"dtlib: rank {rank}'s function returned and left 2 process(es) running" in err, err
+    assert "in a process group of its own" in err and "a multiprocessing child that is not a daemon" in err
+    assert took < 60, took  # hang guard: before, each rank stalled in its exit until dtlib's grace ran out
