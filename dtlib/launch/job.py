@@ -214,8 +214,9 @@ class Job:
         server = forkserver_death(state.server, wait_s=1.0) if code == 255 else None
         if server is not None:  # multiprocessing reports 255 for a rank whose forkserver is gone
             how = f"was lost: the forkserver, the process that forks every rank, {server}; the rank"
-        return RankFailure(state.rank, None, f"{how} without returning a result", self.relay.recent_stderr(state.rank),
-                           code)
+        said = self.relay.last_words(state.rank)
+        message = f"{how} without returning a result" + (f"; it said: {said}" if said else "")
+        return RankFailure(state.rank, None, message, self.relay.recent_stderr(state.rank), code)
 
     def _select(self, timeout: float) -> None:
         registered = self.selector.get_map()

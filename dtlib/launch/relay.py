@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ class _Source:
     held: list[str] = field(default_factory=list)  # the start of a line not shown yet
     tail: str = ""  # the current line's last characters (stderr only, for death reports)
     recent: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=RECENT_STDERR_LINES))
+    said: str = ""  # the last "what():" line: a C++ exception's reason as native code aborted the rank
 
 
 class Relay:
@@ -94,9 +96,21 @@ class Relay:
         if end < 0:
             source.tail = (source.tail + text)[-RECENT_LINE_CHARS:]
             return
-        lines = (source.tail + text[:end]).split("\n")[-RECENT_STDERR_LINES:]
-        source.recent.extend(line[-RECENT_LINE_CHARS:] for line in lines)
+        lines = (source.tail + text[:end]).split("\n")
+        source.said = next((line[-RECENT_LINE_CHARS:] for line in reversed(lines) if "what():" in line), source.said)
+        source.recent.extend(line[-RECENT_LINE_CHARS:] for line in lines[-RECENT_STDERR_LINES:])
         source.tail = text[end + 1:][-RECENT_LINE_CHARS:]
+
+    def last_words(self, rank: int) -> str | None:
+        """The reason rank ``rank`` gave as native code aborted it, or None.
+
+        A C++ exception nobody caught (gloo's size and dtype checks, NCCL's errors) ends a rank with
+        ``terminate called ...`` and ``what():  [enforce fail at file:line] reason``, then the stacks
+        faulthandler writes: the reason, without the source location, is what the error should say.
+        Example: after ``what():  [enforce fail at pair.cc:456] 8 vs 4. Sizes differ.``, ``"8 vs 4. Sizes differ."``.
+        """
+        reason = self._source(rank, "err").said.partition("what():")[2]
+        return re.sub(r"^\s*\[enforce fail at [^\]]*\]\s*", "", reason).strip() or None
 
     def recent_stderr(self, rank: int) -> str:
         """The last lines rank ``rank`` wrote to stderr (quoted when it dies)."""

@@ -158,8 +158,8 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
     died = [rank for rank, state in sorted(states.items()) if state == "died"]
     if died:
         who = ", ".join(map(str, died))
-        return (f"rank {who} died, and a process group cannot go on without a rank (its last output, above, "
-                "says why: an error in native code, a signal, running out of memory, or gloo or NCCL aborting it)")
+        return (f"a process group cannot go on without rank {who} (the error names what it said last, if anything: "
+                "an error in native code, a signal, running out of memory, or gloo or NCCL aborting it)")
     waiting = {rank: record for rank, record in last.items()
                if states.get(rank) == "running" and record is not None and not record.done}
     if not waiting:

@@ -175,6 +175,35 @@ def test_recent_stderr_keeps_the_last_lines_and_the_unfinished_one():
     assert lines == [f"e{i}" for i in range(50 - RECENT_STDERR_LINES, 50)] + ["half"]
 
 
+def test_a_native_abort_keeps_its_reason_however_much_faulthandler_writes_after_it():
+    relay, _, _ = relay_for("none")
+    assert relay.last_words(0) is None
+    relay.feed(0, "err", b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                         b"  what():  [enforce fail at /src/gloo/transport/tcp/pair.cc:456] op.preamble.length <= "
+                         b"op.nbytes. 8 vs 4. Received data size doesn't match expected size.\n")
+    relay.feed(0, "err", "".join(f"  File \"x.py\", line {i}\n" for i in range(3 * RECENT_STDERR_LINES)).encode())
+    assert relay.last_words(0) == "op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size."
+    assert "what():" not in relay.recent_stderr(0)  # the tail alone would have lost it
+    assert relay.last_words(1) is None
+
+
+def mismatched_dtypes(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)  # 16 bytes against 32
+    dist.all_reduce(x)
+    return x
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_gloo_aborts_is_reported_with_gloos_reason():
+    with pytest.raises(dtlib.WorkerError) as caught:
+        dtlib.spawn(mismatched_dtypes, 2, output="none", timeout=60)
+    said = [failure.message for failure in caught.value.failures if "it said:" in failure.message]
+    assert said and "doesn't match expected size" in said[0], str(caught.value)
+
+
 # -- a real job ------------------------------------------------------------------------------
 
 
