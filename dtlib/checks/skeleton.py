@@ -54,6 +54,9 @@ class RankExercise:
     right: Callable[[int, int], str]  # (the two world sizes): the message of a right answer
     hang: Callable[[WorkerTimeout, str], str]  # (the timeout, fn's name)
     failure: Callable[[WorkerError], str]  # a rank raised or died
+    # every rank's collectives, {name: times}, once every value is right: what to say if they were more than
+    # the exercise needs (an all-gather where one all-reduce does), or None
+    excess: Callable[[Sequence[dict[str, int]]], str | None] = lambda calls: None
 
 
 def reduce_hint(answer: Answer) -> str:
@@ -85,4 +88,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> F
         silent = rank_without_communication(calls)  # right values, but did they travel?
         if silent is not None:
             return Feedback(False, exercise.no_collective(silent, expected))
+        too_much = exercise.excess(calls)
+        if too_much:
+            return Feedback(False, too_much)
     return Feedback(True, exercise.right(*sizes))

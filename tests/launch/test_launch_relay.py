@@ -182,7 +182,8 @@ def test_a_native_abort_keeps_its_reason_however_much_faulthandler_writes_after_
                          b"  what():  [enforce fail at /src/gloo/transport/tcp/pair.cc:456] op.preamble.length <= "
                          b"op.nbytes. 8 vs 4. Received data size doesn't match expected size.\n")
     relay.feed(0, "err", "".join(f"  File \"x.py\", line {i}\n" for i in range(3 * RECENT_STDERR_LINES)).encode())
-    assert relay.last_words(0) == "op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size."
+    reason = "op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size."
+    assert relay.last_words(0) == reason
     assert "what():" not in relay.recent_stderr(0)  # the tail alone would have lost it
     assert relay.last_words(1) is None
 

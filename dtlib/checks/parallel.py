@@ -1,0 +1,144 @@
+"""Exercises beyond data parallelism: a tensor-parallel MLP written by hand (notebook 09).
+
+The MLP is ``y = gelu(x @ up.T) @ down.T`` with ``nn.Linear``'s weight layout, ``(out_features,
+in_features)``: :func:`mlp_inputs` gives every rank the same ``x``, ``up`` and ``down``. Megatron's split is
+column parallel, then row parallel: each rank keeps whole hidden features (rows of ``up``, the columns of
+A in Y = XA), applies gelu to them with no communication, multiplies by its columns of ``down`` and ends
+with a partial sum of the output, which one all-reduce completes.
+
+Example: ``tensor_parallel_mlp(fn)``, where ``fn(rank, world_size)`` returns the MLP's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtlib.checks.skeleton import UNREADABLE, RankExercise, judge
+from dtlib.errors import WorkerError
+from dtlib.feedback import Feedback
+
+BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
+
+
+def mlp_inputs(device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (4, 8), ``up`` (12, 8) and ``down`` (8, 12), float32 on ``device``, the same on every rank.
+
+    Example: ``x, up, down = mlp_inputs(dtlib.rank_device())``.
+    """
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(BATCH, FEATURES, generator=generator)
+    up = torch.randn(HIDDEN, FEATURES, generator=generator) / FEATURES ** 0.5
+    down = torch.randn(FEATURES, HIDDEN, generator=generator) / HIDDEN ** 0.5
+    return x.to(device), up.to(device), down.to(device)
+
+
+def _mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x @ up.T) @ down.T
+
+
+def _expected(size: int) -> torch.Tensor:
+    return _mlp(*mlp_inputs()).double()
+
+
+def _split_the_wrong_way(size: int) -> torch.Tensor:
+    """The sum over ranks of gelu(a partial sum): the first layer split by its input features (dim 1 of up)."""
+    x, up, down = mlp_inputs()
+    return sum(F.gelu(x_r @ up_r.T) @ down.T for x_r, up_r in zip(x.chunk(size, 1), up.chunk(size, 1),
+                                                                  strict=True)).double()
+
+
+def _partial(size: int, rank: int) -> torch.Tensor:
+    x, up, down = mlp_inputs()
+    return (F.gelu(x @ up.chunk(size, 0)[rank].T) @ down.chunk(size, 1)[rank].T).double()
+
+
+def _read(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == (BATCH, FEATURES):
+        return value.detach().double().cpu()
+    return UNREADABLE
+
+
+def _close(value: torch.Tensor, expected: torch.Tensor) -> bool:
+    return value.shape == expected.shape and torch.allclose(value, expected, atol=1e-5, rtol=1e-5)
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _failure(err: WorkerError) -> str:
+    said = err.failures[0].headline()
+    if "cannot be multiplied" in said or "size of tensor" in said or "shape" in said:
+        return (f"A matmul's shapes did not fit on a rank ({said.splitlines()[-1]}). nn.Linear keeps its weight as "
+                "(out_features, in_features): the first layer's columns of A (Y = XA) are rows of up (dim 0), "
+                "the second layer's rows of A are columns of down (dim 1).")
+    return f"Your function raised on a rank:\n{said}"
+
+
+def _excess(calls: Sequence[dict[str, int]]) -> str | None:
+    gathered = [rank for rank, counted in enumerate(calls) if any("gather" in name for name in counted)]
+    if gathered:
+        return (f"Right values, but rank {gathered[0]} gathered activations ({', '.join(sorted(calls[gathered[0]]))}): "
+                "with down split by its input features (dim 1), each rank's product is already a partial sum of "
+                "the whole output, and one all_reduce of the (4, 8) output is all the MLP needs.")
+    reduces = max(counted.get("all_reduce", 0) for counted in calls)
+    if reduces > 1:
+        return (f"Right values, but with {reduces} all-reduces per rank: the column-parallel layer needs none (gelu "
+                "acts on whole hidden features), the row-parallel layer one, at the end.")
+    return None
+
+
+TENSOR_PARALLEL_MLP = RankExercise(
+    expected=_expected,
+    read=_read,
+    same=_close,
+    hints=[
+        (lambda a: a.value is UNREADABLE and isinstance(a.returned, torch.Tensor)
+         and tuple(a.returned.shape) == (BATCH, HIDDEN // a.size),
+         lambda a: f"Rank {a.rank} returned its hidden activations, {_shape_of(a.returned)}: go on through the "
+                   "second layer, with this rank's columns of down, and all-reduce the output."),
+        (lambda a: a.value is UNREADABLE,
+         lambda a: f"Rank {a.rank} returned {_shape_of(a.returned)}: return the MLP's whole output, a float tensor of "
+                   f"shape ({BATCH}, {FEATURES}), on every rank."),
+        (lambda a: _close(a.value, _partial(a.size, a.rank)),
+         lambda a: f"Rank {a.rank} holds only its share of the output: after the row-parallel layer each rank has a "
+                   "partial sum over its hidden features. dist.all_reduce(y) (SUM) adds the shares."),
+        (lambda a: _close(a.value, _expected(a.size) / a.size),
+         lambda a: f"Rank {a.rank} holds the output divided by {a.size}: the ranks' partial sums add up to the output; "
+                   "all-reduce with SUM and do not divide (nothing here is an average)."),
+        (lambda a: _close(a.value, _split_the_wrong_way(a.size)),
+         lambda a: f"Rank {a.rank} split the first layer by its input features (dim 1 of up), so each rank's hidden "
+                   "values were partial sums, and gelu of a partial sum is not part of gelu of the sum. Split up by "
+                   "its output features (dim 0): each rank then holds whole hidden features, and gelu needs no "
+                   "communication."),
+    ],
+    otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank}'s output differs from one process's by up to "
+                         f"{(a.value - a.expected).abs().max().item():.3g}: take rows {a.rank} of up.chunk(world_size, "
+                         "0) and columns of down.chunk(world_size, 1), then all-reduce."),
+    no_collective=lambda rank, expected: (
+        f"Rank {rank} has the right output but communicated nothing: it computed the whole MLP with every weight. "
+        "Each rank must use only its slice of up and of down; an all-reduce then adds the partial outputs."),
+    right=lambda first, second: (
+        f"Every rank holds the MLP's output, with {first} ranks and with {second}, after one all-reduce: column "
+        "parallel (rows of up) then row parallel (columns of down), the split Megatron-LM uses for every MLP and "
+        "attention block, and what ColwiseParallel and RowwiseParallel do."),
+    hang=lambda err, name: "Your function hung: every rank must call the same collectives in the same order.",
+    failure=_failure,
+    excess=_excess,
+)
+
+
+def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
+    """Notebook 09: ``fn(rank, world_size)`` computes :func:`mlp_inputs`' MLP with its own slice of ``up`` and of
+    ``down`` and returns the whole output on every rank; it runs with ``world_size`` ranks and with one more.
+
+    Right: one process's output, through exactly one all-reduce and no gather. Each wrong answer is named: the
+    missing all-reduce, an average, the first layer split by its input features, a shape that does not fit.
+    """
+    return judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)

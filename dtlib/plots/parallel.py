@@ -1,0 +1,70 @@
+"""Figures beyond data parallelism: where each rank's part of a tensor lies (DTensor placements)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from dtlib.plots._style import COLORS
+from dtlib.plots.sharding import RANK_COLORS
+
+
+def _dims(shape: Sequence[int]) -> tuple[int, int]:
+    if not 1 <= len(shape) <= 2:
+        raise ValueError(f"placements draws 1-D and 2-D tensors, got shape {tuple(shape)}")
+    return (int(shape[0]), int(shape[1])) if len(shape) == 2 else (int(shape[0]), 1)
+
+
+def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int, title: str = "") -> Figure:
+    """Each tensor of ``layout`` as its (rows, columns) rectangle, coloured by the rank that holds each part.
+
+    ``layout`` maps a name to ``(global shape, placement)``, the placement a DTensor's (``Shard(0)``,
+    ``Shard(1)``, ``Replicate()``, ``Partial()``) or its ``str``. ``Shard(d)`` cuts dimension d into
+    ``world_size`` stripes as ``torch.chunk`` does; ``Replicate()`` is whole on every rank; ``Partial()`` is
+    whole-sized on every rank, each holding a summand. Example (in the kernel, from a rank's report)::
+
+        plots.placements({"up.weight": ((64, 16), "Shard(0)"), "down.weight": ((16, 64), "Shard(1)")}, 2)
+    """
+    if not layout:
+        raise ValueError("placements needs at least one tensor")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    fig, axes = plt.subplots(1, len(layout), figsize=(min(14.0, 1.0 + 3.0 * len(layout)), 3.6), squeeze=False)
+    for ax, (name, (shape, placement)) in zip(axes[0], layout.items(), strict=True):
+        rows, cols = _dims(shape)
+        said = str(placement)
+        if said.startswith("Shard("):
+            dim = int(said[len("Shard("):].rstrip(")"))
+            by_rows = len(shape) == 1 or dim in (0, -2)
+            along = rows if by_rows else cols
+            size = -(-along // world_size)  # torch.chunk's split
+            for rank in range(world_size):
+                start, stop = rank * size, min(along, (rank + 1) * size)
+                if start >= stop:
+                    continue
+                x, y, w, h = (0, start, cols, stop - start) if by_rows else (start, 0, stop - start, rows)
+                ax.add_patch(Rectangle((x, y), w, h, color=RANK_COLORS[rank % len(RANK_COLORS)], alpha=0.85))
+                ax.text(x + w / 2, y + h / 2, f"rank {rank}", ha="center", va="center", color="white", fontsize=9,
+                        rotation=0 if by_rows else 90)
+        elif said.startswith("Partial"):
+            ax.add_patch(Rectangle((0, 0), cols, rows, facecolor=COLORS["store"], hatch="//", edgecolor="black",
+                                   alpha=0.6))
+            ax.text(cols / 2, rows / 2, "a summand\non every rank", ha="center", va="center", fontsize=9)
+        else:
+            ax.add_patch(Rectangle((0, 0), cols, rows, color=COLORS["off"]))
+            ax.text(cols / 2, rows / 2, "whole on\nevery rank", ha="center", va="center", fontsize=9)
+        ax.set_xlim(0, cols)
+        ax.set_ylim(rows, 0)
+        ax.set_aspect("equal" if max(rows, cols) <= 8 * min(rows, cols) else "auto")
+        ax.set_xlabel(f"columns ({cols})")
+        ax.set_ylabel(f"rows ({rows})")
+        ax.set_title(f"{name}\n{said}", fontsize=10)
+    handles = [Patch(color=RANK_COLORS[r % len(RANK_COLORS)], label=f"rank {r}") for r in range(world_size)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(world_size, 8), fontsize=8)
+    fig.suptitle(title or f"Where each of {world_size} ranks holds its part", fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig

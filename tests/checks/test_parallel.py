@@ -1,0 +1,103 @@
+"""dtlib.checks.tensor_parallel_mlp: the right split passes with 2 and 3 ranks; each wrong one is named.
+
+The oracle is one process's MLP; the wrong answers are the ones a learner writes: no all-reduce, an average,
+the first layer split by its input features, weights sliced along the wrong dimension, an all-gather of the
+hidden activations, every rank computing everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtlib import checks
+from dtlib.checks.parallel import mlp_inputs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def megatron(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return y
+
+
+def no_all_reduce(rank, world_size):
+    x, up, down = mlp_inputs()
+    return F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+
+
+def averaged(rank, world_size):
+    y = no_all_reduce(rank, world_size)
+    dist.all_reduce(y)
+    return y / world_size
+
+
+def first_layer_by_input_features(rank, world_size):
+    x, up, down = mlp_inputs()
+    h = F.gelu(x.chunk(world_size, 1)[rank] @ up.chunk(world_size, 1)[rank].T)  # a partial sum, then gelu
+    y = h @ down.T
+    dist.all_reduce(y)
+    return y
+
+
+def down_by_output_features(rank, world_size):
+    x, up, down = mlp_inputs()
+    h = F.gelu(x @ up.chunk(world_size, 0)[rank].T)
+    y = h @ down.chunk(world_size, 0)[rank].T  # (4, 6) @ (12, 4): the shapes do not fit
+    dist.all_reduce(y)
+    return y
+
+
+def gathered_hidden(rank, world_size):
+    x, up, down = mlp_inputs()
+    h = F.gelu(x @ up.chunk(world_size, 0)[rank].T)
+    pieces = [torch.empty_like(h) for _ in range(world_size)]
+    dist.all_gather(pieces, h)
+    return torch.cat(pieces, 1) @ down.T
+
+
+def everything_everywhere(rank, world_size):
+    x, up, down = mlp_inputs()
+    return F.gelu(x @ up.T) @ down.T
+
+
+def hidden_only(rank, world_size):
+    x, up, _ = mlp_inputs()
+    return F.gelu(x @ up.chunk(world_size, 0)[rank].T)
+
+
+def two_all_reduces(rank, world_size):
+    y = megatron(rank, world_size)
+    dist.all_reduce(torch.zeros(1))  # an extra collective: one more than the MLP needs
+    return y
+
+
+@pytest.mark.parametrize("fn, ok, fragments", [
+    (megatron, True, ["with 2 ranks and with 3", "one all-reduce"]),
+    (no_all_reduce, False, ["holds only its share of the output", "dist.all_reduce(y)"]),
+    (averaged, False, ["divided by 2", "do not divide"]),
+    (first_layer_by_input_features, False, ["by its input features (dim 1 of up)", "gelu of a partial sum"]),
+    (down_by_output_features, False, ["shapes did not fit", "columns of down (dim 1)"]),
+    (gathered_hidden, False, ["Right values, but rank 0 gathered activations", "one all_reduce"]),
+    (everything_everywhere, False, ["communicated nothing", "only its slice"]),
+    (hidden_only, False, ["returned its hidden activations", "shape (4, 6)"]),
+    (two_all_reduces, False, ["2 all-reduces per rank"]),
+    ("megatron", False, ["Pass your function itself"]),
+])
+def test_tensor_parallel_mlp(fn, ok, fragments):
+    feedback = checks.tensor_parallel_mlp(fn)
+    assert feedback.ok is ok, feedback.message
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message
+
+
+def test_the_inputs_are_the_same_on_every_call_and_split_evenly_over_2_and_3_ranks():
+    first, second = mlp_inputs(), mlp_inputs()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    x, up, down = first
+    assert x.shape == (4, 8) and up.shape == (12, 8) and down.shape == (8, 12)
+    assert up.shape[0] % 2 == up.shape[0] % 3 == 0
