@@ -22,6 +22,7 @@ MARKERS = {
     "06_ddp_vs_fsdp": "plots.guide_grid",
     "07_torchrun": "rendezvous=\"static\"",
     "08_pitfalls": "",
+    "09_tensor_parallel": "The block's weights on 2 ranks",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,24 @@ def _dims(shape: Sequence[int]) -> tuple[int, int]:
     if not 1 <= len(shape) <= 2:
         raise ValueError(f"placements draws 1-D and 2-D tensors, got shape {tuple(shape)}")
     return (int(shape[0]), int(shape[1])) if len(shape) == 2 else (int(shape[0]), 1)
+
+
+def _placement(placement: Any) -> tuple[str, int]:
+    """("shard", dim), ("partial", 0) or ("replicate", 0) from a DTensor placement or its str, long or short
+    (``Shard(dim=1)``, ``Shard(1)``, ``S(1)``; ``Partial(sum)``, ``P(sum)``; ``Replicate()``, ``R``)."""
+    if hasattr(placement, "is_shard"):
+        if placement.is_shard():
+            return "shard", int(placement.dim)
+        return ("partial", 0) if placement.is_partial() else ("replicate", 0)
+    text = str(placement).strip()
+    found = re.fullmatch(r"(?:Shard|S)\((?:dim=)?(-?\d+)\)", text)
+    if found:
+        return "shard", int(found[1])
+    if re.fullmatch(r"(?:Partial|P)(?:\(.*\))?", text):
+        return "partial", 0
+    if re.fullmatch(r"Replicate\(\)|R", text):
+        return "replicate", 0
+    raise ValueError(f"not a DTensor placement: {placement!r} (Shard(d), Replicate() or Partial())")
 
 
 def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int, title: str = "") -> Figure:
@@ -36,9 +55,9 @@ def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int,
     fig, axes = plt.subplots(1, len(layout), figsize=(min(14.0, 1.0 + 3.0 * len(layout)), 3.6), squeeze=False)
     for ax, (name, (shape, placement)) in zip(axes[0], layout.items(), strict=True):
         rows, cols = _dims(shape)
-        said = str(placement)
-        if said.startswith("Shard("):
-            dim = int(said[len("Shard("):].rstrip(")"))
+        kind, dim = _placement(placement)
+        said = {"shard": f"Shard({dim})", "partial": "Partial(sum)", "replicate": "Replicate()"}[kind]
+        if kind == "shard":
             by_rows = len(shape) == 1 or dim in (0, -2)
             along = rows if by_rows else cols
             size = -(-along // world_size)  # torch.chunk's split
@@ -50,7 +69,7 @@ def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int,
                 ax.add_patch(Rectangle((x, y), w, h, color=RANK_COLORS[rank % len(RANK_COLORS)], alpha=0.85))
                 ax.text(x + w / 2, y + h / 2, f"rank {rank}", ha="center", va="center", color="white", fontsize=9,
                         rotation=0 if by_rows else 90)
-        elif said.startswith("Partial"):
+        elif kind == "partial":
             ax.add_patch(Rectangle((0, 0), cols, rows, facecolor=COLORS["store"], hatch="//", edgecolor="black",
                                    alpha=0.6))
             ax.text(cols / 2, rows / 2, "a summand\non every rank", ha="center", va="center", fontsize=9)

@@ -182,3 +182,25 @@ def test_ddp_timeline_labels_every_bucket_and_buckets_launched_together_apart():
     assert [text.get_text().strip() for text in ax.texts] == ["1.00", "1.00", "0.03"]  # MiB
     assert ax.texts[1].get_position()[1] != ax.texts[2].get_position()[1]
     assert "Step 1: 50% of communication hidden" in ax.get_title()
+
+
+def test_placements_reads_placement_objects_and_their_long_and_short_names_and_refuses_others():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from dtlib.plots.parallel import _placement
+
+    for given, read in [(Shard(1), ("shard", 1)), ("Shard(dim=-1)", ("shard", -1)), ("S(0)", ("shard", 0)),
+                        (Replicate(), ("replicate", 0)), ("R", ("replicate", 0)), (Partial(), ("partial", 0)),
+                        ("P(sum)", ("partial", 0))]:
+        assert _placement(given) == read
+    for bad in ("X(1)", "Shard", "", "Shard(a)"):
+        with pytest.raises(ValueError, match="not a DTensor placement"):
+            _placement(bad)
+    with pytest.raises(ValueError, match="1-D and 2-D"):
+        plots.placements({"cube": ((2, 2, 2), Shard(0))}, 2)
+    with pytest.raises(ValueError, match="at least one tensor"):
+        plots.placements({}, 2)
+    row_stripes = plots.placements({"w": ((8, 4), Shard(0))}, 2).axes[0].patches  # Shard(0): rows split
+    assert [(p.get_y(), p.get_height()) for p in row_stripes] == [(0, 4), (4, 4)]
+    column_stripes = plots.placements({"w": ((8, 4), "Shard(1)")}, 2).axes[0].patches
+    assert [(p.get_x(), p.get_width()) for p in column_stripes] == [(0, 2), (2, 2)]
