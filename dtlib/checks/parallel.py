@@ -11,6 +11,8 @@ Example: ``tensor_parallel_mlp(fn)``, where ``fn(rank, world_size)`` returns the
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -142,3 +144,46 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
     missing all-reduce, an average, the first layer split by its input features, a shape that does not fit.
     """
     return judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
+
+
+def pipeline_bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle share of a pipeline step with equal stages and free communication: (p - 1) / (v m + p - 1) for
+    p stages' ranks, m micro-batches and v stages per rank (1 for GPipe and 1F1B; 2 or more interleaved).
+    Example: ``pipeline_bubble(4, 8)`` is 3 / 11."""
+    if stages < 1 or micro_batches < 1 or chunks < 1:
+        raise ValueError(f"stages, micro_batches and chunks must be >= 1, got {stages}, {micro_batches}, {chunks}")
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
+
+
+def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, batch: int = 64) -> Feedback:
+    """Notebook 10: the fewest micro-batches that split ``batch`` samples evenly and keep a 1F1B pipeline of
+    ``stages`` ranks idle at most ``target`` of the time, :func:`pipeline_bubble`.
+
+    Example: ``pipeline_micro_batches(16)`` says the bubble is still 3/19 = 16%.
+    """
+    if (isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer)
+            or answer != int(answer)):
+        return Feedback(False, f"Answer with a whole number of micro-batches, got {answer!r}.")
+    count = int(answer)
+    fits = [m for m in range(1, batch + 1) if batch % m == 0 and pipeline_bubble(stages, m) <= target]
+    if not fits:
+        raise ValueError(f"no micro-batch count meets a {target:.0%} bubble with {stages} stages and {batch} samples")
+    best = fits[0]
+    if count < 1:
+        return Feedback(False, "A step needs at least one micro-batch.")
+    if count > batch or batch % count:
+        return Feedback(False, f"{count} micro-batches do not split {batch} samples evenly: every micro-batch must "
+                               f"have the same size, so choose a divisor of {batch}.")
+    bubble = pipeline_bubble(stages, count)
+    if bubble > target:
+        return Feedback(False, f"With {count} micro-batches the bubble is (p - 1) / (m + p - 1) = {stages - 1}/"
+                               f"{count + stages - 1} = {bubble:.1%}, above {target:.0%}: more micro-batches shrink "
+                               "it, because the p - 1 steps of filling and draining are shared by more of them.")
+    if count > best:
+        each = batch // count
+        return Feedback(False, f"{count} micro-batches meet the target ({bubble:.1%}), but fewer do too: each extra "
+                               f"one makes every pass smaller (here {each} sample{'s' if each != 1 else ''}), which a "
+                               "GPU computes less efficiently, and sends one more message per stage. Find the fewest.")
+    return Feedback(True, f"{count} micro-batches of {batch // count} samples: the bubble is {stages - 1}/"
+                          f"{count + stages - 1} = {bubble:.1%}, the first divisor of {batch} at or under "
+                          f"{target:.0%} (the bound alone asks m >= {(stages - 1) * (1 - target) / target:.0f}).")

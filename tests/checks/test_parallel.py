@@ -101,3 +101,43 @@ def test_the_inputs_are_the_same_on_every_call_and_split_evenly_over_2_and_3_ran
     x, up, down = first
     assert x.shape == (4, 8) and up.shape == (12, 8) and down.shape == (8, 12)
     assert up.shape[0] % 2 == up.shape[0] % 3 == 0
+
+
+@pytest.mark.parametrize("answer, ok, fragments", [
+    (32, True, ["32 micro-batches of 2 samples", "3/35 = 8.6%", "m >= 27"]),
+    (27, False, ["do not split 64 samples evenly"]),  # the bound alone: not a divisor
+    (16, False, ["3/19 = 15.8%, above 10%"]),
+    (8, False, ["3/11 = 27.3%"]),
+    (64, False, ["fewer do too", "1 sample)"]),
+    (0, False, ["at least one micro-batch"]),
+    (-4, False, ["at least one micro-batch"]),
+    (2.5, False, ["whole number"]),
+    ("32", False, ["whole number"]),
+    (True, False, ["whole number"]),
+    (float("nan"), False, ["whole number"]),
+    (128, False, ["do not split 64 samples evenly"]),
+])
+def test_pipeline_micro_batches(answer, ok, fragments):
+    feedback = checks.pipeline_micro_batches(answer)
+    assert feedback.ok is ok, feedback.message
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message
+
+
+def test_pipeline_micro_batches_takes_numpy_integers_and_other_settings():
+    import numpy as np
+
+    assert checks.pipeline_micro_batches(np.int64(32)).ok
+    assert checks.pipeline_micro_batches(16, stages=2, target=0.1).ok  # m >= 9: 16 is 64's first divisor there
+    assert checks.pipeline_micro_batches(10, stages=2, target=0.1, batch=60).ok  # and 10 is 60's
+    assert "fewer do too" in checks.pipeline_micro_batches(12, stages=2, target=0.1, batch=60).message
+    assert not checks.pipeline_micro_batches(8, stages=2, target=0.1, batch=16).ok  # 1/9 = 11.1%
+
+
+def test_the_bubble_formula():
+    from dtlib.checks.parallel import pipeline_bubble
+
+    assert pipeline_bubble(4, 8) == 3 / 11 and pipeline_bubble(1, 5) == 0.0
+    assert pipeline_bubble(4, 8, chunks=2) == 3 / 19  # interleaved: the bubble divides by about v
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pipeline_bubble(0, 8)

@@ -57,7 +57,7 @@ UNITS = {"s", "ms", "us", "seconds", "B", "bytes", "kB", "MB", "GB", "KiB", "MiB
 # Counts, indices and dimensionless numbers need no unit: a label that begins with one of these.
 UNITLESS = {
     "rank", "ranks", "world size", "step", "steps", "epoch", "element", "elements", "position", "index",
-    "chunk", "chunks", "bucket", "buckets", "rows", "columns", "inputs", "calls",
+    "chunk", "chunks", "bucket", "buckets", "rows", "columns", "inputs", "calls", "micro-batches",
     "loss",  # dimensionless: mean squared error or cross-entropy
 }
 
@@ -202,6 +202,13 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
               "ring sweep only": lambda: call(_busbw_rows("ring"))},
     "before_after": {"all_reduce_sum": lambda: call(*_all_reduce_sum(4)), "all_gather": lambda: call(*_all_gather(4)),
                    "gather": lambda: call(*_gather())},
+    "pipeline": {"1F1B on 2 ranks": lambda: call([[("F", 0, 0, 0.00, 0.01), ("F", 0, 1, 0.01, 0.02),
+                                                    ("B", 0, 0, 0.04, 0.06), ("B", 0, 1, 0.07, 0.09)],
+                                                   [("F", 1, 0, 0.01, 0.02), ("B", 1, 0, 0.02, 0.04),
+                                                    ("F", 1, 1, 0.04, 0.05), ("B", 1, 1, 0.05, 0.07)]]),
+                 "interleaved": lambda: call([[("F", 0, 0, 0.0, 0.01), ("F", 2, 0, 0.02, 0.03)],
+                                              [("F", 1, 0, 0.01, 0.02), ("F", 3, 0, 0.03, 0.04)]], "two stages each")},
+    "bubble_curve": {"4 stages": lambda: call([1, 2, 4, 8, 16], [0.76, 0.62, 0.45, 0.3, 0.17], 4)},
     "placements": {"notebook 09 MLP": lambda: call({"up.weight": ((64, 16), "Shard(0)"),
                                                     "down.weight": ((16, 64), "Shard(1)"),
                                                     "x": ((4, 16), "Replicate()"), "y": ((4, 16), "Partial(sum)")}, 2),

@@ -1,0 +1,120 @@
+"""When each pipeline stage runs forward and backward, per micro-batch: a clock for pipeline schedules.
+
+:class:`StageClock` wraps a stage's module so that every forward and every backward through it is
+recorded with its start and end on ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock that every
+process of the machine shares, so the ranks' records line up). It can also make each pass take a fixed
+time, a stand-in for a GPU kernel: on a laptop the ranks share a few CPU cores, and a schedule's chart
+would then show their contention instead of the schedule. The work is a sleep, which leaves the cores free.
+
+The records give what a schedule is judged by: :func:`bubble`, the share of the ranks' time spent idle
+inside the step, and :func:`in_flight_peak`, the most micro-batches whose activations a stage held at
+once (GPipe holds every micro-batch; 1F1B at most the number of stages).
+
+Example (inside a rank)::
+
+    clock = StageClock(forward_s=0.01, backward_s=0.02)
+    stage_module = clock.wrap(nn.Linear(16, 16), stage=rank)
+    ...  # run a schedule
+    clock.spans()   # [("F", stage, micro_batch, start_s, end_s), ...]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+Span = tuple[str, int, int, float, float]  # ("F" or "B", stage, micro-batch, start s, end s)
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that records (and, if asked, takes) time in forward and in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clock: StageClock, stage: int) -> torch.Tensor:
+        ctx.clock, ctx.stage = clock, stage
+        clock._record("F", stage, clock.forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.clock._record("B", ctx.stage, ctx.clock.backward_s)
+        return grad, None, None
+
+
+class _Clocked(nn.Module):
+    def __init__(self, module: nn.Module, clock: StageClock, stage: int) -> None:
+        super().__init__()
+        self.module, self.clock, self.stage = module, clock, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"StageClock wraps stages that return one tensor, got {type(out).__name__}")
+        return _Mark.apply(out, self.clock, self.stage)
+
+
+class StageClock:
+    """Records each forward and backward of the modules it wraps, as (kind, stage, start, end) on one clock.
+
+    ``forward_s`` and ``backward_s``: the time each pass takes besides the module's own compute (a sleep),
+    0 to record only. A forward is recorded as the module's output leaves the stage; a backward as its
+    gradient arrives, before the module's own (here tiny) backward runs.
+    """
+
+    def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
+        if forward_s < 0 or backward_s < 0:
+            raise ValueError(f"forward_s and backward_s must be >= 0, got {forward_s} and {backward_s}")
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.events: list[tuple[str, int, float, float]] = []
+
+    def wrap(self, module: nn.Module, stage: int) -> nn.Module:
+        """``module`` with every pass through it recorded as stage ``stage``; its parameters are unchanged."""
+        return _Clocked(module, self, stage)
+
+    def _record(self, kind: str, stage: int, seconds: float) -> None:
+        start = time.perf_counter()
+        if seconds:
+            time.sleep(seconds)
+        self.events.append((kind, stage, start, time.perf_counter()))
+
+    def clear(self) -> None:
+        """Forget what was recorded: a schedule's first step also runs its metadata inference."""
+        self.events.clear()
+
+    def spans(self) -> list[Span]:
+        """The records, each with its micro-batch: a stage runs its forwards, and its backwards, in
+        micro-batch order under every schedule, so the n-th forward (backward) of a stage is micro-batch n."""
+        seen: dict[tuple[str, int], int] = {}
+        out: list[Span] = []
+        for kind, stage, start, end in self.events:
+            index = seen.get((kind, stage), 0)
+            seen[(kind, stage)] = index + 1
+            out.append((kind, stage, index, start, end))
+        return out
+
+
+def bubble(spans_per_rank: Sequence[Sequence[Span]]) -> float:
+    """The share of the ranks' time idle between the step's first start and its last end, all ranks together:
+    1 - (time busy, summed over ranks) / (ranks x the step's length). Example: two ranks busy 3 s each
+    within a 4 s step -> 0.25."""
+    spans = [span for rank in spans_per_rank for span in rank]
+    if not spans:
+        raise ValueError("no spans recorded: wrap the stages with StageClock.wrap and run a step")
+    begin, end = min(s[3] for s in spans), max(s[4] for s in spans)
+    busy = sum(s[4] - s[3] for s in spans)
+    return 1.0 - busy / (len(spans_per_rank) * (end - begin))
+
+
+def in_flight_peak(spans: Sequence[Span], stage: int) -> int:
+    """The most micro-batches of ``stage`` that had run forward but not yet backward at any moment: whose
+    activations the stage held at once."""
+    held = peak = 0
+    for kind, where, _, _, _ in sorted(spans, key=lambda s: s[3]):
+        if where == stage:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+    return peak
