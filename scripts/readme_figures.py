@@ -23,6 +23,7 @@ MARKERS = {
     "07_torchrun": "rendezvous=\"static\"",
     "08_pitfalls": "",
     "09_tensor_parallel": "The block's weights on 2 ranks",
+    "10_pipeline_parallel": "for name, reports in runs.items():\n    spans",
 }
 
 
