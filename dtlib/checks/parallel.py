@@ -20,17 +20,22 @@ import torch
 import torch.nn.functional as F
 
 from dtlib.checks.skeleton import UNREADABLE, RankExercise, judge
-from dtlib.errors import WorkerError
+from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
+from dtlib.launch.entry import rank_device
+from dtlib.launch.spawn import spawn
+from dtlib.measure.counting import CALL_NAMES
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
 
 
 def mlp_inputs(device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` (4, 8), ``up`` (12, 8) and ``down`` (8, 12), float32 on ``device``, the same on every rank.
+    """``x`` (4, 8), ``up`` (12, 8) and ``down`` (8, 12), float32 on ``device`` (default: the rank's own,
+    :func:`dtlib.rank_device`), the same on every rank.
 
-    Example: ``x, up, down = mlp_inputs(dtlib.rank_device())``.
+    Example: ``x, up, down = mlp_inputs()``.
     """
+    device = rank_device() if device is None else device
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(BATCH, FEATURES, generator=generator)
     up = torch.randn(HIDDEN, FEATURES, generator=generator) / FEATURES ** 0.5
@@ -43,23 +48,34 @@ def _mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
 
 
 def _expected(size: int) -> torch.Tensor:
-    return _mlp(*mlp_inputs()).double()
+    return _mlp(*mlp_inputs("cpu")).double()
 
 
 def _split_the_wrong_way(size: int) -> torch.Tensor:
     """The sum over ranks of gelu(a partial sum): the first layer split by its input features (dim 1 of up)."""
-    x, up, down = mlp_inputs()
+    x, up, down = mlp_inputs("cpu")
     return sum(F.gelu(x_r @ up_r.T) @ down.T for x_r, up_r in zip(x.chunk(size, 1), up.chunk(size, 1),
                                                                   strict=True)).double()
 
 
+def _gelu_after_the_sum(size: int) -> torch.Tensor:
+    x, up, down = mlp_inputs("cpu")
+    return F.gelu(x @ up.T @ down.T).double()
+
+
+def _largest_summand(size: int) -> torch.Tensor:
+    return torch.stack([_partial(size, rank) for rank in range(size)]).max(0).values
+
+
 def _partial(size: int, rank: int) -> torch.Tensor:
-    x, up, down = mlp_inputs()
+    x, up, down = mlp_inputs("cpu")
     return (F.gelu(x @ up.chunk(size, 0)[rank].T) @ down.chunk(size, 1)[rank].T).double()
 
 
 def _read(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == (BATCH, FEATURES):
+    if hasattr(value, "placements") or not isinstance(value, torch.Tensor):  # a DTensor: not what to return
+        return UNREADABLE
+    if value.is_floating_point() and value.shape == (BATCH, FEATURES):
         return value.detach().double().cpu()
     return UNREADABLE
 
@@ -86,9 +102,9 @@ def _failure(err: WorkerError) -> str:
 def _excess(calls: Sequence[dict[str, int]]) -> str | None:
     gathered = [rank for rank, counted in enumerate(calls) if any("gather" in name for name in counted)]
     if gathered:
-        return (f"Right values, but rank {gathered[0]} gathered activations ({', '.join(sorted(calls[gathered[0]]))}): "
-                "with down split by its input features (dim 1), each rank's product is already a partial sum of "
-                "the whole output, and one all_reduce of the (4, 8) output is all the MLP needs.")
+        return (f"Right values, but rank {gathered[0]} gathered ({', '.join(sorted(calls[gathered[0]]))}): no rank "
+                "needs another rank's activations here. Each rank's rows of up and columns of down give a summand "
+                "of the whole output, and one all_reduce of the (4, 8) summands is all the MLP needs.")
     reduces = max(counted.get("all_reduce", 0) for counted in calls)
     if reduces > 1:
         return (f"Right values, but with {reduces} all-reduces per rank: the column-parallel layer needs none (gelu "
@@ -101,6 +117,12 @@ TENSOR_PARALLEL_MLP = RankExercise(
     read=_read,
     same=_close,
     hints=[
+        (lambda a: hasattr(a.returned, "placements"),
+         lambda a: f"Rank {a.rank} returned a DTensor ({a.returned.placements}): return a plain tensor, whole on every "
+                   "rank, such as y.full_tensor()."),
+        (lambda a: isinstance(a.returned, torch.Tensor) and a.returned.dtype in (torch.bfloat16, torch.float16),
+         lambda a: f"Rank {a.rank} computed in {str(a.returned.dtype).removeprefix('torch.')}, which keeps about 3 "
+                   "significant digits; the check compares with one process to 1e-5: compute in float32."),
         (lambda a: a.value is UNREADABLE and isinstance(a.returned, torch.Tensor)
          and tuple(a.returned.shape) == (BATCH, HIDDEN // a.size),
          lambda a: f"Rank {a.rank} returned its hidden activations, {_shape_of(a.returned)}: go on through the "
@@ -108,9 +130,18 @@ TENSOR_PARALLEL_MLP = RankExercise(
         (lambda a: a.value is UNREADABLE,
          lambda a: f"Rank {a.rank} returned {_shape_of(a.returned)}: return the MLP's whole output, a float tensor of "
                    f"shape ({BATCH}, {FEATURES}), on every rank."),
+        (lambda a: _close(a.value, _partial(a.size, a.rank)) and a.called("all_reduce"),
+         lambda a: f"Rank {a.rank} holds its own summand although it called all_reduce: the all-reduce had not "
+                   "finished. With async_op=True, call .wait() on the work it returns before returning y."),
         (lambda a: _close(a.value, _partial(a.size, a.rank)),
          lambda a: f"Rank {a.rank} holds only its share of the output: after the row-parallel layer each rank has a "
                    "partial sum over its hidden features. dist.all_reduce(y) (SUM) adds the shares."),
+        (lambda a: _close(a.value, _largest_summand(a.size)),
+         lambda a: f"Rank {a.rank} holds the largest of the ranks' summands, slot by slot: ReduceOp.MAX keeps the "
+                   "largest, and the summands must be added, with SUM."),
+        (lambda a: _close(a.value, _gelu_after_the_sum(a.size)),
+         lambda a: f"Rank {a.rank} applied gelu after the second layer: gelu acts on the hidden features, between "
+                   "the two layers, where each rank holds whole features of its own."),
         (lambda a: _close(a.value, _expected(a.size) / a.size),
          lambda a: f"Rank {a.rank} holds the output divided by {a.size}: the ranks' partial sums add up to the output; "
                    "all-reduce with SUM and do not divide (nothing here is an average)."),
@@ -121,8 +152,9 @@ TENSOR_PARALLEL_MLP = RankExercise(
                    "communication."),
     ],
     otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank}'s output differs from one process's by up to "
-                         f"{(a.value - a.expected).abs().max().item():.3g}: take rows {a.rank} of up.chunk(world_size, "
-                         "0) and columns of down.chunk(world_size, 1), then all-reduce."),
+                         f"{(a.value - a.expected).abs().max().item():.3g}: each rank pairs its rows of up (dim 0) "
+                         "with the columns of down (dim 1) of the same hidden features, applies gelu between the "
+                         "two layers, and all-reduces the product with SUM."),
     no_collective=lambda rank, expected: (
         f"Rank {rank} has the right output but communicated nothing: it computed the whole MLP with every weight. "
         "Each rank must use only its slice of up and of down; an all-reduce then adds the partial outputs."),
@@ -136,14 +168,72 @@ TENSOR_PARALLEL_MLP = RankExercise(
 )
 
 
+# Communication ops that move data, as torch dispatches them: c10d's (dist.*) and the functional ones (DTensor).
+_ALL_REDUCE = {"allreduce_", "all_reduce", "allreduce_coalesced_", "all_reduce_coalesced"}
+_MOVERS = set(CALL_NAMES) - {"barrier"} | {"broadcast", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+                                            "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+                                            "all_to_all_single", "all_gather"}
+
+
+def _what_moved(rank: int, world_size: int, fn: Callable[[int, int], Any]) -> dict[str, Any]:
+    """In a rank: run ``fn`` and note every communication op torch dispatches, with a copy of each all-reduce's
+    input, taken before the op changes it (c10d's ``allreduce_`` and the functional ``all_reduce`` of DTensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    moved: list[str] = []
+    summands: list[torch.Tensor] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            namespace, _, name = str(func.overloadpacket).partition(".")
+            if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name in _ALL_REDUCE | _MOVERS:
+                if name in _ALL_REDUCE:
+                    tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+                    summands.extend(t.detach().to("cpu", torch.float64, copy=True) for t in tensors)
+                else:
+                    moved.append(name.strip("_"))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn(rank, world_size)
+    return {"moved": moved, "summands": summands}
+
+
 def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
     """Notebook 09: ``fn(rank, world_size)`` computes :func:`mlp_inputs`' MLP with its own slice of ``up`` and of
     ``down`` and returns the whole output on every rank; it runs with ``world_size`` ranks and with one more.
 
-    Right: one process's output, through exactly one all-reduce and no gather. Each wrong answer is named: the
-    missing all-reduce, an average, the first layer split by its input features, a shape that does not fit.
+    Right: one process's output, reached through exactly one all-reduce per rank, of that rank's summand
+    ``gelu(x @ up_r.T) @ down_r.T``, and no other data moved. Each wrong answer is named: the missing all-reduce,
+    an average, MAX, gelu in the wrong place, the first layer split by its input features, a shape that does not
+    fit, and right numbers reached some other way (every rank computing everything, a broadcast, a batch split).
     """
-    return judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
+    verdict = judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
+    if not verdict.ok:
+        return verdict
+    for size in (world_size, world_size + 1):
+        try:
+            reports = spawn(_what_moved, size, args=(fn,), timeout=timeout, output="none")
+        except (WorkerError, WorkerTimeout) as err:  # it passed a moment ago: say what happened this time
+            return Feedback(False, f"Your function failed when run again with {size} ranks: {err}")
+        for rank, report in enumerate(reports):
+            if report["moved"]:
+                return Feedback(False, f"Right values, but with {size} ranks rank {rank} also moved data "
+                                       f"({', '.join(sorted(set(report['moved'])))}): every rank already holds "
+                                       "mlp_inputs, so it takes its slices locally, and the only communication the "
+                                       "MLP needs is one all_reduce of the summands.")
+            summands = report["summands"]
+            expected = _partial(size, rank)
+            if len(summands) != 1 or not _close(summands[0], expected):
+                what = (f"{len(summands)} all-reduces" if len(summands) != 1 else
+                        f"a tensor of shape {tuple(summands[0].shape)}" if summands[0].shape != expected.shape else
+                        "a tensor that is not its summand")
+                return Feedback(False, f"Right values, but with {size} ranks rank {rank} all-reduced {what}: "
+                                       "tensor parallelism all-reduces each rank's summand gelu(x @ up_r.T) @ "
+                                       "down_r.T, computed from its own rows of up and columns of down (the same "
+                                       "numbers reached with every weight on every rank, or a batch split, are "
+                                       "data parallelism or no parallelism at all).")
+    return verdict
 
 
 def pipeline_bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:

@@ -104,9 +104,11 @@ def sampler_grid(order: Sequence[Sequence[Sequence[int]]], title: str = "") -> F
     return fig
 
 
-def bars(values: Mapping[str, float], title: str, ylabel: str, fmt: str = "{:.3g}") -> Figure:
-    """A labelled bar chart: one bar per key, its value written on it."""
+def bars(values: Mapping[str, float], title: str, ylabel: str, fmt: str = "{:.3g}", log: bool = False) -> Figure:
+    """A labelled bar chart: one bar per key, its value written on it; ``log`` for values far apart."""
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(values)), 3.6))
+    if log:
+        ax.set_yscale("log")
     bars_ = ax.bar(tick_names(list(values)), list(values.values()), color=COLORS["cpu"])
     for bar, value in zip(bars_, values.values(), strict=True):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), fmt.format(value), ha="center", va="bottom",

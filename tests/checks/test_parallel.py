@@ -82,7 +82,7 @@ def two_all_reduces(rank, world_size):
     (averaged, False, ["divided by 2", "do not divide"]),
     (first_layer_by_input_features, False, ["by its input features (dim 1 of up)", "gelu of a partial sum"]),
     (down_by_output_features, False, ["shapes did not fit", "columns of down (dim 1)"]),
-    (gathered_hidden, False, ["Right values, but rank 0 gathered activations", "one all_reduce"]),
+    (gathered_hidden, False, ["Right values, but rank 0 gathered (all_gather)", "one all_reduce"]),
     (everything_everywhere, False, ["communicated nothing", "only its slice"]),
     (hidden_only, False, ["returned its hidden activations", "shape (4, 6)"]),
     (two_all_reduces, False, ["2 all-reduces per rank"]),
@@ -141,3 +141,127 @@ def test_the_bubble_formula():
     assert pipeline_bubble(4, 8, chunks=2) == 3 / 19  # interleaved: the bubble divides by about v
     with pytest.raises(ValueError, match="must be >= 1"):
         pipeline_bubble(0, 8)
+
+
+# -- right numbers reached without tensor parallelism, and right answers written other ways (review of 09) --
+
+
+def broadcast_from_rank_0(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.T) @ down.T
+    dist.broadcast(y, 0)
+    return y
+
+
+def whole_mlp_averaged(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.T) @ down.T
+    dist.all_reduce(y)
+    return y / world_size
+
+
+def batch_split(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = torch.zeros(4, 8)
+    rows = slice(rank * 4 // world_size, (rank + 1) * 4 // world_size)
+    y[rows] = F.gelu(x[rows] @ up.T) @ down.T
+    dist.all_reduce(y)
+    return y
+
+
+def hidden_all_reduced(rank, world_size):
+    x, up, down = mlp_inputs()
+    h = torch.zeros(4, 12)
+    mine = slice(rank * 12 // world_size, (rank + 1) * 12 // world_size)
+    h[:, mine] = F.gelu(x @ up[mine].T)
+    dist.all_reduce(h)
+    return h @ down.T
+
+
+def written_for_two_ranks(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up[6 * rank:6 * rank + 6].T) @ down[:, 6 * rank:6 * rank + 6].T  # 6 = 12 / 2, fixed
+    dist.all_reduce(y)
+    return y
+
+
+def maximum(rank, world_size):
+    y = no_all_reduce(rank, world_size)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    return y
+
+
+def gelu_after_the_sum(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = (x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return F.gelu(y)
+
+
+def async_without_wait(rank, world_size):
+    import time
+
+    y = no_all_reduce(rank, world_size)
+    dist.all_reduce(y, async_op=True)
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 returns before its peer even sends
+    return y
+
+
+def async_with_wait(rank, world_size):
+    y = no_all_reduce(rank, world_size)
+    dist.all_reduce(y, async_op=True).wait()
+    return y
+
+
+def index_slices(rank, world_size):
+    x, up, down = mlp_inputs()
+    mine = slice(rank * 12 // world_size, (rank + 1) * 12 // world_size)
+    y = F.gelu(x @ up[mine].T) @ down[:, mine].T
+    dist.all_reduce(y)
+    return y
+
+
+def dtensor_from_local(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return DTensor.from_local(no_all_reduce(rank, world_size), mesh, [Partial()]).full_tensor()
+
+
+def dtensor_returned(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return DTensor.from_local(no_all_reduce(rank, world_size), mesh, [Partial()]).redistribute(mesh, [Replicate()])
+
+
+def in_bfloat16(rank, world_size):
+    x, up, down = (t.bfloat16() for t in mlp_inputs())
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return y
+
+
+@pytest.mark.parametrize("fn, ok, fragments", [
+    (broadcast_from_rank_0, False, ["also moved data (broadcast)"]),
+    (whole_mlp_averaged, False, ["all-reduced a tensor that is not its summand"]),
+    (batch_split, False, ["all-reduced a tensor that is not its summand"]),
+    (hidden_all_reduced, False, ["all-reduced a tensor of shape (4, 12)"]),
+    (written_for_two_ranks, False, ["with 3 ranks rank 0 all-reduced"]),  # 6 rows, where 3 ranks hold 4 each
+    (maximum, False, ["ReduceOp.MAX keeps the largest"]),
+    (gelu_after_the_sum, False, ["applied gelu after the second layer"]),
+    (async_without_wait, False, ["call .wait()"]),
+    (async_with_wait, True, []),
+    (index_slices, True, []),
+    (dtensor_from_local, True, []),
+    (dtensor_returned, False, ["returned a DTensor", "full_tensor()"]),
+    (in_bfloat16, False, ["computed in bfloat16", "compute in float32"]),
+])
+def test_tensor_parallel_mlp_is_not_fooled_by_right_numbers_and_takes_right_answers_in_any_spelling(fn, ok, fragments):
+    feedback = checks.tensor_parallel_mlp(fn)
+    assert feedback.ok is ok, feedback.message
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message

@@ -231,7 +231,9 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
                      "notebook 08": lambda: call(data.sampler_indices(12, world_size=2, epochs=3, set_epoch=False),
                                                  "set_epoch forgotten: epoch 0's order, three times"),
                      "default title": lambda: call(data.sampler_indices(10, world_size=4, epochs=2))},
-    "bars": {  # the notebooks' three calls
+    "bars": {  # the notebooks' calls
+        "log scale": lambda: call({"all-gather the logits": 128000, "loss_parallel": 768},
+                                  "What the loss communicates", "bytes (log scale)", "{:,.0f}", log=True),
         "hooks": lambda: call({"allreduce (default)": 1.07, "fp16": 0.54, "bf16": 0.54, "powersgd": 0.05},
                               "Bytes all-reduced per step, per rank", "MiB (2^20 bytes)", "{:.2f}"),
         "step time": lambda: call({row.label: row.step_ms for row in _strategies(4)},
