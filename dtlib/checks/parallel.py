@@ -277,3 +277,48 @@ def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, ba
     return Feedback(True, f"{count} micro-batches of {batch // count} samples: the bubble is {stages - 1}/"
                           f"{count + stages - 1} = {bubble:.1%}, the first divisor of {batch} at or under "
                           f"{target:.0%} (the bound alone asks m >= {(stages - 1) * (1 - target) / target:.0f}).")
+
+
+def _groups(shape: Sequence[int], dim: int) -> list[list[int]]:
+    """The ranks of each group along ``dim`` of a mesh numbered as init_device_mesh numbers it (row-major)."""
+    ranks = torch.arange(math.prod(shape)).reshape(tuple(shape))
+    return [line.tolist() for line in ranks.movedim(dim, -1).reshape(-1, shape[dim])]
+
+
+def mesh_for_nodes(shape: Any, names: Any, nodes: int = 2, gpus_per_node: int = 4, tp_size: int = 4) -> Feedback:
+    """Notebook 11: does ``init_device_mesh("cuda", shape, mesh_dim_names=names)`` give tensor parallelism ("tp")
+    groups of ``tp_size`` GPUs, each inside one node, and data parallelism ("dp") across, on ``nodes`` nodes of
+    ``gpus_per_node``?
+
+    Ranks are numbered node by node (torchrun: node n holds ranks n x g to n x g + g - 1), and the mesh fills
+    them row-major: the last dimension's groups are runs of consecutive ranks. Example:
+    ``mesh_for_nodes((4, 2), ("tp", "dp"))`` says which tp group crosses nodes.
+    """
+    try:
+        shape, names = tuple(int(size) for size in shape), tuple(names)
+    except (TypeError, ValueError):
+        return Feedback(False, "Give the shape as a tuple of whole numbers, e.g. (2, 4), and the names as a tuple of "
+                               "strings, e.g. (\"dp\", \"tp\").")
+    world = nodes * gpus_per_node
+    if len(shape) != 2 or sorted(names) != ["dp", "tp"]:
+        return Feedback(False, f"Give two dimensions named \"dp\" and \"tp\" (in the order you choose), got shape "
+                               f"{shape} with names {names}.")
+    if math.prod(shape) != world:
+        return Feedback(False, f"A mesh of {shape} has {math.prod(shape)} ranks; the job has {nodes} x {gpus_per_node} "
+                               f"= {world}: the sizes must multiply to the world size.")
+    tp = names.index("tp")
+    if shape[tp] != tp_size and shape[tp] <= gpus_per_node:
+        return Feedback(False, f"This mesh makes tensor-parallel groups of {shape[tp]} ranks; the exercise asks for "
+                               f"{tp_size} (each layer split over {tp_size} GPUs), and data parallelism over the rest.")
+    if shape[tp] > gpus_per_node:
+        return Feedback(False, f"A tensor-parallel group of {shape[tp]} ranks cannot fit in a node of {gpus_per_node} "
+                               "GPUs: every one of its per-layer all-reduces would cross the slow link between nodes.")
+    for group in _groups(shape, tp):
+        if len({rank // gpus_per_node for rank in group}) > 1:
+            return Feedback(False, f"The tp group {group} spans nodes {sorted({r // gpus_per_node for r in group})}: "
+                                   f"ranks are numbered node by node, and init_device_mesh fills its last dimension "
+                                   "with consecutive ranks, so put \"tp\" last to keep its groups inside a node.")
+    dp_groups = _groups(shape, 1 - tp)
+    return Feedback(True, f"Each tp group ({_groups(shape, tp)[0]}, ...) is inside one node, on its fast links, and "
+                          f"each dp group ({dp_groups[0]}, ...) crosses nodes: FSDP's all-gathers and "
+                          "reduce-scatters, once per layer and overlapped with compute, take the slower link.")

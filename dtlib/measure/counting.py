@@ -5,6 +5,7 @@ The checkers use it to refuse answers that compute the right number without comm
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -83,3 +84,61 @@ def rank_without_communication(calls_per_rank: list[dict[str, int]]) -> int | No
         if not any(times for name, times in calls.items() if name != "barrier"):
             return rank
     return None
+
+
+#: The torch.distributed functions whose calls :func:`count_by_group` attributes to their process group.
+GROUPED_CALLS = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
+                 "reduce_scatter_tensor", "reduce_scatter", "broadcast", "all_to_all_single")  # FSDP2: the *_single
+
+
+def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -> tuple[Any, dict[str, dict[str, int]]]:
+    """Inside a rank: call ``fn(*args)`` and count its collectives by the process group they ran on, as
+    ``(value, {group label: {call: times}})``; ``groups`` maps a label to a group (``{"dp": mesh["dp"].get_group(),
+    "tp": mesh["tp"].get_group()}``). A group not among them is counted under ``"other"``.
+
+    Two routes, because torch has two: ``torch.distributed.<name>(..., group=...)`` calls (FSDP2's, DDP's hooks,
+    a learner's) are seen by wrapping those functions while ``fn`` runs; DTensor's functional collectives
+    (``_c10d_functional``, which tensor parallelism uses) are seen as torch dispatches them, with their group's name.
+    """
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, dict[str, int]] = {}
+    by_name = {group.group_name: label for label, group in groups.items()}
+
+    def note(label: str, call: str) -> None:
+        counts.setdefault(label, {})
+        counts[label][call] = counts[label].get(call, 0) + 1
+
+    def label_of(group: Any) -> str:
+        group = group if group is not None else dist.group.WORLD
+        return next((label for label, known in groups.items() if known is group), "other")
+
+    def wrapped(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def collective(*call_args: Any, **kwargs: Any) -> Any:
+            note(label_of(signature.bind(*call_args, **kwargs).arguments.get("group")), call)
+            return original(*call_args, **kwargs)
+        return collective
+
+    class Functional(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            namespace, _, name = str(func.overloadpacket).partition(".")
+            if namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+                label = next((by_name[a] for a in args if isinstance(a, str) and a in by_name), "other")
+                note(label, name)
+            return func(*args, **(kwargs or {}))
+
+    originals = {call: getattr(dist, call) for call in GROUPED_CALLS if hasattr(dist, call)}
+    try:
+        for call, original in originals.items():
+            setattr(dist, call, wrapped(call, original))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+            with Functional():
+                value = fn(*args)
+    finally:
+        for call, original in originals.items():
+            setattr(dist, call, original)
+    return value, counts

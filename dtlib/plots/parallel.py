@@ -87,3 +87,32 @@ def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int,
     fig.suptitle(title or f"Where each of {world_size} ranks holds its part", fontsize=11)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
+
+
+def mesh(shape: Sequence[int], names: Sequence[str], gpus_per_node: int = 0, title: str = "") -> Figure:
+    """A 2-D device mesh as ``init_device_mesh`` numbers it (row-major): one cell per rank, rows along the first
+    dimension, columns along the second; each group of the second dimension (a row) outlined. With
+    ``gpus_per_node``, each node's ranks are shaded alike, so a group that crosses nodes shows."""
+    if len(shape) != 2 or len(names) != 2 or min(shape) < 1:
+        raise ValueError(f"mesh draws 2-D meshes: give two sizes and two names, got {tuple(shape)} and {tuple(names)}")
+    rows, cols = int(shape[0]), int(shape[1])
+    fig, ax = plt.subplots(figsize=(min(14.0, 2.5 + 1.3 * cols), 1.4 + 0.9 * rows))
+    node_colors = [COLORS["cpu"], COLORS["gpu"], COLORS["store"], COLORS["rank"]]
+    for row in range(rows):
+        for col in range(cols):
+            rank = row * cols + col
+            color = node_colors[(rank // gpus_per_node) % len(node_colors)] if gpus_per_node else COLORS["cpu"]
+            ax.add_patch(Rectangle((col + 0.08, row + 0.1), 0.84, 0.8, color=color, alpha=0.85))
+            ax.text(col + 0.5, row + 0.5, f"rank {rank}" + (f"\nnode {rank // gpus_per_node}" if gpus_per_node else ""),
+                    ha="center", va="center", color="white", fontsize=9)
+        ax.add_patch(Rectangle((0.02, row + 0.04), cols - 0.04, 0.92, fill=False, edgecolor="black", lw=1.5,
+                               linestyle="--"))
+    ax.set_xlim(0, cols)
+    ax.set_ylim(rows, 0)
+    ax.set_xticks([c + 0.5 for c in range(cols)], [str(c) for c in range(cols)])
+    ax.set_yticks([r + 0.5 for r in range(rows)], [str(r) for r in range(rows)])
+    ax.set_xlabel(f"position along {names[1]} (each dashed row is one {names[1]} group)")
+    ax.set_ylabel(f"position along {names[0]}")
+    ax.set_title(title or f"init_device_mesh(..., {tuple(shape)}, mesh_dim_names={tuple(names)})", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -265,3 +265,29 @@ def test_tensor_parallel_mlp_is_not_fooled_by_right_numbers_and_takes_right_answ
     assert feedback.ok is ok, feedback.message
     for fragment in fragments:
         assert fragment in feedback.message, feedback.message
+
+
+@pytest.mark.parametrize("shape, names, ok, fragments", [
+    ((2, 4), ("dp", "tp"), True, ["[0, 1, 2, 3]", "inside one node", "[0, 4]"]),
+    ([2, 4], ["dp", "tp"], True, []),  # lists are fine
+    ((4, 2), ("tp", "dp"), False, ["spans nodes [0, 1]", "put \"tp\" last"]),
+    ((2, 4), ("tp", "dp"), False, ["groups of 2 ranks", "asks for 4"]),
+    ((4, 2), ("dp", "tp"), False, ["groups of 2 ranks"]),
+    ((1, 8), ("dp", "tp"), False, ["8 ranks cannot fit in a node of 4"]),
+    ((8, 1), ("dp", "tp"), False, ["groups of 1 ranks"]),
+    ((2, 2), ("dp", "tp"), False, ["4 ranks; the job has 2 x 4 = 8"]),
+    ((2, 4), ("data", "tp"), False, ["named \"dp\" and \"tp\""]),
+    ("x", ("dp", "tp"), False, ["tuple of whole numbers"]),
+    ((2, 2, 2), ("dp", "tp", "pp"), False, ["two dimensions"]),
+])
+def test_mesh_for_nodes(shape, names, ok, fragments):
+    feedback = checks.mesh_for_nodes(shape, names)
+    assert feedback.ok is ok, feedback.message
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message
+
+
+def test_mesh_for_nodes_finds_a_tp_group_that_crosses_nodes():
+    feedback = checks.mesh_for_nodes((4, 2), ("tp", "dp"), nodes=2, gpus_per_node=4, tp_size=4)
+    assert not feedback.ok and "The tp group [0, 2, 4, 6] spans nodes [0, 1]" in feedback.message
+    assert "put \"tp\" last" in feedback.message

@@ -181,3 +181,33 @@ def test_in_step_finds_a_steps_events_without_searching_the_whole_log():
     report = dtlib.spawn(_steps_found, 1, output="none")[0]
     assert report["found"] == [[0], [1, 1], [2, 2, 2], []] and report["total"] == 6
     assert report["after_clear"] == 3
+
+
+def _two_dimensional(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dtlib.measure.counting import count_by_group
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    x = torch.randn(4, 16, requires_grad=True)
+    groups = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
+    _, counts = count_by_group(lambda: model(x).sum().backward(), groups)
+    _, world = count_by_group(dist.all_reduce, groups, torch.ones(1))  # the default group: neither
+    return {**counts, **world}
+
+
+@pytest.mark.timeout(120)
+def test_count_by_group_puts_fsdps_collectives_on_dp_and_tensor_parallels_on_tp():
+    """The oracle is where each library must communicate: FSDP2 over the mesh's dp dimension (one all-gather
+    in forward, the root keeping its weights, one reduce-scatter), tensor parallelism over tp (the row-parallel
+    output's all-reduce in forward, the column-parallel input's gradient in backward)."""
+    for report in dtlib.spawn(_two_dimensional, 4, output="none"):
+        assert report == {"dp": {"all_gather_single": 1, "reduce_scatter_single": 1}, "tp": {"all_reduce": 2},
+                          "other": {"all_reduce": 1}}
