@@ -199,7 +199,7 @@ def _two_dimensional(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     x = torch.randn(4, 16, requires_grad=True)
     groups = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
     _, counts = count_by_group(lambda: model(x).sum().backward(), groups)
-    _, world = count_by_group(dist.all_reduce, groups, torch.ones(1))  # the default group: neither
+    _, world = count_by_group(lambda: dist.all_reduce(torch.ones(1)), groups)  # the default group: neither
     return {**counts, **world}
 
 
