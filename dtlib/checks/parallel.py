@@ -246,37 +246,50 @@ def pipeline_bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
 
 
 def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, batch: int = 64) -> Feedback:
-    """Notebook 10: the fewest micro-batches that split ``batch`` samples evenly and keep a 1F1B pipeline of
-    ``stages`` ranks idle at most ``target`` of the time, :func:`pipeline_bubble`.
+    """Notebook 10: the fewest micro-batches that split ``batch`` samples evenly, that a 1F1B schedule of
+    ``stages`` ranks accepts (at least one per stage), and that keep it idle at most ``target`` of the time,
+    :func:`pipeline_bubble`.
 
     Example: ``pipeline_micro_batches(16)`` says the bubble is still 3/19 = 16%.
     """
+    if not 0 < target < 1:
+        raise ValueError(f"target is the bubble's share, between 0 and 1 (0.1 for 10%), got {target!r}")
+    if isinstance(answer, torch.Tensor) and answer.numel() == 1 and not answer.is_floating_point():
+        answer = answer.item()
     if (isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer)
             or answer != int(answer)):
         return Feedback(False, f"Answer with a whole number of micro-batches, got {answer!r}.")
     count = int(answer)
-    fits = [m for m in range(1, batch + 1) if batch % m == 0 and pipeline_bubble(stages, m) <= target]
-    if not fits:
-        raise ValueError(f"no micro-batch count meets a {target:.0%} bubble with {stages} stages and {batch} samples")
-    best = fits[0]
+    bound = math.ceil((stages - 1) * (1 - target) / target - 1e-9)  # (p - 1) / (m + p - 1) <= target
+    fits = [m for m in range(max(1, stages), batch + 1) if batch % m == 0 and pipeline_bubble(stages, m) <= target]
     if count < 1:
         return Feedback(False, "A step needs at least one micro-batch.")
     if count > batch or batch % count:
-        return Feedback(False, f"{count} micro-batches do not split {batch} samples evenly: every micro-batch must "
-                               f"have the same size, so choose a divisor of {batch}.")
+        return Feedback(False, f"{count} micro-batch{'es' if count != 1 else ''} do not split {batch} samples evenly: "
+                               f"every micro-batch must have the same size (the pipeline averages their gradients "
+                               f"by dividing the sum by m), so choose a divisor of {batch}.")
+    if count < stages:
+        return Feedback(False, f"A 1F1B schedule needs at least one micro-batch per stage: with {count} on {stages} "
+                               "stages, torch's Schedule1F1B refuses to start, and most ranks would wait anyway.")
     bubble = pipeline_bubble(stages, count)
+    if bubble > target and not fits:
+        return Feedback(False, f"No count of micro-batches that divides {batch} keeps the bubble at {target:.0%}: even "
+                               f"{batch} leave {pipeline_bubble(stages, batch):.1%}. Ask for a larger batch, or fewer "
+                               "stages.")
     if bubble > target:
         return Feedback(False, f"With {count} micro-batches the bubble is (p - 1) / (m + p - 1) = {stages - 1}/"
                                f"{count + stages - 1} = {bubble:.1%}, above {target:.0%}: more micro-batches shrink "
                                "it, because the p - 1 steps of filling and draining are shared by more of them.")
-    if count > best:
+    if count > fits[0]:
         each = batch // count
         return Feedback(False, f"{count} micro-batches meet the target ({bubble:.1%}), but fewer do too: each extra "
                                f"one makes every pass smaller (here {each} sample{'s' if each != 1 else ''}), which a "
                                "GPU computes less efficiently, and sends one more message per stage. Find the fewest.")
-    return Feedback(True, f"{count} micro-batches of {batch // count} samples: the bubble is {stages - 1}/"
-                          f"{count + stages - 1} = {bubble:.1%}, the first divisor of {batch} at or under "
-                          f"{target:.0%} (the bound alone asks m >= {(stages - 1) * (1 - target) / target:.0f}).")
+    each = batch // count
+    batches, samples = f"micro-batch{'es' if count != 1 else ''}", f"sample{'s' if each != 1 else ''}"
+    return Feedback(True, f"{count} {batches} of {each} {samples}: the bubble is "
+                          f"{stages - 1}/{count + stages - 1} = {bubble:.1%}. The bound alone asks m >= {bound}, "
+                          f"and {count} is the fewest at or above it that divides {batch}.")
 
 
 def _groups(shape: Sequence[int], dim: int) -> list[list[int]]:

@@ -20,6 +20,7 @@ Example (inside a rank)::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,15 +35,15 @@ class _Mark(torch.autograd.Function):
     """Identity that records (and, if asked, takes) time in forward and in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clock: StageClock, stage: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, clock: StageClock, stage: int, began: float) -> torch.Tensor:
         ctx.clock, ctx.stage = clock, stage
-        clock._record("F", stage, clock.forward_s)
-        return x.view_as(x)
+        clock._record("F", stage, clock.forward_s, began)
+        return x.clone()  # a tensor of its own: in-place ops on it, and torch's split backward, stay legal
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         ctx.clock._record("B", ctx.stage, ctx.clock.backward_s)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _Clocked(nn.Module):
@@ -51,23 +52,29 @@ class _Clocked(nn.Module):
         self.module, self.clock, self.stage = module, clock, stage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
         out = self.module(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"StageClock wraps stages that return one tensor, got {type(out).__name__}")
-        return _Mark.apply(out, self.clock, self.stage)
+        if not torch.is_grad_enabled():  # evaluation: no backward will follow, so no training pass to record
+            return out
+        return _Mark.apply(out, self.clock, self.stage, began)
 
 
 class StageClock:
     """Records each forward and backward of the modules it wraps, as (kind, stage, start, end) on one clock.
 
-    ``forward_s`` and ``backward_s``: the time each pass takes besides the module's own compute (a sleep),
-    0 to record only. A forward is recorded as the module's output leaves the stage; a backward as its
-    gradient arrives, before the module's own (here tiny) backward runs.
+    ``forward_s`` and ``backward_s``: the time each pass takes besides the module's own compute (a sleep).
+    A forward span runs from the stage's input to its output, the module's own forward included. A backward
+    span is the sleep alone, taken as the gradient arrives at the stage's output: the module's own backward
+    runs after it, unrecorded, so the clock times a schedule with stand-in work, not real layers (for those,
+    use torch.profiler, and CUDA events on GPUs, whose kernels run asynchronously). Under schedules that split
+    a backward into its input and weight parts (the zero-bubble ones), only the input part is recorded.
     """
 
     def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
-        if forward_s < 0 or backward_s < 0:
-            raise ValueError(f"forward_s and backward_s must be >= 0, got {forward_s} and {backward_s}")
+        if not (math.isfinite(forward_s) and math.isfinite(backward_s)) or forward_s < 0 or backward_s < 0:
+            raise ValueError(f"forward_s and backward_s must be finite and >= 0, got {forward_s} and {backward_s}")
         self.forward_s, self.backward_s = forward_s, backward_s
         self.events: list[tuple[str, int, float, float]] = []
 
@@ -75,8 +82,8 @@ class StageClock:
         """``module`` with every pass through it recorded as stage ``stage``; its parameters are unchanged."""
         return _Clocked(module, self, stage)
 
-    def _record(self, kind: str, stage: int, seconds: float) -> None:
-        start = time.perf_counter()
+    def _record(self, kind: str, stage: int, seconds: float, start: float | None = None) -> None:
+        start = time.perf_counter() if start is None else start
         if seconds:
             time.sleep(seconds)
         self.events.append((kind, stage, start, time.perf_counter()))
@@ -86,8 +93,10 @@ class StageClock:
         self.events.clear()
 
     def spans(self) -> list[Span]:
-        """The records, each with its micro-batch: a stage runs its forwards, and its backwards, in
-        micro-batch order under every schedule, so the n-th forward (backward) of a stage is micro-batch n."""
+        """The records, each with its micro-batch: GPipe, 1F1B and interleaved 1F1B run a stage's forwards, and
+        its backwards, in micro-batch order, so the n-th forward (backward) of a stage is micro-batch n. (Not
+        every schedule does: ScheduleLoopedBFS runs backwards last to first; a module used twice in a step
+        counts twice.)"""
         seen: dict[tuple[str, int], int] = {}
         out: list[Span] = []
         for kind, stage, start, end in self.events:

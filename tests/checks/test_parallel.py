@@ -127,7 +127,13 @@ def test_pipeline_micro_batches(answer, ok, fragments):
 def test_pipeline_micro_batches_takes_numpy_integers_and_other_settings():
     import numpy as np
 
-    assert checks.pipeline_micro_batches(np.int64(32)).ok
+    assert checks.pipeline_micro_batches(np.int64(32)).ok and checks.pipeline_micro_batches(torch.tensor(32)).ok
+    assert "m >= 21" in checks.pipeline_micro_batches(21, target=0.13, batch=84).message  # rounded up: 20.08
+    too_few = checks.pipeline_micro_batches(3, stages=4, target=0.5, batch=48)
+    assert "at least one micro-batch per stage" in too_few.message
+    assert "No count of micro-batches" in checks.pipeline_micro_batches(64, target=0.01).message
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        checks.pipeline_micro_batches(32, target=10)
     assert checks.pipeline_micro_batches(16, stages=2, target=0.1).ok  # m >= 9: 16 is 64's first divisor there
     assert checks.pipeline_micro_batches(10, stages=2, target=0.1, batch=60).ok  # and 10 is 60's
     assert "fewer do too" in checks.pipeline_micro_batches(12, stages=2, target=0.1, batch=60).message

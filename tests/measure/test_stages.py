@@ -39,6 +39,8 @@ def test_the_clock_records_each_pass_with_its_micro_batch_and_changes_no_gradien
     assert slow.spans()[0][4] - slow.spans()[0][3] >= 0.01  # a sleep of at least the time asked
     with pytest.raises(ValueError, match=">= 0"):
         StageClock(backward_s=-1)
+    with pytest.raises(ValueError, match="finite"):
+        StageClock(forward_s=float("nan"))
     with pytest.raises(TypeError, match="one tensor"):
         StageClock().wrap(nn.LSTM(2, 2), 0)(torch.ones(1, 1, 2))
 
@@ -80,3 +82,23 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_one_per_stage(schedule, held):
     assert all(same for _, same, _ in reports)  # every stage's gradient equals one process's
     assert all(len(s) == 12 for s in spans)  # 6 forwards and 6 backwards per rank, the inference step left out
     assert 0 < bubble(spans) < 1
+
+
+class _SlowLayer(nn.Module):
+    def forward(self, x):
+        import time
+
+        time.sleep(0.02)
+        return x * 2
+
+
+def test_a_forward_span_holds_the_modules_own_work_and_evaluation_is_not_recorded():
+    clock = StageClock()
+    stage = clock.wrap(_SlowLayer(), stage=0)
+    out = stage(torch.ones(2, requires_grad=True))
+    out.add_(1)  # the output is a tensor of its own: in-place ops on it are legal
+    (kind, _, _, start, end), = clock.spans()
+    assert kind == "F" and end - start >= 0.02  # the layer's own 20 ms, with no stand-in sleep
+    with torch.no_grad():
+        stage(torch.ones(2))
+    assert len(clock.spans()) == 1  # no backward will follow an evaluation: nothing in flight
