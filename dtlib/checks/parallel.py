@@ -307,22 +307,27 @@ def mesh_for_nodes(shape: Any, names: Any, nodes: int = 2, gpus_per_node: int = 
     them row-major: the last dimension's groups are runs of consecutive ranks. Example:
     ``mesh_for_nodes((4, 2), ("tp", "dp"))`` says which tp group crosses nodes.
     """
-    try:
-        shape, names = tuple(int(size) for size in shape), tuple(names)
-    except (TypeError, ValueError):
+    if tp_size > gpus_per_node or gpus_per_node % tp_size:
+        raise ValueError(f"tp groups of {tp_size} cannot each sit inside nodes of {gpus_per_node} GPUs: choose a "
+                         "tp_size that divides gpus_per_node")
+    sizes = tuple(shape) if isinstance(shape, tuple | list) else None
+    if (sizes is None or not all(isinstance(size, numbers.Integral) and not isinstance(size, bool) for size in sizes)
+            or not isinstance(names, tuple | list) or not all(isinstance(name, str) for name in names)):
         return Feedback(False, "Give the shape as a tuple of whole numbers, e.g. (2, 4), and the names as a tuple of "
                                "strings, e.g. (\"dp\", \"tp\").")
+    shape, names = tuple(int(size) for size in sizes), tuple(names)
     world = nodes * gpus_per_node
     if len(shape) != 2 or sorted(names) != ["dp", "tp"]:
         return Feedback(False, f"Give two dimensions named \"dp\" and \"tp\" (in the order you choose), got shape "
                                f"{shape} with names {names}.")
-    if math.prod(shape) != world:
+    if min(shape) < 1 or math.prod(shape) != world:
         return Feedback(False, f"A mesh of {shape} has {math.prod(shape)} ranks; the job has {nodes} x {gpus_per_node} "
-                               f"= {world}: the sizes must multiply to the world size.")
+                               f"= {world}: the sizes must be positive and multiply to the world size.")
     tp = names.index("tp")
     if shape[tp] != tp_size and shape[tp] <= gpus_per_node:
-        return Feedback(False, f"This mesh makes tensor-parallel groups of {shape[tp]} ranks; the exercise asks for "
-                               f"{tp_size} (each layer split over {tp_size} GPUs), and data parallelism over the rest.")
+        ranks = f"{shape[tp]} rank{'s' if shape[tp] != 1 else ''}"
+        return Feedback(False, f"This mesh makes tensor-parallel groups of {ranks}; the exercise asks for {tp_size} "
+                               f"(each layer split over {tp_size} GPUs), and data parallelism over the rest.")
     if shape[tp] > gpus_per_node:
         return Feedback(False, f"A tensor-parallel group of {shape[tp]} ranks cannot fit in a node of {gpus_per_node} "
                                "GPUs: every one of its per-layer all-reduces would cross the slow link between nodes.")
@@ -332,6 +337,7 @@ def mesh_for_nodes(shape: Any, names: Any, nodes: int = 2, gpus_per_node: int = 
                                    f"ranks are numbered node by node, and init_device_mesh fills its last dimension "
                                    "with consecutive ranks, so put \"tp\" last to keep its groups inside a node.")
     dp_groups = _groups(shape, 1 - tp)
+    across = ("crosses nodes: FSDP's all-gathers and reduce-scatters, once per layer in each pass and overlapped with "
+              "compute on GPUs, take the slower link" if nodes > 1 else "stays in the one node too")
     return Feedback(True, f"Each tp group ({_groups(shape, tp)[0]}, ...) is inside one node, on its fast links, and "
-                          f"each dp group ({dp_groups[0]}, ...) crosses nodes: FSDP's all-gathers and "
-                          "reduce-scatters, once per layer and overlapped with compute, take the slower link.")
+                          f"each dp group ({dp_groups[0]}, ...) {across}.")

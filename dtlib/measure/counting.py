@@ -88,7 +88,8 @@ def rank_without_communication(calls_per_rank: list[dict[str, int]]) -> int | No
 
 #: The torch.distributed functions whose calls :func:`count_by_group` attributes to their process group.
 GROUPED_CALLS = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
-                 "reduce_scatter_tensor", "reduce_scatter", "broadcast", "all_to_all_single")  # FSDP2: the *_single
+                 "reduce_scatter_tensor", "reduce_scatter", "broadcast", "all_to_all_single", "reduce", "gather",
+                 "scatter", "send", "recv", "isend", "irecv")  # FSDP2 calls the *_single ones
 
 
 def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -> tuple[Any, dict[str, dict[str, int]]]:
@@ -96,9 +97,13 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
     ``(value, {group label: {call: times}})``; ``groups`` maps a label to a group (``{"dp": mesh["dp"].get_group(),
     "tp": mesh["tp"].get_group()}``). A group not among them is counted under ``"other"``.
 
-    Two routes, because torch has two: ``torch.distributed.<name>(..., group=...)`` calls (FSDP2's, DDP's hooks,
-    a learner's) are seen by wrapping those functions while ``fn`` runs; DTensor's functional collectives
-    (``_c10d_functional``, which tensor parallelism uses) are seen as torch dispatches them, with their group's name.
+    Two routes, because torch has two: ``torch.distributed.<name>(..., group=...)`` calls (FSDP2's, a DDP
+    communication hook's, a pipeline's ``isend``/``irecv``, a learner's) are seen by wrapping those functions, for
+    every thread, while ``fn`` runs; DTensor's functional collectives (``_c10d_functional``, which tensor
+    parallelism uses) are seen as torch dispatches them, with their group's name. Not seen: DDP's built-in
+    C++ reducer (count it with :func:`count_collectives`), ``batch_isend_irecv``, the ``*_object`` calls, and a
+    function imported by name before ``fn`` runs. A group is matched by identity: a ``new_group`` of the same
+    ranks is another communicator, counted under "other".
     """
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -280,7 +280,12 @@ def test_tensor_parallel_mlp_is_not_fooled_by_right_numbers_and_takes_right_answ
     ((2, 4), ("tp", "dp"), False, ["groups of 2 ranks", "asks for 4"]),
     ((4, 2), ("dp", "tp"), False, ["groups of 2 ranks"]),
     ((1, 8), ("dp", "tp"), False, ["8 ranks cannot fit in a node of 4"]),
-    ((8, 1), ("dp", "tp"), False, ["groups of 1 ranks"]),
+    ((8, 1), ("dp", "tp"), False, ["groups of 1 rank;"]),
+    ((2.5, 4), ("dp", "tp"), False, ["tuple of whole numbers"]),  # int() would truncate it to a right answer
+    ("24", ("dp", "tp"), False, ["tuple of whole numbers"]),
+    (("2", "4"), ("dp", "tp"), False, ["tuple of whole numbers"]),
+    ((2, 4), {"dp", "tp"}, False, ["tuple of strings"]),  # a set has no order
+    ((-2, -4), ("dp", "tp"), False, ["positive"]),
     ((2, 2), ("dp", "tp"), False, ["4 ranks; the job has 2 x 4 = 8"]),
     ((2, 4), ("data", "tp"), False, ["named \"dp\" and \"tp\""]),
     ("x", ("dp", "tp"), False, ["tuple of whole numbers"]),
@@ -291,6 +296,14 @@ def test_mesh_for_nodes(shape, names, ok, fragments):
     assert feedback.ok is ok, feedback.message
     for fragment in fragments:
         assert fragment in feedback.message, feedback.message
+
+
+def test_mesh_for_nodes_on_one_node_and_with_impossible_settings():
+    one_node = checks.mesh_for_nodes((2, 4), ("dp", "tp"), nodes=1, gpus_per_node=8, tp_size=4)
+    assert one_node.ok and "stays in the one node" in one_node.message and "crosses" not in one_node.message
+    for tp_size, gpus in ((8, 4), (2, 3)):
+        with pytest.raises(ValueError, match="choose a tp_size that divides gpus_per_node"):
+            checks.mesh_for_nodes((2, 4), ("dp", "tp"), gpus_per_node=gpus, tp_size=tp_size)
 
 
 def test_mesh_for_nodes_finds_a_tp_group_that_crosses_nodes():
