@@ -107,7 +107,9 @@ def _wrong_with(phase: Callable[..., None], which: str, world_size: int, length:
         cut_off = [f"rank {f.rank} lost its connection to a peer" for f in err.failures
                    if "Connection reset" in f.message or "Connection closed" in f.message]
         if aborted or cut_off:
-            return (f"{(aborted + cut_off)[0]}. gloo aborts a rank when a send and the receive it meets differ in "
+            said = (aborted + cut_off)[0].rstrip()
+            said += "" if said.endswith((".", "?", "!")) else "."
+            return (f"{said} gloo aborts a rank when a send and the receive it meets differ in "
                     "size, and its peers then lose the connection: with uneven chunks, the chunk you send must be "
                     "the one your right-hand neighbour expects to receive.")
         return f"Your phase raised on a rank:\n{headlines[0]}"
