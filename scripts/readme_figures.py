@@ -25,6 +25,7 @@ MARKERS = {
     "09_tensor_parallel": "The block's weights on 2 ranks",
     "10_pipeline_parallel": "for name, reports in runs.items():\n    spans",
     "11_fsdp_tp_2d": "A 2 x 2 mesh",
+    "12_context_parallel": "each step's computing and waiting",
 }
 
 

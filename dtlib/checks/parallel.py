@@ -341,3 +341,72 @@ def mesh_for_nodes(shape: Any, names: Any, nodes: int = 2, gpus_per_node: int = 
               "compute on GPUs, take the slower link" if nodes > 1 else "stays in the one node too")
     return Feedback(True, f"Each tp group ({_groups(shape, tp)[0]}, ...) is inside one node, on its fast links, and "
                           f"each dp group ({dp_groups[0]}, ...) {across}.")
+
+
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+def _merge_case(scale: float, sizes: Sequence[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Queries, keys in blocks of ``sizes``: the full attention and each block's (out, lse). ``scale`` makes
+    the scores large (their exponentials overflow float32 past 88)."""
+    generator = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, 8, generator=generator) * scale
+    k, v = torch.randn(2, sum(sizes), 8, generator=generator), torch.randn(2, sum(sizes), 8, generator=generator)
+    blocks = [_block_attention(q, k_i, v_i) for k_i, v_i in zip(k.split(list(sizes), 1), v.split(list(sizes), 1),
+                                                                   strict=True)]
+    return _full_attention(q, k, v), blocks
+
+
+def softmax_merge(fn: Callable[..., Any]) -> Feedback:
+    """Notebook 12: ``fn(out1, lse1, out2, lse2)`` merges two blocks' attention, each normalised over its own keys
+    with its log-sum-exp, into the attention over both blocks' keys, and returns ``(out, lse)``.
+
+    Checked against full attention: two equal blocks, two unequal ones, three blocks merged in a chain (which
+    needs the merged lse right, not only the output), and scores large enough that exp(lse) overflows float32.
+    """
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    for scale, sizes, what in ((1.0, (8, 8), "two equal blocks"), (1.0, (3, 13), "a block of 3 keys and one of 13"),
+                               (1.0, (4, 5, 7), "three blocks merged in a chain"),
+                               (60.0, (8, 8), "large scores (exp(lse) above float32's range)")):
+        expected, blocks = _merge_case(scale, sizes)
+        out, lse = blocks[0]
+        try:
+            for out_i, lse_i in blocks[1:]:
+                merged = fn(out, lse, out_i, lse_i)
+                if not (isinstance(merged, tuple | list) and len(merged) == 2):
+                    return Feedback(False, f"Return (out, lse), two tensors; got {type(merged).__name__}.")
+                out, lse = merged
+        except Exception as exc:  # noqa: BLE001 - the learner's code: say what it raised
+            return Feedback(False, f"With {what}, your merge raised {type(exc).__name__}: {exc}")
+        if not isinstance(out, torch.Tensor) or out.shape != expected.shape:
+            return Feedback(False, f"With {what}, the merged output should be a tensor of shape "
+                                   f"{tuple(expected.shape)}, got {getattr(out, 'shape', type(out).__name__)}.")
+        if torch.allclose(out, expected, atol=1e-5):
+            continue
+        if not torch.isfinite(out).all():
+            return Feedback(False, f"With {what}, your output holds inf or nan: exp(lse) overflows float32 once lse "
+                                   "passes 88. Weigh each block by exp(lse_i - lse), with lse = torch.logaddexp(lse1, "
+                                   "lse2): the differences are never positive, so nothing overflows.")
+        if len(sizes) == 2 and torch.allclose(out, (blocks[0][0] + blocks[1][0]) / 2, atol=1e-5):
+            return Feedback(False, f"With {what}, you averaged the two outputs: each block's output is normalised over "
+                                   "its own keys only; weigh it by its share of the whole softmax's mass, "
+                                   "exp(lse_i - lse).")
+        if len(sizes) == 3:
+            return Feedback(False, "Two blocks merge right, but three in a chain do not: the lse you return must be "
+                                   "the log-sum-exp over both blocks' keys, torch.logaddexp(lse1, lse2), so that "
+                                   "the next merge weighs the merged block correctly.")
+        return Feedback(False, f"With {what}, your output differs from full attention by up to "
+                               f"{(out - expected).abs().max().item():.3g}: weigh block i by exp(lse_i - lse), where "
+                               "lse = torch.logaddexp(lse1, lse2).")
+    return Feedback(True, "Equal blocks, unequal ones, a chain of three and scores past float32's exp range all "
+                          "give full attention: out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2 with lse = "
+                          "logaddexp(lse1, lse2), the merge that ring attention (and FlashAttention) run on each "
+                          "block.")

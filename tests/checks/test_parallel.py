@@ -310,3 +310,41 @@ def test_mesh_for_nodes_finds_a_tp_group_that_crosses_nodes():
     feedback = checks.mesh_for_nodes((4, 2), ("tp", "dp"), nodes=2, gpus_per_node=4, tp_size=4)
     assert not feedback.ok and "The tp group [0, 2, 4, 6] spans nodes [0, 1]" in feedback.message
     assert "put \"tp\" last" in feedback.message
+
+
+def _right_merge(out1, lse1, out2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, lse
+
+
+def _naive_merge(out1, lse1, out2, lse2):
+    a, b = torch.exp(lse1), torch.exp(lse2)  # overflows past lse = 88
+    return (a * out1 + b * out2) / (a + b), torch.log(a + b)
+
+
+def _max_lse_merge(out1, lse1, out2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, torch.maximum(lse1, lse2)
+
+
+def _size_weighted_merge(out1, lse1, out2, lse2):
+    n1, n2 = 1.0, 1.0  # the keys per block, as a learner might weigh them
+    return (n1 * out1 + n2 * out2) / (n1 + n2), torch.logaddexp(lse1, lse2)
+
+
+@pytest.mark.parametrize("fn, ok, fragments", [
+    (_right_merge, True, ["a chain of three", "logaddexp"]),
+    (_naive_merge, False, ["inf or nan", "overflows float32"]),
+    (_max_lse_merge, False, ["three in a chain do not", "torch.logaddexp(lse1, lse2)"]),
+    (_size_weighted_merge, False, ["you averaged the two outputs"]),
+    (lambda out1, lse1, out2, lse2: _right_merge(out1, lse1, out2, lse2)[0], False, ["Return (out, lse)"]),
+    (lambda out1, lse1, out2, lse2: (torch.where(lse1 > lse2, out1, out2), torch.maximum(lse1, lse2)), False,
+     ["differs from full attention"]),
+    (lambda out1, lse1, out2: None, False, ["raised TypeError"]),
+    ("merge", False, ["Pass your function itself"]),
+])
+def test_softmax_merge(fn, ok, fragments):
+    feedback = checks.softmax_merge(fn)
+    assert feedback.ok is ok, feedback.message
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message
