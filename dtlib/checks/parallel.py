@@ -386,16 +386,25 @@ def softmax_merge(fn: Callable[..., Any]) -> Feedback:
                 out, lse = merged
         except Exception as exc:  # noqa: BLE001 - the learner's code: say what it raised
             return Feedback(False, f"With {what}, your merge raised {type(exc).__name__}: {exc}")
-        if not isinstance(out, torch.Tensor) or out.shape != expected.shape:
-            return Feedback(False, f"With {what}, the merged output should be a tensor of shape "
-                                   f"{tuple(expected.shape)}, got {getattr(out, 'shape', type(out).__name__)}.")
+        if not isinstance(out, torch.Tensor):
+            return Feedback(False, f"With {what}, the merged output should be a torch tensor, got "
+                                   f"{type(out).__name__}.")
+        if out.shape != expected.shape:
+            return Feedback(False, f"With {what}, the merged output should have shape {tuple(expected.shape)}, got "
+                                   f"{tuple(out.shape)}.")
+        if not isinstance(lse, torch.Tensor) or lse.shape != blocks[0][1].shape:
+            return Feedback(False, f"With {what}, the merged lse should be a tensor of shape "
+                                   f"{tuple(blocks[0][1].shape)}, like each block's (one number per query row), got "
+                                   f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}.")
+        out = out.detach().to(torch.float64)  # any float dtype the learner computed in
+        expected = expected.to(torch.float64)
         if torch.allclose(out, expected, atol=1e-5):
             continue
         if not torch.isfinite(out).all():
             return Feedback(False, f"With {what}, your output holds inf or nan: exp(lse) overflows float32 once lse "
                                    "passes 88. Weigh each block by exp(lse_i - lse), with lse = torch.logaddexp(lse1, "
                                    "lse2): the differences are never positive, so nothing overflows.")
-        if len(sizes) == 2 and torch.allclose(out, (blocks[0][0] + blocks[1][0]) / 2, atol=1e-5):
+        if len(sizes) == 2 and torch.allclose(out, ((blocks[0][0] + blocks[1][0]) / 2).double(), atol=1e-5):
             return Feedback(False, f"With {what}, you averaged the two outputs: each block's output is normalised over "
                                    "its own keys only; weigh it by its share of the whole softmax's mass, "
                                    "exp(lse_i - lse).")

@@ -341,6 +341,9 @@ def _size_weighted_merge(out1, lse1, out2, lse2):
     (lambda out1, lse1, out2, lse2: (torch.where(lse1 > lse2, out1, out2), torch.maximum(lse1, lse2)), False,
      ["differs from full attention"]),
     (lambda out1, lse1, out2: None, False, ["raised TypeError"]),
+    (lambda *args: tuple(t.double() for t in _right_merge(*(a.double() for a in args))), True, []),  # float64
+    (lambda *args: (_right_merge(*args)[0].numpy(), _right_merge(*args)[1]), False, ["a torch tensor, got ndarray"]),
+    (lambda *args: (_right_merge(*args)[0], _right_merge(*args)[1].squeeze(-1)), False, ["merged lse should be"]),
     ("merge", False, ["Pass your function itself"]),
 ])
 def test_softmax_merge(fn, ok, fragments):
