@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtlib.checks.skeleton import UNREADABLE, RankExercise, judge
+from dtlib.checks.skeleton import UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
@@ -162,7 +162,7 @@ TENSOR_PARALLEL_MLP = RankExercise(
         f"Every rank holds the MLP's output, with {first} ranks and with {second}, after one all-reduce: column "
         "parallel (rows of up) then row parallel (columns of down), the split Megatron-LM uses for every MLP and "
         "attention block, and what ColwiseParallel and RowwiseParallel do."),
-    hang=lambda err, name: "Your function hung: every rank must call the same collectives in the same order.",
+    hang=same_collectives_hang,
     failure=_failure,
     excess=_excess,
 )

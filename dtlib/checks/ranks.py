@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import as_number, constant_divisor, equals
-from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, reduce_hint
+from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, reduce_hint, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
 from dtlib.ring.send_recv import starting_values
@@ -147,7 +147,7 @@ AVERAGE_OF_RANKS = RankExercise(
         f"Every rank holds the mean, with {first} ranks and with {second}. all_reduce(SUM) / world_size works on "
         "every backend and torch version; DDP averages gradients with the same sum and division, dividing first so "
         "that fp16 sums cannot overflow (notebook 04)."),
-    hang=lambda err, name: "Your function hung: every rank must call the same collectives in the same order.",
+    hang=same_collectives_hang,
     failure=lambda err: ("This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide."
                          if "AVG" in err.failures[0].headline() else _raised(err)),
 )

@@ -59,6 +59,11 @@ class RankExercise:
     excess: Callable[[Sequence[dict[str, int]]], str | None] = lambda calls: None
 
 
+def same_collectives_hang(err: WorkerTimeout, name: str) -> str:
+    """What to say when a rank function hung and nothing more precise is known."""
+    return "Your function hung: every rank must call the same collectives in the same order."
+
+
 def reduce_hint(answer: Answer) -> str:
     """What to say when ``dist.reduce`` stood where ``dist.all_reduce`` belongs."""
     return (f"Rank {answer.rank} does not hold the result: dist.reduce leaves it on one rank only (dst), and the "
