@@ -49,10 +49,14 @@ def _comm(kind: str, what: str) -> Column:
 def format_table(rows: list[StrategyRow]) -> str:
     """Bytes per rank (rank 0): at rest, at the peak between forward and backward, and the formula.
 
-    FSDP1 keeps gathered weights in internal buffers its parameters do not show: its peak is "-".
+    FSDP1 keeps gathered weights in internal buffers its parameters do not show: its peak is "-". On GPU
+    ranks a last column gives CUDA's ``max_memory_allocated`` in the first step: model state plus activations
+    and communication buffers.
     """
     ddp = next((r for r in rows if r.label == "DDP"), rows[0])
     ddp_sent = fsdp_compare.bytes_sent_per_rank(ddp) or 1.0
+    cuda = [Column("CUDA peak", 9, lambda r: r.cuda_memory["peak"] if r.cuda_memory else None)] \
+        if any(r.cuda_memory for r in rows) else []
     return _format_table(
         f"dtlib.bench fsdp: tiny transformer, fp32 + Adam, world_size={rows[0].world_size}, "
         f"torch {torch.__version__}; bytes per rank, ring traffic",
@@ -63,5 +67,5 @@ def format_table(rows: list[StrategyRow]) -> str:
          _comm("all_reduce", "bytes"),
          Column("sent/rank", 9, fsdp_compare.bytes_sent_per_rank, ".0f"),
          Column("vs DDP", 6, lambda r: fsdp_compare.bytes_sent_per_rank(r) / ddp_sent, ".2f", "x"),
-         Column("step ms", 8, lambda r: r.step_ms, ".2f")],
+         Column("step ms", 8, lambda r: r.step_ms, ".2f"), *cuda],
         rows)

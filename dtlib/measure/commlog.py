@@ -15,10 +15,16 @@ about twice as long), which would distort the timeline, and they are thread-loca
 starts its later all-reduces from future callbacks on gloo's threads, which no dispatch mode
 (nor ``torch.profiler``) sees. Use ``count_collectives`` where counts are all you need.
 
-Finish times are this CPU's clock: right for gloo, which runs a collective on its own CPU threads. A
-CUDA collective (NCCL) returns, and its future fires, as soon as the work is queued on the GPU, so its
-finish is not on this clock: ``done_s`` stays NaN there, and :func:`hidden_share` says NaN (not measured)
-rather than a share that would mean nothing. Launch times, counts and bytes hold on every backend.
+Times are this CPU's clock: right for gloo, which runs a collective on its own CPU threads. A CUDA
+collective (NCCL) returns, and its future fires, as soon as the work is queued on the GPU, so the CPU's
+clock cannot see it run. For those the log records two CUDA events instead: one on the caller's stream
+before the call (the collective cannot start before the work queued ahead of it), one on a side stream
+made to wait for the collective. :meth:`CommLog.resolve` synchronises, reads both against a reference
+event recorded when GPU and CPU were in step, and sets ``launched_s`` (when the GPU reached the call)
+and ``done_s`` (when the collective finished) on this clock. Until then ``done_s`` is NaN, and
+:func:`hidden_share` says NaN (not measured) rather than a share that would mean nothing. The CUDA path has
+not yet run on a GPU (docs/gpu_status.md): a GPU run must confirm that its DDP timeline's all-reduces end
+after they start and overlap backward as the hidden share says.
 
 ``nbytes`` is the size of the whole buffer S, as nccl-tests counts it: the tensor of
 an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter.
@@ -41,6 +47,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 #: Collectives the log can wrap, and which argument holds the whole buffer S (by position).
@@ -80,6 +87,10 @@ class CommLog:
     step: int = 0
     origin: float = field(default_factory=time.perf_counter)
     _by_step: dict[int, list[CommEvent]] = field(default_factory=dict, repr=False)  # in_step without a scan
+    # CUDA collectives not yet read: (event, CUDA event before the call, CUDA event after the collective)
+    _pending: list[tuple[CommEvent, Any, Any]] = field(default_factory=list, repr=False)
+    _reference: tuple[Any, float] | None = field(default=None, repr=False)  # (CUDA event, this clock) in step
+    _side: Any = field(default=None, repr=False)  # the stream that waits for each collective
 
     def now(self) -> float:
         """Seconds since this log began: the clock of every event."""
@@ -111,16 +122,60 @@ class CommLog:
                               group_size=dist.get_world_size(bound.arguments.get("group")))
             self.events.append(event)
             self._by_step.setdefault(event.step, []).append(event)
-            work = original(*args, **kwargs)
             if any(t.is_cuda for t in pieces):
-                pass  # queued on the GPU, not finished: done_s stays NaN (see the module's docstring)
-            elif not async_op or work is None:
-                event.done_s = self.now()
+                before = self._cuda_mark()
+                work = original(*args, **kwargs)
+                self._pending.append((event, before, self._cuda_after(work)))
             else:
-                work.get_future().then(lambda _: setattr(event, "done_s", self.now()))
+                work = original(*args, **kwargs)
+                self._stamp(event, work, async_op)
             return work
 
         return collective
+
+    def _stamp(self, event: CommEvent, work: Any, async_op: bool) -> None:
+        """A CPU collective's finish on this clock: now if the caller waited, else when its future fires."""
+        if not async_op or work is None:
+            event.done_s = self.now()
+        else:
+            work.get_future().then(lambda _: setattr(event, "done_s", self.now()))
+
+    def _cuda_mark(self) -> Any:
+        """A timing CUDA event on the caller's stream; the first one also fixes the reference."""
+        if self._reference is None:
+            torch.cuda.synchronize()  # GPU and CPU in step: the reference event runs at this clock's now()
+            reference = torch.cuda.Event(enable_timing=True)
+            reference.record()
+            self._reference = (reference, self.now())
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def _cuda_after(self, work: Any) -> Any:
+        """A timing CUDA event that runs when the collective has finished, without making anyone wait for it:
+        a side stream waits for the work (``work.wait()`` blocks the current stream, not the CPU)."""
+        done = torch.cuda.Event(enable_timing=True)
+        if work is None:  # async_op=False: the caller's stream already waits for the collective
+            done.record()
+            return done
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        with torch.cuda.stream(self._side):
+            work.wait()
+            done.record(self._side)
+        return done
+
+    def resolve(self) -> None:
+        """Put every CUDA collective recorded so far on this clock (synchronises the GPU once; a no-op when
+        there are none, as on CPU ranks). Call it after a step, not inside one."""
+        if not self._pending or self._reference is None:
+            return
+        torch.cuda.synchronize()
+        reference, at = self._reference
+        for event, before, done in self._pending:
+            event.launched_s = at + reference.elapsed_time(before) / 1e3  # elapsed_time is in ms
+            event.done_s = at + reference.elapsed_time(done) / 1e3
+        self._pending.clear()
 
     def totals(self, step: int) -> dict[str, dict[str, int]]:
         """``{kind: {"calls": n, "bytes": S summed}}`` for one step."""
@@ -156,7 +211,7 @@ def hidden_share(events: list[CommEvent], compute_end_s: float) -> float:
 
     1.0: every all-reduce finished while gradients were still being computed;
     0.0: all communication was exposed, after the compute or blocking it (``async_op=False``).
-    NaN: some finish is not known (CUDA collectives, whose finish this CPU clock cannot see).
+    NaN: some finish is not known (CUDA collectives before :meth:`CommLog.resolve`).
     """
     if any(math.isnan(e.done_s) for e in events):
         return math.nan

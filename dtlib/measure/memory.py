@@ -14,6 +14,11 @@ ranks that share the state. Every formula depends on the precision, so each name
     dtlib.measure.memory.estimate(7.5e9, 64, "zero3") / 1e9    # 1.875 GB per rank (the paper: 1.9 GB)
 
 GB here is 1e9 bytes, GiB 2**30.
+
+On a GPU, :func:`allocator` reads what CUDA's caching allocator says beside this bookkeeping: the formulas
+predict :func:`measured` (model state); ``max_memory_allocated`` adds activations, the gathered weights and the
+communication buffers (all-gather outputs, reduce-scatter inputs) at their peak, and ``memory_reserved`` adds
+the blocks the allocator keeps cached for reuse.
 """
 
 from __future__ import annotations
@@ -122,6 +127,20 @@ def nbytes(tensors: Any) -> int:
         seen.add(key)
         total += local.untyped_storage().nbytes()
     return total
+
+
+def allocator(device: torch.device) -> dict[str, int] | None:
+    """CUDA's own numbers for ``device``, in bytes: ``allocated`` now, ``peak`` (``max_memory_allocated``
+    since the last ``torch.cuda.reset_peak_memory_stats``) and ``reserved`` (held by the caching allocator).
+    None on any other device: a CPU has no such allocator to ask.
+
+    Not yet run on a GPU (docs/gpu_status.md): a GPU run must confirm that the peak sits above
+    :func:`measured`'s model state by the activations and buffers the module docstring names.
+    """
+    if device.type != "cuda":
+        return None
+    return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device)}
 
 
 def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

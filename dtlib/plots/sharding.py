@@ -55,6 +55,8 @@ def memory_bars(rows: Sequence[Any], title: str = "") -> Figure:
     Left, measured: at rest (stacked: parameters, gradients, optimizer state), and on top (grey, hatched) the
     weights gathered between forward and backward; FSDP1 hides those in its own buffers, so its bar says so.
     Right, an outlined bar: the formula for the same setting at its peak (``row.estimate``).
+    On GPU ranks a black diamond marks CUDA's ``max_memory_allocated`` on rank 0 (``row.cuda_memory``): model
+    state plus activations and communication buffers, which the formulas leave out.
     """
     fig, ax = plt.subplots(figsize=(min(14.0, 3.0 + 1.5 * len(rows)), 4.2))
     x = np.arange(len(rows))
@@ -71,12 +73,15 @@ def memory_bars(rows: Sequence[Any], title: str = "") -> Figure:
     formula = np.array([r.estimate for r in rows]) / 1e3
     ax.bar(x + width / 2, formula, width, fill=False, edgecolor="black", linestyle="--", linewidth=1.2,
            label="formula at the peak")
+    cuda = [r.cuda_memory["peak"] / 1e3 if getattr(r, "cuda_memory", None) else np.nan for r in rows]
+    if not np.all(np.isnan(cuda)):
+        ax.plot(x - width / 2, cuda, "kD", label="CUDA max_memory_allocated\n(the allocator's peak)")
     for i, row in enumerate(rows):
         if row.peak is None:
             ax.text(x[i] - width / 2, bottom[i], "peak not\nvisible\n(FSDP1)", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, tick_names([r.label for r in rows]), fontsize=8)
     ax.set_ylabel("kB per rank (1 kB = 1000 bytes)")
-    ax.set_ylim(0, 1.2 * max(max(bottom + gathered), max(formula)))
+    ax.set_ylim(0, 1.2 * np.nanmax([*(bottom + gathered), *formula, *cuda]))
     ax.set_title(title or f"Model state per rank, {rows[0].world_size} ranks, fp32 + Adam: measured | formula")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()

@@ -59,7 +59,7 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
         y = row * 2
         ax.broken_barh([(0, (line["compute_end_s"] - start) * 1e3)], (y + 1, 0.8), color=COLORS["cpu"])
         for index, (launched, done, nbytes) in enumerate(line["comm"]):
-            if math.isnan(done):  # a CUDA collective: its launch only (its finish is on the GPU's clock)
+            if math.isnan(done):  # a CUDA collective not read back (CommLog.resolve): its launch only
                 ax.plot([(launched - start) * 1e3], [y + 0.5], marker="|", markersize=14, color=COLORS["store"])
                 continue
             ax.broken_barh([((launched - start) * 1e3, max((done - launched) * 1e3, 0.02))], (y + 0.1, 0.8),
@@ -73,7 +73,7 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
     ax.set_xlabel("ms since the step began (labels: bucket size in MiB)")
     share = np.mean([r.hidden_share[-1] for r in results])
     said = (f"{share:.0%} of communication hidden behind compute" if not math.isnan(share) else
-            "launches only: a GPU collective finishes on the GPU's clock, which this timeline does not read")
+            "launches only: these GPU collectives' finishes were not read back from their CUDA events")
     ax.set_title(title or f"Step {results[0].timeline['step']}: {said}")
     ax.plot([], [], color=COLORS["cpu"], lw=8, label="forward + backward (until the last gradient is ready)")
     ax.plot([], [], color=COLORS["store"], lw=8, label="all-reduce of one bucket, launch to finish")

@@ -103,6 +103,9 @@ class FSDPResult:
     # Bytes of the tensors autograd saved for backward in the last forward (activations and inputs, not the
     # parameters), each storage once: what activation checkpointing cuts.
     saved_for_backward_bytes: int = 0
+    # On a GPU, CUDA's allocator after the first step (dtlib.measure.memory.allocator): its peak is model state
+    # plus activations and communication buffers; None on CPU ranks.
+    cuda_memory: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -202,6 +205,8 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     batches = data.batches(data.for_model(config.model, config.num_samples, seed=config.seed), world_size, rank,
                            micro * config.grad_accum, seed=config.seed, first_step=start)
     log = CommLog()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the peak of this run's first step, not of building the model
     with log.recording(tuple(SIZED_BY)):
         for step in range(start, config.steps):
             log.step, calls[0] = step, 0
@@ -226,6 +231,7 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
             optimizer.step()
             if measure:
                 result.memory_at_rest = memory.measured(model, optimizer)
+                result.cuda_memory = memory.allocator(device)
             optimizer.zero_grad()
             if device.type == "cuda":
                 torch.cuda.synchronize()  # GPU work is asynchronous: the step ends when it has run

@@ -44,6 +44,7 @@ class StrategyRow:
     step_ms: float
     final_loss: float
     notes: list[str]
+    cuda_memory: dict[str, int] | None = None  # GPU ranks: CUDA's allocated, peak and reserved bytes on rank 0
 
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -73,7 +74,7 @@ def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
         estimate = memory.fsdp_estimate(first.num_params, shard_group, compute_bytes=4,
                                         reshard_after_forward=SETTINGS[label]["strategy"] != "shard_grad_op")
     return StrategyRow(label, first.world_size, shard_group, at_rest, first.memory_at_rest, peak, estimate,
-                       first.comm[-1], step_s * 1e3, first.losses[-1], first.notes)
+                       first.comm[-1], step_s * 1e3, first.losses[-1], first.notes, first.cuda_memory)
 
 
 def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, steps: int = 6,

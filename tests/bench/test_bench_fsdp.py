@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -47,6 +48,14 @@ def test_format_table_has_a_header_and_one_line_per_row():
                                          "1.50x", "12.50"]
     assert cells["FSDP1 FULL_SHARD"][:4] == ["2004", "-", "2000", "-"]  # FSDP1 hides its gathered weights
     assert cells["FSDP1 FULL_SHARD"][8:10] == ["1450", "1.45x"]  # (1900 + 1000) / 2 sent, against DDP's 1000
+
+
+def test_gpu_ranks_add_cudas_peak_as_a_last_column():
+    rows = [replace(ROWS[0], cuda_memory={"allocated": 4100, "peak": 9000, "reserved": 16384}), ROWS[1]]
+    lines = bench_fsdp.format_table(rows).splitlines()
+    assert lines[1].split()[-2:] == ["CUDA", "peak"]
+    assert [_cells(line)[1][-1] for line in lines[2:]] == ["9000", "-"]  # a row without the allocator says "-"
+    assert "CUDA" not in bench_fsdp.format_table(ROWS)  # CPU ranks: no such column
 
 
 def test_records_carry_the_bytes_sent_per_rank():

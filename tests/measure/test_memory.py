@@ -136,3 +136,23 @@ def test_measured_counts_parameters_gradients_and_adam_state():
     steps = len(list(model.parameters()))  # Adam keeps one scalar "step" tensor per parameter
     assert held["gradients"] == 4 * num_params
     assert held["optimizer_state"] == 8 * num_params + 4 * steps
+
+
+def test_allocator_is_asked_only_on_a_gpu():
+    assert memory.allocator(torch.device("cpu")) is None  # a CPU has no caching allocator to ask
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_allocator_peak_holds_the_model_state_and_more():
+    """The formula predicts model state; CUDA's peak adds activations and temporary buffers on top."""
+    device = torch.device("cuda", 0)
+    torch.cuda.reset_peak_memory_stats(device)
+    model = models.build("transformer", seed=0).to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.zeros(8, 16, dtype=torch.long, device=device)).sum().backward()
+    optimizer.step()
+    state = sum(memory.measured(model, optimizer).values())
+    numbers = memory.allocator(device)
+    assert numbers is not None and numbers["peak"] > state
+    assert numbers["allocated"] <= numbers["peak"] <= numbers["reserved"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -204,3 +207,14 @@ def test_placements_reads_placement_objects_and_their_long_and_short_names_and_r
     assert [(p.get_y(), p.get_height()) for p in row_stripes] == [(0, 4), (4, 4)]
     column_stripes = plots.placements({"w": ((8, 4), "Shard(1)")}, 2).axes[0].patches
     assert [(p.get_x(), p.get_width()) for p in column_stripes] == [(0, 2), (2, 2)]
+
+
+def test_memory_bars_mark_cudas_peak_only_where_the_ranks_ran_on_gpus():
+    rows = _strategy_rows()
+    assert not [line for line in plots.memory_bars(rows).axes[0].lines if "CUDA" in line.get_label()]
+    rows[0] = replace(rows[0], cuda_memory={"allocated": 400_000, "peak": 900_000, "reserved": 2_097_152})
+    ax = plots.memory_bars(rows).axes[0]
+    (marker,) = [line for line in ax.lines if "CUDA" in line.get_label()]
+    heights = marker.get_ydata()
+    assert heights[0] == pytest.approx(900.0) and all(math.isnan(h) for h in heights[1:])
+    assert ax.get_ylim()[1] >= 900.0  # the diamond is inside the axes

@@ -305,3 +305,24 @@ def test_the_command_line_gives_a_long_job_its_own_timeout(monkeypatch, capsys, 
     with pytest.raises(SystemExit):
         cli.main(["ddp", *argv])
     assert seen == {"timeout": timeout}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(180)
+def test_cuda_all_reduces_are_timed_by_cuda_events():
+    """NCCL at world size 1: CommLog reads each bucket's start and finish from CUDA events, so the timeline has
+    finishes and the hidden share is a number, not NaN."""
+    (result,) = ddp.run(ddp.TrainConfig(model="transformer", steps=3, global_batch=16), 1, output="none")
+    assert result.backend == "nccl"
+    line = result.timeline
+    assert line["comm"] and all(not math.isnan(done) for _, done, _ in line["comm"])
+    assert all(line["start_s"] <= launched <= done <= line["end_s"] for launched, done, _ in line["comm"])
+    assert all(0.0 <= share <= 1.0 for share in result.hidden_share)
+
+
+def test_cpu_all_reduces_keep_the_cpu_clock(plain):
+    """gloo: each finish is stamped on the CPU clock as the collective ends; nothing waits for CUDA events."""
+    for result in plain:
+        assert all(launched <= done for launched, done, _ in result.timeline["comm"])
+        assert all(not math.isnan(share) for share in result.hidden_share)

@@ -419,6 +419,21 @@ def test_fsdp1_cpu_offload_on_gpus_trains_like_fsdp2():
     assert not any("pin_memory=False" in note for note in fsdp2[0].notes)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(180)
+def test_cuda_memory_sits_above_the_model_state_on_one_gpu():
+    """NCCL at world size 1: the allocator's peak holds the model state the formula counts, and more."""
+    for config in (FSDPConfig(api="fsdp2"), FSDPConfig(api="fsdp1"), FSDPConfig(api="ddp")):
+        (result,) = fsdp.run(config, 1, output="none")
+        assert result.cuda_memory is not None, config.api
+        assert result.cuda_memory["peak"] > sum(result.memory_at_rest.values()), (config.api, result.cuda_memory)
+
+
+def test_cpu_ranks_report_no_cuda_memory(runs):
+    assert runs(2)[0].cuda_memory is None
+
+
 # --- the root's setting, the groups of the all-gathers, several configs in one launch ------------------------
 
 ROOT_PARAMS = NUM_PARAMS - sum(p.numel() for block in models.build("transformer").blocks for p in block.parameters())
