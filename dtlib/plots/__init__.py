@@ -6,13 +6,14 @@ Nothing here launches processes; call a dtlib function first, then draw its resu
 """
 
 from dtlib.plots.collectives import before_after, busbw, ring_grid, ring_step, traffic
+from dtlib.plots.experts import dispatch, expert_load
 from dtlib.plots.parallel import mesh, placements
 from dtlib.plots.pipeline import bubble_curve, pipeline
 from dtlib.plots.processes import dp_vs_ddp, launch_times, machine, ranks
 from dtlib.plots.sharding import comm_bars, guide_bars, guide_calculator, guide_grid, memory_bars, shard, zero_stages
 from dtlib.plots.training import bars, ddp_timeline, loss_curves, nodes, sampler_grid
 
-__all__ = ["bars", "before_after", "bubble_curve", "busbw", "comm_bars", "ddp_timeline", "dp_vs_ddp", "guide_bars",
-           "guide_calculator", "guide_grid", "launch_times", "loss_curves", "machine", "memory_bars", "mesh", "nodes",
-           "pipeline", "placements", "ranks", "ring_grid", "ring_step", "sampler_grid", "shard", "traffic",
-           "zero_stages"]
+__all__ = ["bars", "before_after", "bubble_curve", "busbw", "comm_bars", "ddp_timeline", "dispatch", "dp_vs_ddp",
+           "expert_load", "guide_bars", "guide_calculator", "guide_grid", "launch_times", "loss_curves", "machine",
+           "memory_bars", "mesh", "nodes", "pipeline", "placements", "ranks", "ring_grid", "ring_step", "sampler_grid",
+           "shard", "traffic", "zero_stages"]

@@ -57,7 +57,7 @@ UNITS = {"s", "ms", "us", "seconds", "B", "bytes", "kB", "MB", "GB", "KiB", "MiB
 # Counts, indices and dimensionless numbers need no unit: a label that begins with one of these.
 UNITLESS = {
     "rank", "ranks", "world size", "step", "steps", "epoch", "element", "elements", "position", "index",
-    "chunk", "chunks", "bucket", "buckets", "rows", "columns", "inputs", "calls", "micro-batches",
+    "chunk", "chunks", "bucket", "buckets", "rows", "columns", "inputs", "calls", "micro-batches", "tokens",
     "loss",  # dimensionless: mean squared error or cross-entropy
 }
 
@@ -208,6 +208,10 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
                                                     ("F", 1, 1, 0.04, 0.05), ("B", 1, 1, 0.05, 0.07)]]),
                  "interleaved": lambda: call([[("F", 0, 0, 0.0, 0.01), ("F", 2, 0, 0.02, 0.03)],
                                               [("F", 1, 0, 0.01, 0.02), ("F", 3, 0, 0.03, 0.04)]], "two stages each")},
+    "dispatch": {"4 ranks": lambda: call([[7, 5, 6, 6], [4, 9, 5, 6], [6, 6, 4, 8], [5, 7, 6, 6]]),
+                 "2 ranks": lambda: call([[12, 12], [20, 4]], "skewed")},
+    "expert_load": {"8 experts on 4 ranks": lambda: call([[3, 4, 2, 3, 4, 3, 2, 3]] * 4, 15.0),
+                    "no capacity": lambda: call([[10, 2, 0, 12], [9, 3, 1, 11]])},
     "bubble_curve": {"4 stages": lambda: call([1, 2, 4, 8, 16], [0.76, 0.62, 0.45, 0.3, 0.17], 4)},
     "mesh": {"2 x 2": lambda: call((2, 2), ("dp", "tp")),
              "2 nodes of 4": lambda: call((2, 4), ("dp", "tp"), gpus_per_node=4),

@@ -1,0 +1,290 @@
+"""The expert-parallel exercise of notebook 13: a mixture-of-experts layer whose experts live round-robin.
+
+Every rank gets the same router, ``nn.Linear(DIM, EXPERTS, bias=False)``, its own :data:`TOKENS` tokens, and its
+own experts as a dict ``{e: expert}``: expert ``e`` lives on rank ``e % p``, so with 8 experts on 3 ranks rank 0
+holds experts 0, 3 and 6 and rank 2 holds 2 and 5. The learner's ``fn(x, router, experts, top_k, group)`` routes
+each token to its ``top_k`` experts (softmax over the router's logits, the ``top_k`` largest, renormalised to sum
+to 1), sends it to the ranks of those experts, runs them there and brings the outputs home, weighted by the
+gates.
+
+Right: on every rank, the output, the gradient of ``x``, this rank's share of the router's gradient and the
+gradients of this rank's experts equal one process applying the whole layer to every rank's tokens, and the
+tokens travelled by all-to-all only.
+
+Example: ``expert_parallel_moe(fn)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, same_collectives_hang
+from dtlib.errors import WorkerError
+from dtlib.feedback import Feedback
+from dtlib.launch.entry import rank_device
+
+DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 8, 16, 8, 2, 12
+_SEED = 13
+
+
+def owner(expert: int, world_size: int) -> int:
+    """The rank that holds ``expert`` in this exercise's round-robin layout: ``expert % world_size``."""
+    return expert % world_size
+
+
+def _build(world_size: int, device: torch.device | str) -> tuple[torch.Tensor, nn.Linear, list[nn.Module]]:
+    """Every rank's tokens, the router and all the experts, the same in every process (one seed)."""
+    torch.manual_seed(_SEED)
+    router = nn.Linear(DIM, EXPERTS, bias=False)
+    experts = [nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(EXPERTS)]
+    tokens = torch.randn(world_size * TOKENS, DIM, generator=torch.Generator().manual_seed(_SEED))
+    return tokens.to(device), router.to(device), [expert.to(device) for expert in experts]
+
+
+def moe_inputs(rank: int, world_size: int, device: torch.device | str | None = None
+               ) -> tuple[torch.Tensor, nn.Linear, dict[int, nn.Module]]:
+    """This rank's ``x`` (TOKENS, DIM), the router (the same on every rank) and this rank's experts,
+    ``{e: expert}`` for every ``e`` with ``e % world_size == rank``, on ``device`` (default: the rank's own).
+
+    Example: ``x, router, experts = moe_inputs(0, 3)``; ``sorted(experts) == [0, 3, 6]``.
+    """
+    device = rank_device() if device is None else device
+    tokens, router, experts = _build(world_size, device)
+    mine = {e: expert for e, expert in enumerate(experts) if owner(e, world_size) == rank}
+    return tokens.chunk(world_size)[rank].clone(), router, mine
+
+
+def _probe(world_size: int) -> torch.Tensor:
+    """The fixed weights of the loss, ``(y * probe).sum()``: every output number gets its own gradient."""
+    return torch.randn(world_size * TOKENS, DIM, generator=torch.Generator().manual_seed(_SEED + 1))
+
+
+def _layer(x: torch.Tensor, router: nn.Module, experts: Mapping[int, nn.Module], top_k: int = TOP_K,
+           renormalise: bool = True, gated: bool = True) -> torch.Tensor:
+    """The mixture of experts in one process: each token's ``top_k`` experts, weighted by their gates."""
+    gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
+    if renormalise:
+        gates = gates / gates.sum(-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for e, expert in experts.items():
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        weight = gates[token, slot, None] if gated else 1.0
+        y = y.index_add(0, token, weight * expert(x[token]))
+    return y
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().double().cpu() for p in module.parameters()]
+
+
+@functools.lru_cache(maxsize=8)
+def _expected(size: int, **variant: bool) -> list[dict[str, Any]]:
+    """Per rank, what one process gives: the output and the gradients (a variant: a known wrong layer)."""
+    tokens, router, experts = _build(size, "cpu")
+    probe = _probe(size)
+    everyone = tokens.clone().requires_grad_(True)
+    (_layer(everyone, router, dict(enumerate(experts)), **variant) * probe).sum().backward()
+    expert_grads = {e: _grads(expert) for e, expert in enumerate(experts)}
+    out = []
+    for rank in range(size):
+        router.zero_grad()
+        x = tokens.chunk(size)[rank].clone().requires_grad_(True)
+        y = _layer(x, router, dict(enumerate(experts)), **variant)
+        (y * probe.chunk(size)[rank]).sum().backward()
+        out.append({"y": y.detach().double(), "x_grad": x.grad.double(), "router_grad": _grads(router)[0],
+                    "expert_grads": {e: g for e, g in expert_grads.items() if owner(e, size) == rank}})
+    return out
+
+
+def _run(fn: Callable[..., Any], rank: int, world_size: int) -> dict[str, Any]:
+    """In a rank: call ``fn`` on this rank's inputs, then back-propagate ``(y * probe).sum()`` through it."""
+    x, router, experts = moe_inputs(rank, world_size)
+    x.requires_grad_(True)
+    y = fn(x, router, experts, TOP_K, dist.group.WORLD)
+    report: dict[str, Any] = {"rank": rank, "kind": type(y).__name__, "y": None}
+    if not isinstance(y, torch.Tensor):
+        return report
+    report.update(dtype=str(y.dtype).removeprefix("torch."), shape=tuple(y.shape), requires_grad=y.requires_grad)
+    if y.shape != x.shape or not y.is_floating_point():
+        return report
+    if y.requires_grad:
+        (y * _probe(world_size).chunk(world_size)[rank].to(y.device)).sum().backward()
+    report.update(y=y.detach().double().cpu(), x_grad=None if x.grad is None else x.grad.double().cpu(),
+                  router_grad=_grads(router)[0], expert_grads={e: _grads(m) for e, m in experts.items()})
+    return report
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _read(value: Any) -> Any:
+    return value if isinstance(value, dict) and value.get("y") is not None else UNREADABLE
+
+
+def _same_output(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]) -> bool:
+    return _close(value["y"], expected[value["rank"]]["y"])
+
+
+def _experts_right(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]) -> bool:
+    mine = expected[value["rank"]]["expert_grads"]
+    return value["expert_grads"].keys() == mine.keys() and all(
+        _close(got, want) for e in mine for got, want in zip(value["expert_grads"][e], mine[e], strict=True))
+
+
+def _same(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]) -> bool:
+    want = expected[value["rank"]]
+    return (_same_output(value, expected) and _close(value["x_grad"], want["x_grad"])
+            and _close(value["router_grad"], want["router_grad"]) and _experts_right(value, expected))
+
+
+@functools.lru_cache(maxsize=8)
+def _misplaced(size: int, how: str) -> list[torch.Tensor]:
+    """Per rank, the output when the outputs come home sorted by destination and are not put back in their
+    tokens' rows (``how="kept sorted"``), or are put back with the order itself instead of its inverse
+    (``how="wrong inverse"``, ``y_sorted = back[order]``)."""
+    tokens, router, experts = _build(size, "cpu")
+    out = []
+    with torch.no_grad():
+        for rank in range(size):
+            x = tokens.chunk(size)[rank]
+            gates, chosen = router(x).softmax(-1).topk(TOP_K, dim=-1)
+            gates = gates / gates.sum(-1, keepdim=True)
+            flat = chosen.flatten()
+            order = ((flat % size) * EXPERTS + flat).argsort(stable=True)
+            outputs = torch.stack([experts[int(e)](x[a // TOP_K]) for a, e in enumerate(flat)])
+            arrived = outputs[order]  # what comes home, in the order it was sent
+            y_flat = arrived if how == "kept sorted" else arrived[order]
+            out.append((gates.unsqueeze(-1) * y_flat.view(len(x), TOP_K, -1)).sum(1).double())
+    return out
+
+
+def _misplaced_as(how: str) -> Callable[[Answer], bool]:
+    return lambda a: _close(a.value["y"], _misplaced(a.size, how)[a.rank])
+
+
+def _like(**variant: bool) -> Callable[[Answer], bool]:
+    return lambda a: _close(a.value["y"], _expected(a.size, **variant)[a.rank]["y"])
+
+
+def _returned(a: Answer) -> str:
+    report = a.returned
+    if report.get("shape") is None:
+        return f"a {report['kind']}"
+    return f"a {report['dtype']} tensor of shape {report['shape']}"
+
+
+HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
+    (lambda a: a.value is UNREADABLE,
+     lambda a: f"Rank {a.rank} returned {_returned(a)}: return the outputs of this rank's own tokens, a float tensor "
+               f"shaped like x, ({TOKENS}, {DIM}), in x's order."),
+    (lambda a: _excess(a.calls) is not None,
+     lambda a: _excess(a.calls) or ""),
+    (lambda a: _same_output(a.value, a.expected) and not a.returned["requires_grad"],
+     lambda a: f"Rank {a.rank}'s outputs are right but carry no gradient: nothing could train the experts or the "
+               "router. dist.all_to_all_single writes into a tensor that autograd does not track; move the tokens "
+               "both ways with all_to_all_single_autograd (torch.distributed._functional_collectives), whose "
+               "backward is the all-to-all the other way."),
+    (lambda a: _same_output(a.value, a.expected) and not _experts_right(a.value, a.expected),
+     lambda a: f"Rank {a.rank}'s outputs are right, but its experts' gradients are not "
+               f"({_expert_grads_said(a)}): the way back must carry gradients to the experts. Bring the outputs "
+               "home with all_to_all_single_autograd, not dist.all_to_all_single, and do not detach them."),
+    (lambda a: _same_output(a.value, a.expected)
+     and not _close(a.value["router_grad"], a.expected[a.rank]["router_grad"]),
+     lambda a: f"Rank {a.rank}'s outputs and its experts' gradients are right, but the router's gradient is not: "
+               "compute the gates on this rank, from router(x), and keep them in the graph (no detach, no "
+               "torch.no_grad)."),
+    (lambda a: _same_output(a.value, a.expected) and not _close(a.value["x_grad"], a.expected[a.rank]["x_grad"]),
+     lambda a: f"Rank {a.rank}'s outputs are right, but the gradient of its tokens is not: it reaches x only through "
+               "the router. The tokens must leave with all_to_all_single_autograd too, so that their gradients come "
+               "back from the experts' ranks in backward."),
+    (_misplaced_as("kept sorted"),
+     lambda a: f"Rank {a.rank} used the outputs in the order they came home, sorted by destination: put each back "
+               "in its token's slot first, with the inverse of the sort (y_sorted[order] = back)."),
+    (_misplaced_as("wrong inverse"),
+     lambda a: f"Rank {a.rank} put the outputs back with the sort's order itself (back[order]): that sorts them a "
+               "second time. The inverse writes through the order: y_sorted[order] = back."),
+    (_like(gated=False),
+     lambda a: f"Rank {a.rank} added its experts' outputs without their gates: weight each expert's output by "
+               "the token's gate for that expert before adding them."),
+    (_like(renormalise=False),
+     lambda a: f"Rank {a.rank} weighted the experts by the softmax's probabilities as they are: renormalise each "
+               "token's top-k gates to sum to 1 (gates / gates.sum(-1, keepdim=True)), as one process does."),
+]
+
+
+def _expert_grads_said(a: Answer) -> str:
+    got = a.value["expert_grads"]
+    if all(g is None for grads in got.values() for g in grads):
+        return "none at all"
+    return "some differ from one process's"
+
+
+def _failure(err: WorkerError) -> str:
+    said = err.failures[0].headline()
+    last = said.splitlines()[-1] if said else ""
+    if "KeyError" in said:
+        return (f"A rank looked up an expert it does not hold ({last}). Here expert e lives on rank e % p (with 8 "
+                "experts on 3 ranks, rank 0 holds 0, 3 and 6): send each token to owner = expert % world_size, "
+                "and on arrival look its expert up by its global number.")
+    if "split" in said.lower() or "size" in said.lower() or "shape" in said.lower():
+        return (f"The all-to-all's sizes did not fit on a rank ({last}). What rank i sends to rank j must be what "
+                "j expects from i: exchange the counts first (all_to_all_single of a tensor of counts), and pass "
+                "them as output_split_sizes; with 8 experts on 3 ranks the ranks hold 3, 3 and 2 experts, so no "
+                "count may assume an equal share.")
+    return f"Your function raised on a rank:\n{said}"
+
+
+def _excess(calls: Sequence[dict[str, int]]) -> str | None:
+    for rank, counted in enumerate(calls):
+        other = sorted(name for name, times in counted.items() if times and name not in ("all_to_all_single",
+                                                                                          "all_to_all"))
+        if other:
+            return (f"Rank {rank} moved data with {', '.join(other)}: expert parallelism sends each token only to "
+                    "the ranks of its experts and brings the outputs back the same way, with all-to-alls, and the "
+                    "counts too (each rank needs only what is sent to it). A gather or an all-reduce moves every "
+                    "rank's data to every rank.")
+    return None
+
+
+EXPERT_PARALLEL_MOE = RankExercise(
+    expected=_expected,
+    read=_read,
+    same=_same,
+    hints=HINTS,
+    otherwise=lambda a: (
+        f"With {a.size} ranks, rank {a.rank}'s outputs differ from one process's by up to "
+        f"{(a.value['y'] - a.expected[a.rank]['y']).abs().max().item():.3g}. Check the three steps: each token goes "
+        "to the ranks of its top-k experts (expert e on rank e % p), each arriving token meets its own expert "
+        "there, and each output comes home to its token's row, weighted by its gate."),
+    no_collective=lambda rank, expected: (
+        f"Rank {rank} has the right outputs but communicated nothing: it cannot hold every expert. Send the tokens "
+        "to the experts' ranks with an all-to-all."),
+    right=lambda first, second: (
+        f"With {first} ranks and with {second}, every rank's outputs and gradients equal one process's: tokens "
+        "dispatched to their experts' ranks and brought back by all-to-alls that carry gradients, with experts "
+        "spread round-robin, however unevenly they divide."),
+    hang=same_collectives_hang,
+    failure=_failure,
+    excess=_excess,
+)
+
+
+def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: float = 60.0) -> Feedback:
+    """Notebook 13: ``fn(x, router, experts, top_k, group)`` is the expert-parallel layer of this module's
+    docstring; it runs on ``world_size`` ranks and on one more (by default 3 ranks, which hold 3, 3 and 2 of the 8
+    experts, then 4, which hold 2 each).
+
+    Each wrong answer is named: outputs without gradients (``dist.all_to_all_single`` for the tokens), gradients
+    that miss the experts or the tokens, outputs in sorted order, gates left out or not renormalised, an expert
+    looked up on the wrong rank, split sizes that assume equal shares, and tokens moved by gathers or all-reduces.
+    """
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    return judge(functools.partial(_run, fn), EXPERT_PARALLEL_MOE, world_size, timeout)

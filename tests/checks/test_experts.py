@@ -1,0 +1,136 @@
+"""dtlib.checks.expert_parallel_moe: the right layer passes with 3 and 4 ranks; each wrong one is named.
+
+The oracle is one process applying the whole mixture of experts to every rank's tokens, in outputs and in
+gradients. The wrong answers are the ones a learner writes: plain ``dist.all_to_all_single`` for the tokens
+(no gradient), either way only, detached gates, outputs left in sorted order or put back with the wrong
+inverse, no gates, gates not renormalised, the contiguous layout of the lesson, equal splits assumed, and every
+token gathered on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+
+from dtlib import checks
+from dtlib.checks.experts import EXPERTS, TOKENS, moe_inputs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _move(tokens, out_splits, in_splits, group, autograd):
+    if autograd:
+        return funcol.all_to_all_single_autograd(tokens, out_splits, in_splits, group)
+    received = tokens.new_empty(sum(out_splits), tokens.shape[1])
+    dist.all_to_all_single(received, tokens.detach(), out_splits, in_splits, group=group)
+    return received
+
+
+def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates=False, unsort="inverse",
+        gated=True, renormalise=True, layout="round robin", equal_splits=False, detach_output=False):
+    """The expert-parallel layer, with one switch per mistake a learner makes (the defaults are right)."""
+    p = dist.get_world_size(group)
+    gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
+    if renormalise:
+        gates = gates / gates.sum(-1, keepdim=True)
+    if detach_gates:
+        gates = gates.detach()
+    flat = chosen.flatten()
+    destination = flat % p if layout == "round robin" else flat // -(-EXPERTS // p)  # contiguous: 3, 3, 2
+    key = destination * EXPERTS + flat
+    order = key.argsort(stable=True)
+    send = torch.bincount(key, minlength=p * EXPERTS)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_splits = send.view(p, -1).sum(1).tolist()
+    recv_splits = recv.view(p, -1).sum(1).tolist()
+    if equal_splits:
+        send_splits = recv_splits = [len(flat) // p] * p
+    arrived = _move(x[order // top_k], recv_splits, send_splits, group, there)
+    expert_of = torch.arange(EXPERTS).repeat(p).repeat_interleave(recv)
+    out = torch.zeros_like(arrived)
+    for e in expert_of.unique().tolist():
+        rows = (expert_of == e).nonzero(as_tuple=True)[0]
+        out = out.index_add(0, rows, experts[e](arrived[rows]))
+    home = _move(out, send_splits, recv_splits, group, back)
+    if unsort == "inverse":
+        y_sorted = torch.empty_like(home)
+        y_sorted[order] = home
+    else:
+        y_sorted = home if unsort == "none" else home[order]
+    weights = gates.unsqueeze(-1) if gated else 1.0
+    y = (weights * y_sorted.view(x.shape[0], top_k, -1)).sum(1)
+    return y.detach() if detach_output else y
+
+
+def gather_everything(x, router, experts, top_k, group):
+    """Right numbers, but every token goes to every rank, and the outputs come back by a reduce-scatter."""
+    everyone = funcol.all_gather_tensor_autograd(x, 0, group)
+    gates, chosen = router(everyone).softmax(-1).topk(top_k, dim=-1)
+    gates = gates / gates.sum(-1, keepdim=True)
+    y = torch.zeros_like(everyone)
+    for e, expert in experts.items():
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        y = y.index_add(0, token, gates[token, slot, None] * expert(everyone[token]))
+    return funcol.reduce_scatter_tensor_autograd(y, "sum", 0, group)
+
+
+def returns_the_count(x, router, experts, top_k, group):
+    moe(x, router, experts, top_k, group)
+    return len(experts)
+
+
+def _feedback(fn):
+    return checks.expert_parallel_moe(fn, timeout=60)
+
+
+def test_the_inputs_put_expert_e_on_rank_e_mod_p():
+    assert [sorted(moe_inputs(rank, 3, "cpu")[2]) for rank in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    x, router, _ = moe_inputs(1, 3, "cpu")
+    assert x.shape == (TOKENS, 8) and router.weight.shape == (EXPERTS, 8)
+
+
+def test_the_right_layer_passes_with_uneven_and_even_experts_per_rank():
+    feedback = _feedback(moe)
+    assert feedback.ok, feedback.message
+    assert "With 3 ranks and with 4" in feedback.message
+
+
+@pytest.mark.parametrize(("mistake", "said"), [
+    ({"detach_output": True}, "carry no gradient"),
+    ({"there": False, "back": False}, "its experts' gradients are not (none at all)"),
+    ({"back": False}, "its experts' gradients are not (none at all)"),
+    ({"there": False}, "reaches x only through the router"),
+    ({"detach_gates": True}, "the router's gradient is not"),
+    ({"unsort": "none"}, "in the order they came home"),
+    ({"unsort": "wrong"}, "sorts them a second time"),
+    ({"gated": False}, "without their gates"),
+    ({"renormalise": False}, "renormalise each token's top-k gates"),
+    ({"layout": "contiguous"}, "expert e lives on rank e % p"),
+    ({"equal_splits": True}, "exchange the counts first"),
+])
+def test_each_wrong_layer_is_named(mistake, said):
+    feedback = _feedback(functools.partial(moe, **mistake))
+    assert not feedback.ok
+    assert said in feedback.message, feedback.message
+
+
+def test_right_numbers_by_gathering_every_token_are_refused():
+    feedback = _feedback(gather_everything)
+    assert not feedback.ok
+    assert "all_gather_into_tensor" in feedback.message and "all-to-alls" in feedback.message, feedback.message
+
+
+def test_a_value_that_is_not_the_output_is_named():
+    feedback = _feedback(returns_the_count)
+    assert not feedback.ok
+    assert "returned a int" in feedback.message or "returned an int" in feedback.message, feedback.message
+
+
+def test_something_not_callable_is_refused_at_once():
+    feedback = checks.expert_parallel_moe("my_moe")
+    assert not feedback.ok and "Pass your function itself" in feedback.message
