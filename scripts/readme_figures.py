@@ -26,6 +26,7 @@ MARKERS = {
     "10_pipeline_parallel": "for name, reports in runs.items():\n    spans",
     "11_fsdp_tp_2d": "A 2 x 2 mesh",
     "12_context_parallel": "each step's computing and waiting",
+    "13_expert_parallel": "plots.dispatch(sent)",
 }
 
 
