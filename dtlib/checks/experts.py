@@ -8,15 +8,22 @@ to 1), sends it to the ranks of those experts, runs them there and brings the ou
 gates.
 
 Right: on every rank, the output, the gradient of ``x``, this rank's share of the router's gradient and the
-gradients of this rank's experts equal one process applying the whole layer to every rank's tokens, and the
-tokens travelled by all-to-all only.
+gradients of this rank's experts equal one process applying the whole layer to every rank's tokens; the
+tokens travelled by all-to-all only, each assignment out once and each output home once.
+
+Each check draws a new seed for the weights and tokens, so no answer can rebuild another rank's experts or
+tokens for itself, and rank 0's tokens never choose experts 1, 4, 5 or 7: with 3 ranks it sends nothing to
+rank 1 (experts 1, 4, 7), with 4 ranks nothing to rank 1 (1, 5), an empty split that a plan assuming every
+pair of ranks exchanges tokens gets wrong.
 
 Example: ``expert_parallel_moe(fn)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +37,8 @@ from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 8, 16, 8, 2, 12
-_SEED = 13
+QUIET = (1, 4, 5, 7)  # experts rank 0's tokens never choose (an empty split at 3 ranks and at 4)
+_SEED = 13  # moe_inputs' default; each check draws its own
 
 
 def owner(expert: int, world_size: int) -> int:
@@ -38,16 +46,25 @@ def owner(expert: int, world_size: int) -> int:
     return expert % world_size
 
 
-def _build(world_size: int, device: torch.device | str) -> tuple[torch.Tensor, nn.Linear, list[nn.Module]]:
-    """Every rank's tokens, the router and all the experts, the same in every process (one seed)."""
-    torch.manual_seed(_SEED)
+def _build(world_size: int, device: torch.device | str, seed: int) -> tuple[torch.Tensor, nn.Linear, list[nn.Module]]:
+    """Every rank's tokens, the router and all the experts, the same in every process for one seed."""
+    torch.manual_seed(seed)
     router = nn.Linear(DIM, EXPERTS, bias=False)
     experts = [nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(EXPERTS)]
-    tokens = torch.randn(world_size * TOKENS, DIM, generator=torch.Generator().manual_seed(_SEED))
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(world_size * TOKENS, DIM, generator=generator)
+    quiet = torch.tensor(QUIET)
+    with torch.no_grad():
+        fits = torch.empty(0, DIM)
+        while len(fits) < TOKENS:  # about one random token in five avoids the quiet experts
+            pool = torch.randn(16 * TOKENS, DIM, generator=generator)
+            avoids = ~torch.isin(router(pool).topk(TOP_K, dim=-1).indices, quiet).any(-1)
+            fits = torch.cat([fits, pool[avoids]])
+    tokens[:TOKENS] = fits[:TOKENS]
     return tokens.to(device), router.to(device), [expert.to(device) for expert in experts]
 
 
-def moe_inputs(rank: int, world_size: int, device: torch.device | str | None = None
+def moe_inputs(rank: int, world_size: int, device: torch.device | str | None = None, seed: int = _SEED
                ) -> tuple[torch.Tensor, nn.Linear, dict[int, nn.Module]]:
     """This rank's ``x`` (TOKENS, DIM), the router (the same on every rank) and this rank's experts,
     ``{e: expert}`` for every ``e`` with ``e % world_size == rank``, on ``device`` (default: the rank's own).
@@ -55,14 +72,14 @@ def moe_inputs(rank: int, world_size: int, device: torch.device | str | None = N
     Example: ``x, router, experts = moe_inputs(0, 3)``; ``sorted(experts) == [0, 3, 6]``.
     """
     device = rank_device() if device is None else device
-    tokens, router, experts = _build(world_size, device)
+    tokens, router, experts = _build(world_size, device, seed)
     mine = {e: expert for e, expert in enumerate(experts) if owner(e, world_size) == rank}
     return tokens.chunk(world_size)[rank].clone(), router, mine
 
 
-def _probe(world_size: int) -> torch.Tensor:
-    """The fixed weights of the loss, ``(y * probe).sum()``: every output number gets its own gradient."""
-    return torch.randn(world_size * TOKENS, DIM, generator=torch.Generator().manual_seed(_SEED + 1))
+def _probe(world_size: int, seed: int) -> torch.Tensor:
+    """The weights of the loss, ``(y * probe).sum()``: every output number gets its own gradient."""
+    return torch.randn(world_size * TOKENS, DIM, generator=torch.Generator().manual_seed(seed + 1))
 
 
 def _layer(x: torch.Tensor, router: nn.Module, experts: Mapping[int, nn.Module], top_k: int = TOP_K,
@@ -83,14 +100,25 @@ def _grads(module: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().double().cpu() for p in module.parameters()]
 
 
-@functools.lru_cache(maxsize=8)
-def _expected(size: int, **variant: bool) -> list[dict[str, Any]]:
+def _traffic_bound(chosen: torch.Tensor, size: int) -> list[int]:
+    """Per rank, the token rows an expert-parallel layer sends to other ranks in forward: each assignment
+    whose expert lives elsewhere once, and each output of another rank's assignment home once."""
+    owners = owner(chosen, size).view(size, -1)  # (rank, this rank's assignments)
+    ranks = torch.arange(size).unsqueeze(1)
+    out = (owners != ranks).sum(1)
+    back = torch.stack([((owners == r) & (ranks != r)).sum() for r in range(size)])
+    return (out + back).tolist()
+
+
+@functools.lru_cache(maxsize=32)
+def _expected(size: int, seed: int, **variant: bool) -> list[dict[str, Any]]:
     """Per rank, what one process gives: the output and the gradients (a variant: a known wrong layer)."""
-    tokens, router, experts = _build(size, "cpu")
-    probe = _probe(size)
+    tokens, router, experts = _build(size, "cpu", seed)
+    probe = _probe(size, seed)
     everyone = tokens.clone().requires_grad_(True)
     (_layer(everyone, router, dict(enumerate(experts)), **variant) * probe).sum().backward()
     expert_grads = {e: _grads(expert) for e, expert in enumerate(experts)}
+    bound = _traffic_bound(router(tokens).topk(TOP_K, dim=-1).indices, size)
     out = []
     for rank in range(size):
         router.zero_grad()
@@ -98,23 +126,48 @@ def _expected(size: int, **variant: bool) -> list[dict[str, Any]]:
         y = _layer(x, router, dict(enumerate(experts)), **variant)
         (y * probe.chunk(size)[rank]).sum().backward()
         out.append({"y": y.detach().double(), "x_grad": x.grad.double(), "router_grad": _grads(router)[0],
-                    "expert_grads": {e: g for e, g in expert_grads.items() if owner(e, size) == rank}})
+                    "expert_grads": {e: g for e, g in expert_grads.items() if owner(e, size) == rank},
+                    "bound": bound[rank], "seed": seed})
     return out
 
 
-def _run(fn: Callable[..., Any], rank: int, world_size: int) -> dict[str, Any]:
-    """In a rank: call ``fn`` on this rank's inputs, then back-propagate ``(y * probe).sum()`` through it."""
-    x, router, experts = moe_inputs(rank, world_size)
+def _rows_to_others(op: str, args: tuple, rank: int, size: int) -> int:
+    """Token rows (2-D, DIM wide) an all-to-all sends to ranks other than ``rank``."""
+    if op == "alltoall_":  # c10d's list form: (outputs, inputs, group, ...)
+        return sum(t.shape[0] for i, t in enumerate(args[1]) if i != rank and t.dim() == 2 and t.shape[1] == DIM)
+    tensor, splits = (args[0], args[2]) if op == "all_to_all_single" else (args[1], args[4])
+    if tensor.dim() != 2 or tensor.shape[1] != DIM:
+        return 0  # counts, expert numbers, gates: not tokens
+    return tensor.shape[0] - (list(splits)[rank] if splits else tensor.shape[0] // size)
+
+
+def _run(fn: Callable[..., Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
+    """In a rank: call ``fn`` on this rank's inputs, noting the token rows its all-to-alls send elsewhere,
+    then back-propagate ``(y * probe).sum()`` through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, router, experts = moe_inputs(rank, world_size, seed=seed)
     x.requires_grad_(True)
-    y = fn(x, router, experts, TOP_K, dist.group.WORLD)
-    report: dict[str, Any] = {"rank": rank, "kind": type(y).__name__, "y": None}
+    sent = [0]
+
+    class Traffic(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            namespace, _, name = str(func.overloadpacket).partition(".")
+            if (namespace, name) in (("_c10d_functional", "all_to_all_single"), ("c10d", "alltoall_base_"),
+                                     ("c10d", "alltoall_")):
+                sent[0] += _rows_to_others(name, args, rank, world_size)
+            return func(*args, **(kwargs or {}))
+
+    with Traffic():
+        y = fn(x, router, experts, TOP_K, dist.group.WORLD)
+    report: dict[str, Any] = {"rank": rank, "kind": type(y).__name__, "y": None, "rows_sent": sent[0]}
     if not isinstance(y, torch.Tensor):
         return report
     report.update(dtype=str(y.dtype).removeprefix("torch."), shape=tuple(y.shape), requires_grad=y.requires_grad)
     if y.shape != x.shape or not y.is_floating_point():
         return report
     if y.requires_grad:
-        (y * _probe(world_size).chunk(world_size)[rank].to(y.device)).sum().backward()
+        (y * _probe(world_size, seed).chunk(world_size)[rank].to(y.device)).sum().backward()
     report.update(y=y.detach().double().cpu(), x_grad=None if x.grad is None else x.grad.double().cpu(),
                   router_grad=_grads(router)[0], expert_grads={e: _grads(m) for e, m in experts.items()})
     return report
@@ -122,6 +175,11 @@ def _run(fn: Callable[..., Any], rank: int, world_size: int) -> dict[str, Any]:
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _close_grad(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    """A gradient never computed (an expert no token chose, never called) counts as zeros."""
+    return _close(torch.zeros_like(want) if got is None else got, want)
 
 
 def _read(value: Any) -> Any:
@@ -135,21 +193,26 @@ def _same_output(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]
 def _experts_right(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]) -> bool:
     mine = expected[value["rank"]]["expert_grads"]
     return value["expert_grads"].keys() == mine.keys() and all(
-        _close(got, want) for e in mine for got, want in zip(value["expert_grads"][e], mine[e], strict=True))
+        _close_grad(got, want) for e in mine for got, want in zip(value["expert_grads"][e], mine[e], strict=True))
 
 
 def _same(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]) -> bool:
+    """Outputs and every gradient as one process's (the traffic is judged apart, see :func:`_within_bound`)."""
     want = expected[value["rank"]]
     return (_same_output(value, expected) and _close(value["x_grad"], want["x_grad"])
             and _close(value["router_grad"], want["router_grad"]) and _experts_right(value, expected))
 
 
-@functools.lru_cache(maxsize=8)
-def _misplaced(size: int, how: str) -> list[torch.Tensor]:
+def _within_bound(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]]) -> bool:
+    return _same(value, expected) and value["rows_sent"] <= expected[value["rank"]]["bound"]
+
+
+@functools.lru_cache(maxsize=32)
+def _misplaced(size: int, seed: int, how: str) -> list[torch.Tensor]:
     """Per rank, the output when the outputs come home sorted by destination and are not put back in their
     tokens' rows (``how="kept sorted"``), or are put back with the order itself instead of its inverse
     (``how="wrong inverse"``, ``y_sorted = back[order]``)."""
-    tokens, router, experts = _build(size, "cpu")
+    tokens, router, experts = _build(size, "cpu", seed)
     out = []
     with torch.no_grad():
         for rank in range(size):
@@ -166,11 +229,15 @@ def _misplaced(size: int, how: str) -> list[torch.Tensor]:
 
 
 def _misplaced_as(how: str) -> Callable[[Answer], bool]:
-    return lambda a: _close(a.value["y"], _misplaced(a.size, how)[a.rank])
+    return lambda a: _close(a.value["y"], _misplaced(a.size, a.expected[0]["seed"], how)[a.rank])
 
 
 def _like(**variant: bool) -> Callable[[Answer], bool]:
-    return lambda a: _close(a.value["y"], _expected(a.size, **variant)[a.rank]["y"])
+    return lambda a: _close(a.value["y"], _expected(a.size, a.expected[0]["seed"], **variant)[a.rank]["y"])
+
+
+def _right_output(a: Answer) -> bool:
+    return a.value is not UNREADABLE and _same_output(a.value, a.expected)
 
 
 def _returned(a: Answer) -> str:
@@ -186,6 +253,11 @@ HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
                f"shaped like x, ({TOKENS}, {DIM}), in x's order."),
     (lambda a: _excess(a.calls) is not None,
      lambda a: _excess(a.calls) or ""),
+    (lambda a: _right_output(a) and a.value["rows_sent"] > a.expected[a.rank]["bound"],
+     lambda a: f"Right outputs, but rank {a.rank}'s all-to-alls sent {a.value['rows_sent']} token rows to other "
+               f"ranks where expert parallelism needs {a.expected[a.rank]['bound']}: each assignment whose expert "
+               "lives elsewhere goes out once, to that expert's rank, and each output of another rank's token goes "
+               "home once. Sending every token to every rank is an all-gather, whatever the call is named."),
     (lambda a: _same_output(a.value, a.expected) and not a.returned["requires_grad"],
      lambda a: f"Rank {a.rank}'s outputs are right but carry no gradient: nothing could train the experts or the "
                "router. dist.all_to_all_single writes into a tensor that autograd does not track; move the tokens "
@@ -226,19 +298,33 @@ def _expert_grads_said(a: Answer) -> str:
     return "some differ from one process's"
 
 
+def _your_line(traceback: str) -> str:
+    """The last line of the traceback that is the learner's code (neither dtlib's nor torch's), or ""."""
+    frames = [line.strip() for line in traceback.splitlines() if line.strip().startswith("File ")]
+    mine = [f for f in frames if "/dtlib/" not in f and "/torch/" not in f and "multiprocessing" not in f]
+    return f" (at {mine[-1]})" if mine else ""
+
+
 def _failure(err: WorkerError) -> str:
-    said = err.failures[0].headline()
+    failure = err.failures[0]
+    said = failure.headline()
     last = said.splitlines()[-1] if said else ""
+    where = _your_line(failure.traceback)
     if "KeyError" in said:
-        return (f"A rank looked up an expert it does not hold ({last}). Here expert e lives on rank e % p (with 8 "
-                "experts on 3 ranks, rank 0 holds 0, 3 and 6): send each token to owner = expert % world_size, "
-                "and on arrival look its expert up by its global number.")
-    if "split" in said.lower() or "size" in said.lower() or "shape" in said.lower():
-        return (f"The all-to-all's sizes did not fit on a rank ({last}). What rank i sends to rank j must be what "
-                "j expects from i: exchange the counts first (all_to_all_single of a tensor of counts), and pass "
-                "them as output_split_sizes; with 8 experts on 3 ranks the ranks hold 3, 3 and 2 experts, so no "
-                "count may assume an equal share.")
-    return f"Your function raised on a rank:\n{said}"
+        return (f"A rank looked up an expert it does not hold ({last}){where}. Here expert e lives on rank e % p "
+                "(with 8 experts on 3 ranks, rank 0 holds 0, 3 and 6): send each token to owner = expert % "
+                "world_size, and on arrival look its expert up by its global number.")
+    if "in->size % context->size" in said or "divisible" in said:
+        return (f"An all-to-all without split sizes needs a first dimension that divides by the ranks ({last})"
+                f"{where}: a rank's tensor did not (8 counts, one per expert, do not split over 3 ranks). Lay the "
+                "counts out as a grid, one row of E counts per destination rank (p x E numbers, zeros included), "
+                "so that each rank receives E counts from every rank.")
+    if "split" in said.lower() or "alltoall" in said.lower() or "all_to_all" in said.lower():
+        return (f"The all-to-all's sizes did not fit on a rank ({last}){where}. What rank i sends to rank j must be "
+                "what j expects from i: exchange the counts first (all_to_all_single of a tensor of counts), and "
+                "pass them as output_split_sizes; with 8 experts on 3 ranks the ranks hold 3, 3 and 2 experts, and a "
+                "rank may send nothing to another, so no count may assume an equal or a nonzero share.")
+    return f"Your function raised on a rank{where}:\n{said}"
 
 
 def _excess(calls: Sequence[dict[str, int]]) -> str | None:
@@ -254,9 +340,9 @@ def _excess(calls: Sequence[dict[str, int]]) -> str | None:
 
 
 EXPERT_PARALLEL_MOE = RankExercise(
-    expected=_expected,
+    expected=_expected,  # bound to a seed by expert_parallel_moe
     read=_read,
-    same=_same,
+    same=_within_bound,
     hints=HINTS,
     otherwise=lambda a: (
         f"With {a.size} ranks, rank {a.rank}'s outputs differ from one process's by up to "
@@ -276,7 +362,8 @@ EXPERT_PARALLEL_MOE = RankExercise(
 )
 
 
-def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: float = 60.0) -> Feedback:
+def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: float = 60.0,
+                        seed: int | None = None) -> Feedback:
     """Notebook 13: ``fn(x, router, experts, top_k, group)`` is the expert-parallel layer of this module's
     docstring; it runs on ``world_size`` ranks and on one more (by default 3 ranks, which hold 3, 3 and 2 of the 8
     experts, then 4, which hold 2 each).
@@ -287,4 +374,6 @@ def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: fl
     """
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    return judge(functools.partial(_run, fn), EXPERT_PARALLEL_MOE, world_size, timeout)
+    seed = random.randrange(2**31) if seed is None else seed
+    exercise = dataclasses.replace(EXPERT_PARALLEL_MOE, expected=functools.partial(_expected, seed=seed))
+    return judge(functools.partial(_run, fn, seed), exercise, world_size, timeout)

@@ -1,10 +1,11 @@
-"""Which collectives a rank's code calls, counted by torch's own ``CommDebugMode`` (no patching).
+"""Which collectives a rank's code calls, counted as torch dispatches them (no patching).
 
 The checkers use it to refuse answers that compute the right number without communicating.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -24,39 +25,51 @@ CALL_NAMES = {
 }
 
 
+#: Functional collectives (``torch.ops._c10d_functional.<name>``, what DTensor and ``_functional_collectives``
+#: call), counted under their own name; their ``wait_tensor`` is not a transfer.
+FUNCTIONAL_CALLS = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce", "all_reduce_coalesced",
+                    "all_to_all_single", "broadcast", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
+
+
 def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
     """Inside a rank: call ``fn(*args)`` and count the communication it makes, as ``(value, {call: times})``.
 
-    The counter is torch's own ``CommDebugMode``, a dispatch mode: no function is replaced, and it
-    sees every c10d collective on plain tensors (gloo or NCCL), in ``fn`` and in the autograd hooks
-    its backward runs. It leaves point-to-point calls and barriers out; they are added to its
-    registry so that a ring of ``isend``/``recv`` counts as "send" and "recv".
+    The counter is a dispatch mode over the ops that move data between ranks, the way torch's
+    ``CommDebugMode`` counts them, with the same names: no function is replaced, and it sees every c10d
+    collective on plain tensors (gloo or NCCL), every functional one (DTensor's, ``all_to_all_single_autograd``),
+    point-to-point transfers and barriers, in ``fn`` and in the backward ``fn`` runs. ``CommDebugMode`` itself is
+    not used: in torch 2.13 its module tracker raises ``IndexError`` when a module runs twice inside it (a
+    router called for the choices, then for the gates), which would refuse a learner's right answer.
 
     Example (inside ``dtlib.spawn``)::
 
         count_collectives(dist.all_reduce, torch.ones(2))[1]   # {"all_reduce": 1}
     """
     import torch
-    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    c10d = torch.ops.c10d
-    mode = CommDebugMode()
-    # Probed on torch 2.13, gloo, CPU tensors: all_reduce (also async_op=True), broadcast, all_gather,
-    # all_gather_into_tensor, reduce_scatter_tensor and reduce are counted; barrier, isend and recv are not,
-    # though they pass through the dispatcher as c10d.barrier, c10d.send and c10d.recv_. comm_registry is
-    # the set of ops this instance counts: adding those three changes no other CommDebugMode.
-    mode.comm_registry |= {c10d.send, c10d.recv_, c10d.recv_any_source_, c10d.barrier}
-    with warnings.catch_warnings():
-        # CommDebugMode tracks modules with full backward hooks, which warn when no input requires a gradient
-        # (a model's first layer): a note about the counter, not about the learner's code.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
-        with mode:
-            value = fn(*args)
     calls: dict[str, int] = {}
-    for op, times in mode.get_comm_counts().items():
-        name = str(op).rsplit(".", 1)[-1]  # "c10d.allreduce_" -> "allreduce_"
-        name = CALL_NAMES.get(name, name.strip("_"))
-        calls[name] = calls.get(name, 0) + times
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if isinstance(func, torch._ops.HigherOrderOperator):  # not a collective, and has no overload packet
+                return func(*args, **(kwargs or {}))
+            if DTensor in types:  # let DTensor run first, as CommDebugMode does: it desugars into the collectives
+                return NotImplemented  # counted below, with this mode still active (loss_parallel's, for one)
+            namespace, _, name = str(func.overloadpacket).partition(".")
+            if namespace == "c10d":
+                call = CALL_NAMES.get(name)
+            elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+                call = name if name in FUNCTIONAL_CALLS else None
+            else:
+                call = name if (namespace, name) == ("_dtensor", "shard_dim_alltoall") else None
+            if call is not None:
+                calls[call] = calls.get(call, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        value = fn(*args)
     return value, calls
 
 
@@ -89,7 +102,10 @@ def rank_without_communication(calls_per_rank: list[dict[str, int]]) -> int | No
 #: The torch.distributed functions whose calls :func:`count_by_group` attributes to their process group.
 GROUPED_CALLS = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
                  "reduce_scatter_tensor", "reduce_scatter", "broadcast", "all_to_all_single", "reduce", "gather",
-                 "scatter", "send", "recv", "isend", "irecv")  # FSDP2 calls the *_single ones
+                 "scatter")  # FSDP2 calls the *_single ones
+#: Point-to-point ops as torch dispatches them (``torch.ops.c10d.<name>``) -> the name they are counted under.
+#: Not wrapped: ``dist.P2POp`` (pipelining's, ``batch_isend_irecv``'s) accepts only the original functions.
+POINT_TO_POINT = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
 
 
 def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -> tuple[Any, dict[str, dict[str, int]]]:
@@ -97,14 +113,16 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
     ``(value, {group label: {call: times}})``; ``groups`` maps a label to a group (``{"dp": mesh["dp"].get_group(),
     "tp": mesh["tp"].get_group()}``). A group not among them is counted under ``"other"``.
 
-    Two routes, because torch has two: ``torch.distributed.<name>(..., group=...)`` calls (FSDP2's, a DDP
-    communication hook's, a pipeline's ``isend``/``irecv``, a learner's) are seen by wrapping those functions, for
-    every thread, while ``fn`` runs; DTensor's functional collectives (``_c10d_functional``, which tensor
-    parallelism uses) are seen as torch dispatches them, with their group's name. Not seen: DDP's built-in
-    C++ reducer (count it with :func:`count_collectives`), ``batch_isend_irecv``, the ``*_object`` calls, and a
-    function imported by name before ``fn`` runs. A group is matched by identity: a ``new_group`` of the same
-    ranks is another communicator, counted under "other".
+    Two routes, because torch has two: ``torch.distributed.<name>(..., group=...)`` collectives (FSDP2's, a DDP
+    communication hook's, a learner's) are seen by wrapping those functions, for every thread, while ``fn`` runs;
+    DTensor's functional collectives (``_c10d_functional``, which tensor parallelism uses) and every
+    point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``, a pipeline stage's)
+    are seen as torch dispatches them on this thread, with their group, and counted as "send" and "recv". Not
+    seen: DDP's built-in C++ reducer (count it with :func:`count_collectives`), the ``*_object`` calls, and a
+    function imported by name before ``fn`` runs. A group is matched by identity (by its name, for what is
+    dispatched): a ``new_group`` of the same ranks is another communicator, counted under "other".
     """
+    import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -127,12 +145,28 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
             return original(*call_args, **kwargs)
         return collective
 
+    def dispatched_group(args: tuple) -> str:
+        """The label of a c10d op's process group, which the dispatcher passes as a boxed ScriptObject."""
+        for arg in args:
+            if isinstance(arg, torch.ScriptObject):
+                with contextlib.suppress(RuntimeError):  # another boxed object (a ReduceOp)
+                    return by_name.get(dist.ProcessGroup.unbox(arg).group_name, "other")
+        return "other"
+
+    from torch.distributed.tensor import DTensor
+
     class Functional(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **(kwargs or {}))
+            if DTensor in types:  # DTensor first: the collectives it runs come back through this mode
+                return NotImplemented
             namespace, _, name = str(func.overloadpacket).partition(".")
             if namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
                 label = next((by_name[a] for a in args if isinstance(a, str) and a in by_name), "other")
                 note(label, name)
+            elif namespace == "c10d" and name in POINT_TO_POINT:
+                note(dispatched_group(args), POINT_TO_POINT[name])
             return func(*args, **(kwargs or {}))
 
     originals = {call: getattr(dist, call) for call in GROUPED_CALLS if hasattr(dist, call)}

@@ -67,16 +67,78 @@ def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates
     return y.detach() if detach_output else y
 
 
+def _these_experts(tokens, router, experts, top_k):
+    """The layer in one process, with only the experts given (the others add nothing)."""
+    gates, chosen = router(tokens).softmax(-1).topk(top_k, dim=-1)
+    gates = gates / gates.sum(-1, keepdim=True)
+    y = torch.zeros_like(tokens)
+    for e, expert in experts.items():
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        y = y.index_add(0, token, gates[token, slot, None] * expert(tokens[token]))
+    return y
+
+
 def gather_everything(x, router, experts, top_k, group):
     """Right numbers, but every token goes to every rank, and the outputs come back by a reduce-scatter."""
     everyone = funcol.all_gather_tensor_autograd(x, 0, group)
-    gates, chosen = router(everyone).softmax(-1).topk(top_k, dim=-1)
-    gates = gates / gates.sum(-1, keepdim=True)
-    y = torch.zeros_like(everyone)
-    for e, expert in experts.items():
-        token, slot = (chosen == e).nonzero(as_tuple=True)
-        y = y.index_add(0, token, gates[token, slot, None] * expert(everyone[token]))
+    y = _these_experts(everyone, router, experts, top_k)
     return funcol.reduce_scatter_tensor_autograd(y, "sum", 0, group)
+
+
+def gather_by_all_to_all(x, router, experts, top_k, group):
+    """Every token to every rank through equal-split all-to-alls: an all-gather by another name."""
+    p = dist.get_world_size(group)
+    everyone = funcol.all_to_all_single_autograd(x.repeat(p, 1), None, None, group)
+    y = _these_experts(everyone, router, experts, top_k)
+    return funcol.all_to_all_single_autograd(y, None, None, group).view(p, len(x), -1).sum(0)
+
+
+def _exchange_counts(flat, p, num_experts, group):
+    """Assignments sorted by (destination rank, expert), and the (rank, expert) grid of counts sent and received."""
+    key = (flat % p) * num_experts + flat
+    send = torch.bincount(key, minlength=p * num_experts)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return key.argsort(stable=True), send, recv
+
+
+def router_twice(x, router, experts, top_k, group):
+    """Right: the router called once for the choices and again for the gates, each expert once per source."""
+    p, num_experts = dist.get_world_size(group), router.out_features
+    chosen = router(x).topk(top_k, dim=-1).indices
+    gates = router(x).softmax(-1).gather(1, chosen)
+    gates = gates / gates.sum(-1, keepdim=True)
+    flat = chosen.flatten()
+    order, send, recv = _exchange_counts(flat, p, num_experts, group)
+    send_splits, recv_splits = send.view(p, -1).sum(1).tolist(), recv.view(p, -1).sum(1).tolist()
+    arrived = funcol.all_to_all_single_autograd(x[order // top_k], recv_splits, send_splits, group)
+    pieces = [experts[e](chunk) if len(chunk) else chunk  # one call per (source rank, expert) piece
+              for e, chunk in zip(list(range(num_experts)) * p, arrived.split(recv.tolist()), strict=True)]
+    back = funcol.all_to_all_single_autograd(torch.cat(pieces), send_splits, recv_splits, group)
+    y_sorted = torch.empty_like(back)
+    y_sorted[order] = back
+    return (gates.unsqueeze(-1) * y_sorted.view(len(x), top_k, -1)).sum(1)
+
+
+def splits_from_unique(x, router, experts, top_k, group):
+    """Splits from torch.unique: right only while every rank sends something to every rank."""
+    p, num_experts = dist.get_world_size(group), router.out_features
+    gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
+    gates = gates / gates.sum(-1, keepdim=True)
+    flat = chosen.flatten()
+    order, send, recv = _exchange_counts(flat, p, num_experts, group)
+    send_splits = torch.unique(flat % p, return_counts=True)[1].tolist()  # a rank sent nothing: one entry short
+    recv_splits = recv.view(p, -1).sum(1).tolist()
+    arrived = funcol.all_to_all_single_autograd(x[order // top_k], recv_splits, send_splits, group)
+    return arrived[: len(x)]
+
+
+def lessons_layout(x, router, experts, top_k, group):
+    """The lesson's first step: the 8 counts all-to-all'd without split sizes, which 3 ranks cannot share."""
+    send = torch.bincount(router(x).topk(top_k, dim=-1).indices.flatten(), minlength=router.out_features)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return x
 
 
 def returns_the_count(x, router, experts, top_k, group):
@@ -111,7 +173,7 @@ def test_the_right_layer_passes_with_uneven_and_even_experts_per_rank():
     ({"gated": False}, "without their gates"),
     ({"renormalise": False}, "renormalise each token's top-k gates"),
     ({"layout": "contiguous"}, "expert e lives on rank e % p"),
-    ({"equal_splits": True}, "exchange the counts first"),
+    ({"equal_splits": True}, "line 58, in moe"),  # its own indexing breaks: the check names the line
 ])
 def test_each_wrong_layer_is_named(mistake, said):
     feedback = _feedback(functools.partial(moe, **mistake))
@@ -119,10 +181,48 @@ def test_each_wrong_layer_is_named(mistake, said):
     assert said in feedback.message, feedback.message
 
 
-def test_right_numbers_by_gathering_every_token_are_refused():
-    feedback = _feedback(gather_everything)
+@pytest.mark.parametrize(("answer", "said"), [
+    (gather_everything, "all_gather_into_tensor"),  # right numbers, every token on every rank
+    (gather_by_all_to_all, "whatever the call is named"),  # the same, through equal-split all-to-alls
+    (splits_from_unique, "a nonzero share"),  # splits that assume every pair of ranks exchanges tokens
+    (lessons_layout, "divides by the ranks"),  # 8 counts all-to-all'd over 3 ranks without split sizes
+])
+def test_each_wrong_plan_is_named(answer, said):
+    feedback = _feedback(answer)
     assert not feedback.ok
-    assert "all_gather_into_tensor" in feedback.message and "all-to-alls" in feedback.message, feedback.message
+    assert said in feedback.message, feedback.message
+
+
+def test_a_module_called_twice_and_experts_called_per_piece_pass():
+    feedback = _feedback(router_twice)
+    assert feedback.ok, feedback.message
+
+
+def test_each_check_draws_new_data_so_no_answer_can_rebuild_other_ranks_experts():
+    from dtlib.checks import experts as module
+
+    first, second = module._build(3, "cpu", 1), module._build(3, "cpu", 2)
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[1].weight, second[1].weight)
+    x, router, _ = moe_inputs(0, 3, "cpu", seed=5)
+    chosen = router(x).topk(2, dim=-1).indices
+    assert not torch.isin(chosen, torch.tensor([1, 4, 5, 7])).any()  # rank 0 sends nothing to rank 1
+
+
+def cheat_rebuild(x, router, experts, top_k, group):
+    """No tokens sent: every expert rebuilt from the default seed, one all-to-all of counts for show."""
+    from dtlib.checks.experts import _build, owner
+
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    tokens, _, everyone = _build(p, x.device, 13)
+    counts = torch.zeros(p, dtype=torch.long)
+    dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
+    mine = {e: everyone[e] if owner(e, p) != rank else experts[e] for e in range(len(everyone))}
+    return _these_experts(x, router, mine, top_k)
+
+
+def test_rebuilding_other_ranks_experts_from_a_known_seed_is_refused():
+    feedback = _feedback(cheat_rebuild)
+    assert not feedback.ok, feedback.message
 
 
 def test_a_value_that_is_not_the_output_is_named():
