@@ -1,4 +1,4 @@
-"""Counting and measuring inside ranks: collectives counted with ``CommDebugMode`` and a log of every
+"""Counting and measuring inside ranks: collectives counted as torch dispatches them and a log of every
 call, bytes held for parameters, gradients and optimizer state against the ZeRO formulas, bytes saved for
 backward, and step times.
 

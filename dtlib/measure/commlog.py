@@ -7,13 +7,12 @@ whoever makes it, on any thread, at no cost to the other operators. Torch DDP's 
 C++ all-reduce does not pass through Python: the DDP runner registers ``allreduce_hook``,
 the same all-reduce written in Python, so that its launch and finish can be timed.
 
-Why a wrapper and not a dispatch mode (measured on torch 2.13, gloo, 2 CPU ranks):
-``torch.distributed.tensor.debug.CommDebugMode`` (``dtlib.measure.counting.count_collectives``) and
-any ``TorchDispatchMode`` do see DDP's built-in all-reduce (``c10d::allreduce_`` goes through
-the dispatcher), but they intercept every operator of the step (the transformer's step took
-about twice as long), which would distort the timeline, and they are thread-local: PowerSGD
-starts its later all-reduces from future callbacks on gloo's threads, which no dispatch mode
-(nor ``torch.profiler``) sees. Use ``count_collectives`` where counts are all you need.
+Why a wrapper and not a dispatch mode (measured on torch 2.13, gloo, 2 CPU ranks): a ``TorchDispatchMode``
+(``dtlib.measure.counting.count_collectives``, torch's ``CommDebugMode``) does see DDP's built-in all-reduce
+(``c10d::allreduce_`` goes through the dispatcher), but it intercepts every operator of the step (the
+transformer's step took about twice as long), which would distort the timeline, and it is thread-local:
+PowerSGD starts its later all-reduces from future callbacks on gloo's threads, which no dispatch mode (nor
+``torch.profiler``) sees. Use ``count_collectives`` where counts are all you need.
 
 Times are this CPU's clock: right for gloo, which runs a collective on its own CPU threads. A CUDA
 collective (NCCL) returns, and its future fires, as soon as the work is queued on the GPU, so the CPU's
