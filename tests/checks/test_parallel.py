@@ -351,3 +351,15 @@ def test_softmax_merge(fn, ok, fragments):
     assert feedback.ok is ok, feedback.message
     for fragment in fragments:
         assert fragment in feedback.message, feedback.message
+
+
+def test_an_all_reduce_read_part_way_is_named_as_unfinished():
+    """gloo writes the sum into the tensor chunk by chunk: a rank that returns without wait() may hand back a
+    tensor whose numbers are partly its summand and partly the sum (seen in a full gate run)."""
+    from dtlib.checks.parallel import _part_way
+
+    summand, total = torch.zeros(4, 8, dtype=torch.float64), torch.ones(4, 8, dtype=torch.float64)
+    torn = torch.cat([total[:2], summand[2:]])
+    assert _part_way(torn, summand, total) and _part_way(summand, summand, total)
+    assert not _part_way(total, summand, total)  # finished: right
+    assert not _part_way(torch.full((4, 8), 0.5, dtype=torch.float64), summand, total)  # something else
