@@ -35,6 +35,7 @@ from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, same_
 from dtlib.errors import WorkerError
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
+from dtlib.measure.counting import watching
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 8, 16, 8, 2, 12
 QUIET = (1, 4, 5, 7)  # experts rank 0's tokens never choose (an empty split at 3 ranks and at 4)
@@ -144,21 +145,16 @@ def _rows_to_others(op: str, args: tuple, rank: int, size: int) -> int:
 def _run(fn: Callable[..., Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
     """In a rank: call ``fn`` on this rank's inputs, noting the token rows its all-to-alls send elsewhere,
     then back-propagate ``(y * probe).sum()`` through it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     x, router, experts = moe_inputs(rank, world_size, seed=seed)
     x.requires_grad_(True)
     sent = [0]
 
-    class Traffic(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            namespace, _, name = str(func.overloadpacket).partition(".")
-            if (namespace, name) in (("_c10d_functional", "all_to_all_single"), ("c10d", "alltoall_base_"),
-                                     ("c10d", "alltoall_")):
-                sent[0] += _rows_to_others(name, args, rank, world_size)
-            return func(*args, **(kwargs or {}))
+    def see(namespace: str, name: str, args: tuple) -> None:
+        if (namespace, name) in (("_c10d_functional", "all_to_all_single"), ("c10d", "alltoall_base_"),
+                                 ("c10d", "alltoall_")):
+            sent[0] += _rows_to_others(name, args, rank, world_size)
 
-    with Traffic():
+    with watching(see):
         y = fn(x, router, experts, TOP_K, dist.group.WORLD)
     report: dict[str, Any] = {"rank": rank, "kind": type(y).__name__, "y": None, "rows_sent": sent[0]}
     if not isinstance(y, torch.Tensor):

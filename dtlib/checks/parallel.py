@@ -25,7 +25,7 @@ from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
-from dtlib.measure.counting import CALL_NAMES
+from dtlib.measure.counting import CALL_NAMES, watching
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
 
@@ -187,23 +187,18 @@ _MOVERS = set(CALL_NAMES) - {"barrier"} | {"broadcast", "all_gather_into_tensor"
 def _what_moved(rank: int, world_size: int, fn: Callable[[int, int], Any]) -> dict[str, Any]:
     """In a rank: run ``fn`` and note every communication op torch dispatches, with a copy of each all-reduce's
     input, taken before the op changes it (c10d's ``allreduce_`` and the functional ``all_reduce`` of DTensor)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     moved: list[str] = []
     summands: list[torch.Tensor] = []
 
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            namespace, _, name = str(func.overloadpacket).partition(".")
-            if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name in _ALL_REDUCE | _MOVERS:
-                if name in _ALL_REDUCE:
-                    tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
-                    summands.extend(t.detach().to("cpu", torch.float64, copy=True) for t in tensors)
-                else:
-                    moved.append(name.strip("_"))
-            return func(*args, **(kwargs or {}))
+    def see(namespace: str, name: str, args: tuple) -> None:
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name in _ALL_REDUCE | _MOVERS:
+            if name in _ALL_REDUCE:
+                tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+                summands.extend(t.detach().to("cpu", torch.float64, copy=True) for t in tensors)
+            else:
+                moved.append(name.strip("_"))
 
-    with Record():
+    with watching(see):
         fn(rank, world_size)
     return {"moved": moved, "summands": summands}
 

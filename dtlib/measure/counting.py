@@ -25,6 +25,37 @@ CALL_NAMES = {
 }
 
 
+def watching(see: Callable[[str, str, tuple], None]) -> contextlib.AbstractContextManager[Any]:
+    """A dispatch mode that calls ``see(namespace, name, args)`` for each op torch dispatches in its block
+    (``"c10d", "allreduce_"``), before the op runs, on this thread.
+
+    DTensor's ops are let through first (``NotImplemented``, as ``CommDebugMode`` does), so that the collectives
+    DTensor desugars them into come back through the mode and are seen (loss_parallel's all-reduces run inside
+    DTensor's op handler); higher-order operators, which have no name to see, run as they are. Every counter
+    and checker of dtlib that looks at dispatched communication uses this one mode.
+
+    Example (inside a rank)::
+
+        with watching(lambda namespace, name, args: print(namespace, name)):
+            dist.all_reduce(torch.ones(2))    # prints: c10d allreduce_
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if isinstance(func, torch._ops.HigherOrderOperator):  # no overload packet, never a collective
+                return func(*args, **(kwargs or {}))
+            if DTensor in types:
+                return NotImplemented
+            namespace, _, name = str(func.overloadpacket).partition(".")
+            see(namespace, name, args)
+            return func(*args, **(kwargs or {}))
+
+    return Watch()
+
+
 #: Functional collectives (``torch.ops._c10d_functional.<name>``, what DTensor and ``_functional_collectives``
 #: call), counted under their own name; their ``wait_tensor`` is not a transfer.
 FUNCTIONAL_CALLS = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce", "all_reduce_coalesced",
@@ -45,30 +76,19 @@ def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str
 
         count_collectives(dist.all_reduce, torch.ones(2))[1]   # {"all_reduce": 1}
     """
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     calls: dict[str, int] = {}
 
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            if isinstance(func, torch._ops.HigherOrderOperator):  # not a collective, and has no overload packet
-                return func(*args, **(kwargs or {}))
-            if DTensor in types:  # let DTensor run first, as CommDebugMode does: it desugars into the collectives
-                return NotImplemented  # counted below, with this mode still active (loss_parallel's, for one)
-            namespace, _, name = str(func.overloadpacket).partition(".")
-            if namespace == "c10d":
-                call = CALL_NAMES.get(name)
-            elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
-                call = name if name in FUNCTIONAL_CALLS else None
-            else:
-                call = name if (namespace, name) == ("_dtensor", "shard_dim_alltoall") else None
-            if call is not None:
-                calls[call] = calls.get(call, 0) + 1
-            return func(*args, **(kwargs or {}))
+    def see(namespace: str, name: str, args: tuple) -> None:
+        if namespace == "c10d":
+            call = CALL_NAMES.get(name)
+        elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+            call = name if name in FUNCTIONAL_CALLS else None
+        else:
+            call = name if (namespace, name) == ("_dtensor", "shard_dim_alltoall") else None
+        if call is not None:
+            calls[call] = calls.get(call, 0) + 1
 
-    with Count():
+    with watching(see):
         value = fn(*args)
     return value, calls
 
@@ -124,7 +144,6 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
     """
     import torch
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     counts: dict[str, dict[str, int]] = {}
     by_name = {group.group_name: label for label, group in groups.items()}
@@ -153,21 +172,11 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
                     return by_name.get(dist.ProcessGroup.unbox(arg).group_name, "other")
         return "other"
 
-    from torch.distributed.tensor import DTensor
-
-    class Functional(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            if isinstance(func, torch._ops.HigherOrderOperator):
-                return func(*args, **(kwargs or {}))
-            if DTensor in types:  # DTensor first: the collectives it runs come back through this mode
-                return NotImplemented
-            namespace, _, name = str(func.overloadpacket).partition(".")
-            if namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
-                label = next((by_name[a] for a in args if isinstance(a, str) and a in by_name), "other")
-                note(label, name)
-            elif namespace == "c10d" and name in POINT_TO_POINT:
-                note(dispatched_group(args), POINT_TO_POINT[name])
-            return func(*args, **(kwargs or {}))
+    def see(namespace: str, name: str, args: tuple) -> None:
+        if namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            note(next((by_name[a] for a in args if isinstance(a, str) and a in by_name), "other"), name)
+        elif namespace == "c10d" and name in POINT_TO_POINT:
+            note(dispatched_group(args), POINT_TO_POINT[name])
 
     originals = {call: getattr(dist, call) for call in GROUPED_CALLS if hasattr(dist, call)}
     try:
@@ -175,7 +184,7 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
             setattr(dist, call, wrapped(call, original))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
-            with Functional():
+            with watching(see):
                 value = fn(*args)
     finally:
         for call, original in originals.items():

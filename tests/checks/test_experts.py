@@ -51,7 +51,7 @@ def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates
     if equal_splits:
         send_splits = recv_splits = [len(flat) // p] * p
     arrived = _move(x[order // top_k], recv_splits, send_splits, group, there)
-    expert_of = torch.arange(EXPERTS).repeat(p).repeat_interleave(recv)
+    expert_of = torch.arange(EXPERTS, device=x.device).repeat(p).repeat_interleave(recv)
     out = torch.zeros_like(arrived)
     for e in expert_of.unique().tolist():
         rows = (expert_of == e).nonzero(as_tuple=True)[0]
