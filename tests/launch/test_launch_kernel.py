@@ -249,10 +249,13 @@ def test_three_interrupts_end_in_keyboard_interrupt_and_leave_nothing(kernel, tm
         time.sleep(0.01)
     messages = kernel.collect(msg_id)
     # An interrupt that lands after the call, while IPython formats the first one's traceback,
-    # makes IPython print "KeyboardInterrupt" on stderr instead of the error: either is right.
+    # makes IPython print "KeyboardInterrupt" on stderr instead of the error: either is right. Landing
+    # inside IPython's own formatting (an import of pygments, seen once in a full gate run), it also
+    # prints IPython's broken traceback: still right, as long as no frame of dtlib's is in it.
     stderr = "".join(m["content"]["text"] for m in streams(messages, "stderr"))
     assert error(messages) in (None, ("KeyboardInterrupt", "")), error(messages)
-    assert error(messages) is not None or stderr.strip() == "KeyboardInterrupt", stderr
+    assert error(messages) is not None or stderr.strip() == "KeyboardInterrupt" or (
+        stderr.lstrip().startswith("KeyboardInterrupt") and f"{os.sep}dtlib{os.sep}" not in stderr), stderr
     assert all(exited(rank) for rank in ranks)
     assert {p.pid for p in kernel.descendants()} <= helpers
     assert listening_on(port) == []
