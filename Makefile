@@ -8,6 +8,8 @@
 #   make notebooks  set up, then execute every notebook in a fresh kernel and store the outputs
 #   make lock       regenerate requirements.lock (uv pip compile) and environment.yml's pins; set-up installs
 #                   exactly the lock. LOCK_ARGS="--upgrade-package NAME" tries a newer release of one package
+#   make test-torch TORCH=2.11  the test suite and every notebook (nbval) on another torch, in .venv-torch2.11
+#                   (torch from the registry: a CUDA build of a few GB on most machines; never part of setup)
 #   make bench      set up, then measure the launcher (python -m dtlib.bench launch)
 #   make bench-check  set up, then measure every speed target against its limit (python -m dtlib.bench check);
 #                   exits non-zero on a miss. Run it on a quiet machine: the test gate never asserts a time.
@@ -22,7 +24,7 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 export VENV
 
 LOCK_ARGS ?=
-.PHONY: setup lock lab test test-browser browser-screenshots notebooks bench bench-check clean
+.PHONY: setup lock lab test test-torch test-browser browser-screenshots notebooks bench bench-check clean
 
 setup:
 	@scripts/setup.sh
@@ -37,6 +39,9 @@ test: setup
 	@scripts/browser_setup.sh --try
 	$(PY) -m ruff check dtlib tests notebooks
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+
+test-torch:
+	@TORCH=$(TORCH) scripts/test_torch.sh
 
 test-browser: setup
 	@scripts/browser_setup.sh

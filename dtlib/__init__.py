@@ -18,6 +18,7 @@ every rank.
 from types import ModuleType
 from typing import Any
 
+from dtlib import compat
 from dtlib._lazy import submodule
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch.entry import rank_device, run, under_torchrun
@@ -27,6 +28,8 @@ from dtlib.live.ranks import LiveRanks
 __all__ = ["LiveRanks", "RankFailure", "WorkerError", "WorkerTimeout", "load_ipython_extension", "rank_device", "run",
            "spawn", "under_torchrun"]
 __version__ = "0.1.0"
+
+compat.install()  # torch 2.13's names on an older torch, in the kernel and in every rank (see compat.shims())
 
 
 def load_ipython_extension(ipython: Any) -> None:

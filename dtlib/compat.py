@@ -1,8 +1,10 @@
 """The one place that knows torch versions differ.
 
-Everything else in dtlib calls these helpers instead of branching on versions.
-The lowest torch dtlib supports is :data:`MIN_TORCH` (FSDP2's public
-``torch.distributed.fsdp.fully_shard`` arrived in 2.6).
+Everything else in dtlib calls these helpers instead of branching on versions. The course supports torch
+:data:`MIN_TORCH` to :data:`MAX_TORCH` (set-up refuses others; docs/results/torch_versions.md says what ran on
+which). The notebooks teach torch 2.13's names; on an older torch, :func:`install` (run by ``import dtlib``)
+adds the few the course uses that it lacks, each a thin spelling of the older call, and :func:`shims` names
+them in one line each (notebook 00 prints them).
 """
 
 from __future__ import annotations
@@ -14,13 +16,103 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MIN_TORCH = (2, 6)
+#: The oldest torch the course runs on: what GPU images and cloud notebooks ship (2.11) is tested here.
+MIN_TORCH = (2, 11)
+#: The newest release the course knows of; a newer one may rename what the cells call.
+MAX_TORCH = (2, 15)
+
+#: Collectives torch 2.13 renamed: the name the course teaches -> the name older torch has.
+RENAMED_COLLECTIVES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+_OLD_TO_NEW = {old: new for new, old in RENAMED_COLLECTIVES.items()}
+_installed: list[str] = []
 
 
 def torch_version() -> tuple[int, int]:
     """``(major, minor)`` of the installed torch, e.g. ``(2, 13)`` for ``2.13.0+cpu``."""
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def supported(version: tuple[int, int] | None = None) -> str | None:
+    """None where ``version`` (default: the installed torch) is in the supported range, else why not.
+
+    Example: ``supported((2, 9))`` says that 2.9 is older than 2.11.
+    """
+    version = version or torch_version()
+    low, high = (".".join(map(str, v)) for v in (MIN_TORCH, MAX_TORCH))
+    if version < MIN_TORCH:
+        return f"torch {version[0]}.{version[1]} is older than {low}, the oldest this course runs on ({low} to {high})"
+    if version > MAX_TORCH:
+        return (f"torch {version[0]}.{version[1]} is newer than {high}, the newest this course was checked on "
+                f"({low} to {high})")
+    return None
+
+
+def current_name(call: str) -> str:
+    """The name the course teaches for a ``torch.distributed`` call, whichever spelling ran.
+
+    Example: ``current_name("all_gather_into_tensor")`` is ``"all_gather_single"``; other names are unchanged.
+    """
+    return _OLD_TO_NEW.get(call, call)
+
+
+def install() -> list[str]:
+    """Give an older torch the 2.13 names the course's cells use; return a line for each (none on 2.13).
+
+    Idempotent; ``import dtlib`` calls it, so every rank and the kernel see the same names. Each addition is the
+    older call under the new name (``dist.all_gather_single`` is ``dist.all_gather_into_tensor``), and
+    ``DistributedDataParallel(forward_sync_buffers=...)`` becomes ``broadcast_buffers=...`` with the buffers
+    still broadcast from rank 0 at construction, as 2.13's ``forward_sync_buffers`` does.
+    """
+    if _installed:
+        return list(_installed)
+    version = ".".join(map(str, torch_version()))
+    for new, old in RENAMED_COLLECTIVES.items():
+        if not hasattr(dist, new) and hasattr(dist, old):
+            setattr(dist, new, getattr(dist, old))
+            _installed.append(f"torch {version} has no dist.{new} (new in 2.13): dtlib runs dist.{old} for it")
+    if _give_ddp_forward_sync_buffers():
+        _installed.append(f"torch {version}'s DistributedDataParallel has no forward_sync_buffers (new in 2.13): "
+                          "dtlib passes it as broadcast_buffers and syncs the buffers at construction")
+    _installed.append("")  # marks the work done, even when nothing was missing
+    return shims()
+
+
+def shims() -> list[str]:
+    """One line for each 2.13 name :func:`install` gave this older torch; empty on 2.13 and newer.
+
+    Example: on torch 2.11, ``["torch 2.11 has no dist.all_gather_single (new in 2.13): ...", ...]``.
+    """
+    return [line for line in _installed if line]
+
+
+def _give_ddp_forward_sync_buffers() -> bool:
+    """Teach an older ``DistributedDataParallel`` the ``forward_sync_buffers`` keyword; False where it knows it."""
+    import functools
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    if "forward_sync_buffers" in inspect.signature(original).parameters:
+        return False
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, forward_sync_buffers: bool | None = None, **kwargs: Any) -> None:
+        if forward_sync_buffers is None:
+            return original(self, *args, **kwargs)
+        if kwargs.get("broadcast_buffers") is not None:
+            raise TypeError("give forward_sync_buffers or broadcast_buffers, not both")
+        original(self, *args, broadcast_buffers=forward_sync_buffers, **kwargs)
+        if not forward_sync_buffers and kwargs.get("init_sync", True):
+            # broadcast_buffers=False also skips the buffers' sync at construction; forward_sync_buffers does not.
+            group = self.process_group
+            source = dist.get_global_rank(group, 0) if group is not dist.GroupMember.WORLD else 0
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer.data, src=source, group=group)
+
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+    return True
 
 
 def destroy_process_group(group: Any = None) -> None:

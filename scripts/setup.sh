@@ -34,12 +34,13 @@ if grep -q '^include-system-site-packages *= *true' "$VENV/pyvenv.cfg"; then
     # The user's own torch: check it, and lock everything but torch's own dependencies.
     "$PY" -c 'import torch' 2>/dev/null \
         || { echo "setup: $VENV sees the base Python's packages but no torch there; remove $VENV and retry" >&2; exit 1; }
+    # The supported range is dtlib.compat's (MIN_TORCH to MAX_TORCH), read from the file: dtlib is not installed yet.
     "$PY" - <<'PYCHECK'
-import sys, torch
-major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-if (major, minor) < (2, 6):
-    sys.exit(f"setup: torch {torch.__version__} is too old for dtlib (needs >= 2.6); "
-             "upgrade it, or use a Python without torch so that set-up installs the CPU build")
+import runpy, sys
+why = runpy.run_path("dtlib/compat.py")["supported"]()
+if why:
+    sys.exit(f"setup: {why}. Install a torch in that range into the Python you set up with, "
+             "or use a Python without torch so that set-up installs the CPU build of torch 2.13")
 PYCHECK
     "$PY" scripts/lockfile.py without-torch-deps "$LOCK" "$VENV/lock-without-torch-deps.txt"
     "$PY" -m pip install -q -c "$VENV/lock-without-torch-deps.txt" -e ".[dev]"

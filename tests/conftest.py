@@ -57,6 +57,13 @@ class Leftovers:
         assert not new_shm, f"new entries in {SHM}: {sorted(new_shm)}"
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tests_choose_their_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``gpu`` gets the machine's own backend (NCCL with a GPU per rank); the rest keep gloo."""
+    if request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.delenv("DTLIB_BACKEND", raising=False)
+
+
 @pytest.fixture
 def leftovers() -> Leftovers:
     """Snapshot taken before the test; call ``leftovers.assert_clean(pids)`` after the launch."""
@@ -114,6 +121,11 @@ class NotebooksRunOnce:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(NotebooksRunOnce(), "dtlib-notebooks-run-once")
+    # The suite is written for gloo on the CPU: on a GPU machine, backend="auto" would pick NCCL for tests whose
+    # rank functions build CPU tensors. DTLIB_BACKEND keeps them on gloo (tests marked gpu lift it, below);
+    # the GPU check (make gpu-check) sets DTLIB_GPU_SUITE so that the notebooks take the machine's own backend.
+    if not os.environ.get("DTLIB_GPU_SUITE"):
+        os.environ.setdefault("DTLIB_BACKEND", "gloo")
     # A shell starts a background job (`make test &`, `nohup`) with SIGINT ignored, and Python keeps it so in
     # pytest and in every process it starts. The interrupt tests press Ctrl-C as a learner does in a kernel,
     # which always handles SIGINT: give this process Python's own handler back.

@@ -127,3 +127,70 @@ def test_fsdp2_on_the_cpu_is_refused_where_torch_cannot_run_it(monkeypatch):
     with pytest.raises(ValueError, match="FSDP2 on the CPU needs torch >= 2.7"):
         fsdp.validate(fsdp.FSDPConfig(api="fsdp2"), 2)
     fsdp.validate(fsdp.FSDPConfig(api="fsdp1"), 2)  # FSDP1 runs on the CPU from 2.6
+
+
+@pytest.mark.parametrize(("version", "refused"), [((2, 10), "older"), ((2, 11), None), ((2, 13), None),
+                                                  ((2, 15), None), ((2, 16), "newer"), ((3, 0), "newer")])
+def test_the_supported_range_is_2_11_to_2_15(version, refused):
+    why = compat.supported(version)
+    assert (why is None) == (refused is None), why
+    if refused:
+        assert refused in why and "2.11 to 2.15" in why
+
+
+def test_set_up_refuses_a_torch_outside_the_range_with_the_same_words():
+    """scripts/setup.sh reads compat.py as a file (dtlib is not installed yet): that must work alone."""
+    import runpy
+    from pathlib import Path
+
+    namespace = runpy.run_path(str(Path(compat.__file__)))
+    assert namespace["supported"]((2, 9)) == compat.supported((2, 9))
+
+
+def test_old_spellings_are_counted_under_the_names_the_course_teaches():
+    assert compat.current_name("all_gather_into_tensor") == "all_gather_single"
+    assert compat.current_name("reduce_scatter_tensor") == "reduce_scatter_single"
+    assert compat.current_name("all_reduce") == "all_reduce"
+
+
+def test_install_gives_the_course_its_names_once():
+    assert compat.install() == compat.install()  # idempotent
+    for new in compat.RENAMED_COLLECTIVES:
+        assert callable(getattr(dist, new))
+    if compat.torch_version() >= (2, 13):
+        assert compat.shims() == []  # nothing to add
+    else:
+        assert any("all_gather_single" in line for line in compat.shims())
+
+
+def _forward_sync_buffers_on_a_ddp_without_it(rank, world_size):
+    """DDP as torch < 2.13 has it (no forward_sync_buffers), then compat's keyword on top."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    modern = DistributedDataParallel.__init__
+
+    def legacy(self, module, broadcast_buffers=True, process_group=None, init_sync=True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # 2.13 deprecates broadcast_buffers
+            modern(self, module, broadcast_buffers=broadcast_buffers, process_group=process_group, init_sync=init_sync)
+
+    DistributedDataParallel.__init__ = legacy
+    try:
+        assert compat._give_ddp_forward_sync_buffers()
+        torch.manual_seed(rank)  # different weights and running statistics on each rank
+        norm = torch.nn.BatchNorm1d(3)
+        norm.running_mean.fill_(float(rank + 1))
+        model = DistributedDataParallel(norm, forward_sync_buffers=False)
+        at_construction = model.module.running_mean.clone()  # synced from rank 0, as 2.13 does
+        model(torch.randn(8, 3) + rank * 10)  # each rank's own statistics, never synced in forward
+        return at_construction, model.module.running_mean.clone()
+    finally:
+        DistributedDataParallel.__init__ = modern
+
+
+@pytest.mark.timeout(60)
+def test_forward_sync_buffers_on_an_older_ddp_still_syncs_buffers_at_construction():
+    (built0, after0), (built1, after1) = dtlib.spawn(_forward_sync_buffers_on_a_ddp_without_it, 2)
+    torch.testing.assert_close(built1, built0)  # rank 1's buffers were overwritten by rank 0's
+    torch.testing.assert_close(built0, torch.ones(3))
+    assert not torch.allclose(after0, after1)  # forward_sync_buffers=False: not synced before forward

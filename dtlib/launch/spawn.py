@@ -31,6 +31,9 @@ from dtlib.launch.job import Job
 from dtlib.launch.processes import HeldInterrupts, start_forkserver, start_rank
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
+#: Set to a backend, it is what ``backend="auto"`` means in this process and its children: the CPU test suite
+#: sets ``gloo`` so that it runs as written on a GPU machine (tests/conftest.py), and the GPU suite leaves it unset.
+BACKEND_OVERRIDE = "DTLIB_BACKEND"
 START_METHODS = ("auto", "spawn", "forkserver", "fork")
 OUTPUT_MODES = ("all", "rank0", "none")
 FINISH_GRACE_S = 10.0  # after the last result, how long ranks may take to tear down and exit
@@ -44,7 +47,8 @@ MAX_PROCESSES = 1 << 22  # Linux's largest possible pid_max
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """The backend a job of ``world_size`` ranks gets: ``auto`` means NCCL with one GPU per rank, else gloo.
+    """The backend a job of ``world_size`` ranks gets: ``auto`` means NCCL with one GPU per rank, else gloo
+    (or what :data:`BACKEND_OVERRIDE` names, where it is set).
 
     Example: ``resolve_backend("auto", 2)`` is ``"gloo"`` on a laptop without GPUs.
     """
@@ -52,6 +56,11 @@ def resolve_backend(backend: str, world_size: int) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     gpus = torch.cuda.device_count()  # NVML-based: does not initialise CUDA in this process
     if backend == "auto":
+        forced = os.environ.get(BACKEND_OVERRIDE, "")
+        if forced:
+            if forced not in BACKENDS or forced == "auto":
+                raise ValueError(f"{BACKEND_OVERRIDE}={forced!r}: it must name one of {BACKENDS[1:]} (or be unset)")
+            return resolve_backend(forced, world_size)
         return "nccl" if dist.is_nccl_available() and gpus >= world_size else "gloo"
     if backend == "nccl" and (not dist.is_nccl_available() or gpus < world_size):
         raise ValueError(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dtlib import compat
 from dtlib.launch.spawn import resolve_backend, resolve_start_method
 
 
@@ -115,6 +116,11 @@ def implications(info: MachineInfo, world_size: int = 2) -> list[str]:
         lines.append(
             f"{info.usable_cpus} usable CPU(s): ranks share cores, so timings are noisy; compare ratios from one run."
         )
+    why = compat.supported()
+    lines.append(f"torch {torch.__version__}: {why}; expect cells to fail." if why else
+                 f"torch {torch.__version__} is in the course's range "
+                 f"({'.'.join(map(str, compat.MIN_TORCH))} to {'.'.join(map(str, compat.MAX_TORCH))}).")
+    lines += [f"{line}." for line in compat.shims()]  # the 2.13 names an older torch gets from dtlib
     method = resolve_start_method("auto")  # what a launch costs is measured, not promised: see section 4 of 00
     lines.append(f"Ranks start with '{method}'" + (
         ": the first launch also starts a server that imports torch once; later ones fork from it."

@@ -43,6 +43,8 @@ def chromium_path() -> str | None:
 
 def why_skipped() -> str | None:
     """Why the browser tests cannot run here, or None when they can."""
+    if os.environ.get("DTLIB_NO_BROWSER"):
+        return "DTLIB_NO_BROWSER is set (make test-torch: nbval runs the notebooks instead)"
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:

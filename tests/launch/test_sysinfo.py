@@ -78,3 +78,15 @@ def test_gpu_names_that_cannot_be_read_are_question_marks():
     assert sysinfo.gpu_names(0) == []
     if not torch.cuda.is_available():
         assert sysinfo.gpu_names(1) == ["?"]  # the child fails: no GPU to name
+
+
+def test_implications_say_whether_this_torch_is_in_the_range_and_what_dtlib_adds_to_it(monkeypatch):
+    from dtlib import compat
+
+    lines = sysinfo.implications(sysinfo.machine_info(), world_size=2)
+    assert any("in the course's range (2.11 to 2.15)" in line for line in lines)
+    monkeypatch.setattr(compat, "supported", lambda: "torch 2.9 is older than 2.11, the oldest ...")
+    monkeypatch.setattr(compat, "shims", lambda: ["torch 2.11 has no dist.all_gather_single (new in 2.13): ..."])
+    lines = sysinfo.implications(sysinfo.machine_info(), world_size=2)
+    assert any("older than 2.11" in line and "expect cells to fail" in line for line in lines)
+    assert any(line.startswith("torch 2.11 has no dist.all_gather_single") for line in lines)
