@@ -29,4 +29,4 @@ if [ ! -f "$stamp" ] || [ "$stamp" -ot requirements.lock ] || [ "$stamp" -ot pyp
 fi
 "$PY" -c 'import torch; print("test-torch: torch", torch.__version__)'
 # The browser tests need the set-up's Chromium; nbval runs every notebook here instead.
-DTLIB_NO_BROWSER=1 "$PY" -m pytest -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+DTLIB_NO_BROWSER=1 DTLIB_TEST_TORCH="$TORCH" "$PY" -m pytest -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

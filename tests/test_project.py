@@ -76,6 +76,8 @@ def test_this_environment_holds_exactly_the_locked_versions():
     """What make setup installed, against the lock: nothing missing, nothing else, no other version."""
     if sys.flags.no_site or Path(sys.prefix, "pyvenv.cfg").read_text().count("include-system-site-packages = true"):
         pytest.skip("this venv keeps the base Python's torch and its dependencies: only the lock's constraints apply")
+    if os.environ.get("DTLIB_TEST_TORCH"):
+        pytest.skip("make test-torch's venv holds another torch with its own dependencies")
     installed = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in metadata.distributions()}
     locked = _locked_here()
     assert {name: installed.get(name) for name in locked if installed.get(name) != locked[name]} == {}
@@ -304,7 +306,8 @@ def test_each_notebook_runs_once_nbval_leaves_out_what_the_browser_tests_run(tmp
     fake.chmod(0o755)
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
                                cwd=ROOT, capture_output=True, text=True, timeout=150,
-                               env={**os.environ, "CHROMIUM": str(fake)}).stdout
+                               env={**{k: v for k, v in os.environ.items() if k != "DTLIB_NO_BROWSER"},
+                                    "CHROMIUM": str(fake)}).stdout
     notebook_items = {line.split("::")[0] for line in collected.splitlines() if ".ipynb::" in line}
     browser_items = [line for line in collected.splitlines() if line.startswith("tests/browser/")]
     assert len(browser_items) >= len(NOTEBOOKS)  # collected either way (skipped, with the reason, without a browser)

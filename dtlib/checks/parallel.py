@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtlib.checks.skeleton import UNREADABLE, RankExercise, judge, same_collectives_hang
+from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
@@ -217,7 +217,7 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
         return verdict
     for size in (world_size, world_size + 1):
         try:
-            reports = spawn(_what_moved, size, args=(fn,), timeout=timeout, output="none")
+            reports = spawn(_what_moved, size, args=(fn,), timeout=timeout, output="none", **ON_GLOO)
         except (WorkerError, WorkerTimeout) as err:  # it passed a moment ago: say what happened this time
             return Feedback(False, f"Your function failed when run again with {size} ranks: {err}")
         for rank, report in enumerate(reports):

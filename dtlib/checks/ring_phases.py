@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dtlib.checks.skeleton import ON_GLOO
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
@@ -97,7 +98,7 @@ def _wrong_with(phase: Callable[..., None], which: str, world_size: int, length:
     """What is wrong with ``phase`` on ``world_size`` ranks (None: nothing)."""
     try:
         reports = spawn(_ring_with_your_phase, world_size, args=(phase, which, length), timeout=timeout,
-                        output="none")
+                        output="none", **ON_GLOO)
     except WorkerTimeout:
         return ("The ring hung: on every step each rank must call ring_shift exactly once, sending one chunk and "
                 f"receiving one, and all ranks must take the same number of steps ({world_size - 1}).")

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.measure.counting import rank_without_communication, spawn_counting
@@ -59,6 +61,12 @@ class RankExercise:
     excess: Callable[[Sequence[dict[str, int]]], str | None] = lambda calls: None
 
 
+#: How every checker launches ranks: gloo, held to NCCL's contract (dtlib.launch.strict), on any machine. The
+#: verdicts and their messages are then the same on a laptop and on a GPU box, and what NCCL leaves undefined
+#: reads as NaN, so an answer that only gloo's leniency makes right is refused.
+ON_GLOO = {"backend": "gloo", "strict": True}
+
+
 def same_collectives_hang(err: WorkerTimeout, name: str) -> str:
     """What to say when a rank function hung and nothing more precise is known."""
     return "Your function hung: every rank must call the same collectives in the same order."
@@ -67,7 +75,28 @@ def same_collectives_hang(err: WorkerTimeout, name: str) -> str:
 def reduce_hint(answer: Answer) -> str:
     """What to say when ``dist.reduce`` stood where ``dist.all_reduce`` belongs."""
     return (f"Rank {answer.rank} does not hold the result: dist.reduce leaves it on one rank only (dst), and the "
-            "others keep what they had. Use dist.all_reduce, which leaves it on every rank.")
+            "others' tensors are undefined afterwards (NCCL promises them nothing; the checker fills them with NaN). "
+            "Use dist.all_reduce, which leaves it on every rank.")
+
+
+def _holds_undefined(answer: Answer) -> bool:
+    """Whether the rank's value holds NaN where the right one has none: what strict mode writes into a tensor
+    that NCCL leaves undefined (dtlib.launch.strict)."""
+    try:
+        value, expected = torch.as_tensor(answer.value, dtype=torch.float64), torch.as_tensor(answer.expected,
+                                                                                            dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return bool(value.isnan().any()) and not bool(expected.isnan().any())
+
+
+def undefined_hint(answer: Answer) -> str:
+    """What to say when a rank returned numbers that NCCL leaves undefined (strict mode shows them as NaN)."""
+    if answer.called("reduce"):
+        return reduce_hint(answer)
+    return (f"Rank {answer.rank}'s result holds NaN where numbers belong: it read a tensor before the collective "
+            "writing it had finished. With async_op=True, call .wait() on the work it returns before reading or "
+            "returning the tensor: NCCL writes it later, on its own stream, and the checker marks such numbers NaN.")
 
 
 def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> Feedback:
@@ -78,7 +107,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> F
     for size in sizes:
         expected = exercise.expected(size)
         try:
-            results, calls = spawn_counting(fn, size, timeout=timeout)
+            results, calls = spawn_counting(fn, size, timeout=timeout, **ON_GLOO)
         except WorkerTimeout as err:
             return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
@@ -88,7 +117,8 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> F
             if value is not UNREADABLE and exercise.same(value, expected):
                 continue
             answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls)
-            say = next((say for holds, say in exercise.hints if holds(answer)), exercise.otherwise)
+            hints = [*exercise.hints, (_holds_undefined, undefined_hint)]  # the exercise's own come first
+            say = next((say for holds, say in hints if holds(answer)), exercise.otherwise)
             return Feedback(False, say(answer))
         silent = rank_without_communication(calls)  # right values, but did they travel?
         if silent is not None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtlib.checks._numbers import constant_divisor
+from dtlib.checks.skeleton import ON_GLOO
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
@@ -71,7 +72,8 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
     sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
     for size in sizes:
         try:
-            results = spawn(_your_hook_against_ddp, size, args=(hook,), timeout=timeout, output="none")
+            results = spawn(_your_hook_against_ddp, size, args=(hook,), timeout=timeout, output="none",
+                            **ON_GLOO)
         except WorkerTimeout:
             return Feedback(False, "Your hook hung: every rank must all-reduce every gradient, in the same order.")
         except WorkerError as err:
@@ -115,7 +117,7 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
             return Feedback(False, f"With {size} ranks, rank {rank}'s gradients differ from DDP's by up to "
                                    f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
     try:
-        halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none")
+        halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none", **ON_GLOO)
     except (WorkerError, WorkerTimeout) as err:
         return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err.failures[0].headline()}")
     if not all(torch.isfinite(half).all() for half in halves):
@@ -223,7 +225,8 @@ def fsdp_wrap(wrap: Callable[[Any, Any], Any], world_size: int = 2, steps: int =
     num_params = sum(p.numel() for p in models.build("transformer").parameters())
     full_bytes, at_rest_formula = 4 * num_params, 16 * num_params / world_size  # fp32 weights; fp32 Adam
     try:
-        reports = spawn(_your_wrap_against_ddp, world_size, args=(wrap, steps), timeout=timeout, output="none")
+        reports = spawn(_your_wrap_against_ddp, world_size, args=(wrap, steps), timeout=timeout, output="none",
+                        **ON_GLOO)
     except WorkerTimeout:
         return Feedback(False, "Your wrap hung: every rank must shard the same modules in the same order.")
     except WorkerError as err:

@@ -29,6 +29,7 @@ from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.job import Job
 from dtlib.launch.processes import HeldInterrupts, start_forkserver, start_rank
+from dtlib.launch.strict import STRICT_ENV
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 #: Set to a backend, it is what ``backend="auto"`` means in this process and its children: the CPU test suite
@@ -175,6 +176,7 @@ def spawn(
     timeout: float | None = 120.0,
     init_process_group: bool = True,
     output: str = "all",
+    strict: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
@@ -198,6 +200,10 @@ def spawn(
         output: ``all`` relays every rank's output prefixed ``[rank N]``,
             ``rank0`` only rank 0's, ``none`` nothing. Lines come a few times a
             second in batches; a line without its newline (a progress bar) too.
+        strict: hold gloo ranks to what NCCL promises (:mod:`dtlib.launch.strict`: a reduce's other ranks
+            read NaN, an async collective's tensors read NaN until ``wait()``, ...), so that code that works
+            only on gloo fails here; ``False`` shows gloo's own behaviour; ``None`` (the default) means on,
+            unless ``DTLIB_STRICT=0`` is in the environment.
 
     Raises:
         WorkerError: a rank raised or died; every failed rank is reported.
@@ -220,9 +226,14 @@ def spawn(
     method = resolve_start_method(start_method)
     payload, sources = _payload(fn, args, kwargs)
 
+    if strict is not None and not isinstance(strict, bool):
+        raise TypeError(f"strict must be True, False or None, got {strict!r}")
+    env = None if strict is None else {STRICT_ENV: "1" if strict else "0"}
+
     job = Job(world_size, output, method)
     try:
-        results = _run(job, method, payload, sources, resolved_backend if init_process_group else None, timeout)
+        results = _run(job, method, payload, sources, resolved_backend if init_process_group else None, timeout,
+                       env)
     except BaseException as exc:
         finish(job)  # a KeyboardInterrupt lands here too: no rank outlives the call
         traceback.clear_frames(exc.__traceback__)  # what dtlib's frames held (half-started processes) goes now
@@ -247,8 +258,8 @@ def start_job(job: Job, method: str, payload: bytes, sources: dict[str, list[str
 
 
 def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
-         timeout: float | None) -> list[Any]:
-    start_job(job, method, payload, sources, backend)
+         timeout: float | None, env: dict[str, str] | None = None) -> list[Any]:
+    start_job(job, method, payload, sources, backend, env)
     outcome = job.wait(timeout)
     if outcome == "ok":
         job.stop(grace_s=FINISH_GRACE_S)

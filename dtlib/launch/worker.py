@@ -277,6 +277,11 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         if config.backend is not None:
             _init_process_group(config.backend, config.rank)
             initialised = True
+            if config.backend == "gloo":
+                from dtlib.launch import strict  # torch is loaded by now
+
+                if strict.wanted():  # NCCL's contract on gloo, unless dtlib.spawn(strict=False) or DTLIB_STRICT=0
+                    strict.install()
         value = fn(config.rank, config.world_size, *args, **kwargs)
         try:
             message = ("ok", dumps_result(value))

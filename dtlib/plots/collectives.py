@@ -15,6 +15,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import ScalarFormatter
 
 from dtlib.plots._style import COLORS, _arrow, _box
@@ -178,9 +179,17 @@ def _value_table(ax: Any, rows: list[list[float]], title: str, vmax: float) -> N
     for rank, values in enumerate(rows):
         grid[rank, : len(values)] = values
     ax.imshow(grid, cmap="Blues", vmin=0, vmax=vmax * 1.6, aspect="auto")
+    undefined_rows = {rank for rank, values in enumerate(rows) if values and np.isnan(values).all()}
     for (rank, slot), value in np.ndenumerate(grid):
-        text = "" if np.isnan(value) else f"{value:g}"
-        ax.text(slot, rank, text, ha="center", va="center", fontsize=9 if width <= 8 else 7)
+        if slot < len(rows[rank]) and np.isnan(value):  # a number NCCL leaves undefined (strict mode writes NaN)
+            ax.add_patch(Rectangle((slot - 0.5, rank - 0.5), 1, 1, facecolor="0.88", hatch="//", edgecolor="0.7"))
+            if rank not in undefined_rows:
+                ax.text(slot, rank, "undef.", ha="center", va="center", color="0.3", fontsize=7)
+        elif not np.isnan(value):
+            ax.text(slot, rank, f"{value:g}", ha="center", va="center", fontsize=9 if width <= 8 else 7)
+    for rank in undefined_rows:
+        ax.text((len(rows[rank]) - 1) / 2, rank, "undefined: never read", ha="center", va="center", fontsize=8,
+                color="0.2", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     for rank, values in enumerate(rows):
         if not values:
             ax.text((width - 1) / 2, rank, "nothing received", ha="center", va="center", fontsize=8, color="gray")
@@ -213,7 +222,8 @@ def _as_array(value: Any) -> np.ndarray:
 def before_after(before: Sequence[Any], after: Sequence[Any], title: str) -> Figure:
     """Every rank's tensor before and after a collective, one row per rank, from values pulled off the ranks.
 
-    ``before[rank]`` and ``after[rank]`` are a tensor, a list of tensors or None (nothing received).
+    ``before[rank]`` and ``after[rank]`` are a tensor, a list of tensors or None (nothing received). A NaN is
+    drawn as a grey "undefined" cell: what a collective leaves undefined (dtlib.launch.strict writes NaN there).
     Example: after ``%ranks pull --quiet before x``, ``plots.before_after(before, x, "all_reduce(x)")``.
     """
     if len(before) != len(after) or not before:
@@ -224,7 +234,7 @@ def before_after(before: Sequence[Any], after: Sequence[Any], title: str) -> Fig
     size = (min(12.0, 2.5 + 0.5 * (width_before + max(width, 3))), 1.3 + 0.45 * len(rows_before))
     fig, (left, right) = plt.subplots(1, 2, figsize=size,
                                       gridspec_kw={"width_ratios": [width_before, max(width, 3)]})
-    vmax = max([abs(v) for r in rows_before + rows_after for v in r] or [1.0])
+    vmax = max([abs(v) for r in rows_before + rows_after for v in r if not np.isnan(v)] or [1.0])
     _value_table(left, rows_before, "before", vmax)
     _value_table(right, rows_after, "after", vmax)
     fig.suptitle(title, fontsize=11)

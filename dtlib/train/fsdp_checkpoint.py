@@ -184,8 +184,12 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, ki
     if kind == "sharded":
         model_state, optim_state = get_state_dict(model, optimizer)  # templates with this job's sharding
         state = {"model": model_state, "optim": optim_state}
+        reader = _CheckedReader(directory)
+        # Read (and check) the metadata first: torch 2.11's dcp.load catches the reader's refusal and reports
+        # only "metadata is None"; read here, the refusal says what it found.
+        reader.read_metadata()
         # fills the templates in place
-        dcp.load(state, storage_reader=_CheckedReader(directory), planner=_CheckedPlanner())
+        dcp.load(state, storage_reader=reader, planner=_CheckedPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         device = rank_device()  # the one place that knows this rank's device

@@ -110,6 +110,20 @@ def _sum_by_reduce(rank, world_size):
     return value
 
 
+def _reduce_then_broadcast_from_another_rank(rank, world_size):
+    """Right under gloo at times (it leaves numbers on non-root ranks); NCCL leaves them undefined."""
+    value = torch.tensor([float(rank)])
+    dist.reduce(value, dst=0)
+    dist.broadcast(value, src=1)
+    return value
+
+
+def _async_all_reduce_without_wait(rank, world_size):
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, async_op=True)  # never waited for
+    return value
+
+
 def _sum_by_max(rank, world_size):
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -123,6 +137,8 @@ def _sum_by_max(rank, world_size):
         (_correct, True, ["with 3 ranks and with 4"]),
         (_sum_by_reduce, False, ["does not hold the result: dist.reduce leaves it on one rank only"]),
         (_sum_by_max, False, ["the largest rank: ReduceOp.MAX keeps the largest value"]),
+        (_reduce_then_broadcast_from_another_rank, False, ["dist.reduce leaves it on one rank only", "undefined"]),
+        (_async_all_reduce_without_wait, False, ["call .wait()"]),
         (lambda rank, world_size: torch.tensor([float(rank)]), False, ["each rank returned its own rank"]),
         (lambda rank, world_size: None, False, ["returned None"]),
         (_double_counted, False, ["world_size times too big"]),

@@ -138,6 +138,16 @@ def test_before_after_shows_every_value_on_every_rank_from_what_the_ranks_hold()
         plots.before_after(x, x[:1], "all_reduce")
 
 
+def test_before_after_marks_what_a_collective_leaves_undefined():
+    """A reduce's other ranks hold NaN under strict mode: drawn as undefined, never as a number or a blank."""
+    nan = float("nan")
+    x = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
+    summed = [torch.tensor([9.0, 12.0]), torch.tensor([nan, nan]), torch.tensor([7.0, nan])]
+    _, after = plots.before_after(x, summed, "reduce(x, dst=0)").axes
+    assert [t.get_text() for t in after.texts] == ["9", "12", "7", "undef.", "undefined: never read"]
+    assert len(after.patches) == 3  # one grey cell per undefined number
+
+
 def _strategy_rows():
     from dtlib.train.fsdp_compare import StrategyRow
 

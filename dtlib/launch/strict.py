@@ -1,0 +1,261 @@
+"""NCCL's contract on gloo: code that passes only because gloo is lenient fails on a laptop, where you can see why.
+
+gloo does more than NCCL promises. A rank's code that relies on the difference runs on a laptop and breaks on
+GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s documentation for it) promises:
+
+- **reduce**: only ``dst`` holds the result. NCCL leaves the other ranks' tensors undefined; gloo leaves a sum
+  there. Strict mode fills them with NaN (floating point) or the dtype's smallest value (integers).
+- **async collectives** (``async_op=True``): the tensors a collective writes hold nothing you may read until
+  ``wait()`` returns (NCCL writes them on its own stream, later). Strict mode runs the collective on copies,
+  fills your tensors as above, and copies the results in when ``wait()`` (or the work's future) completes.
+- **bitwise reductions** (``ReduceOp.BAND``, ``BOR``, ``BXOR``) and **receiving from any source**
+  (``dist.recv`` without ``src``): gloo has them, NCCL does not. Strict mode refuses them.
+- **a blocking send and a blocking receive with one peer**, posted as separate calls: NCCL documents that
+  dependent point-to-point calls must be posted together (``dist.batch_isend_irecv``). Strict mode warns
+  (:class:`StrictWarning`) once per place in the code.
+
+Only calls made from outside torch are held to it: torch's own (FSDP, DDP, DTensor) keep gloo's behaviour.
+It is on in every gloo rank that ``dtlib.spawn`` or live ranks start (NCCL ranks need none);
+``dtlib.spawn(..., strict=False)``, or ``DTLIB_STRICT=0`` in the environment, shows gloo's own behaviour instead.
+Inside any gloo rank (under torchrun, say), :func:`nccl_contract` turns it on for a block.
+
+Example (inside a gloo rank)::
+
+    with nccl_contract():
+        x = torch.ones(2)
+        dist.reduce(x, dst=0)   # rank 1's x is now [nan, nan]: NCCL promises it nothing
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: The environment variable that turns strict mode off in every gloo rank (``0``); unset or anything else: on.
+STRICT_ENV = "DTLIB_STRICT"
+
+#: Collective -> the names of its arguments that it writes (a tensor or a list of tensors).
+WRITES = {
+    "all_reduce": ("tensor",), "broadcast": ("tensor",), "reduce": ("tensor",),
+    "all_gather": ("tensor_list",), "all_gather_into_tensor": ("output_tensor",),
+    "all_gather_single": ("output_tensor",), "reduce_scatter": ("output",),
+    "reduce_scatter_tensor": ("output",), "reduce_scatter_single": ("output",),
+    "all_to_all_single": ("output",), "all_to_all": ("output_tensor_list",),
+    "gather": ("gather_list",), "scatter": ("tensor",),
+}
+BITWISE = ("BAND", "BOR", "BXOR")
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class StrictWarning(UserWarning):
+    """Code that gloo runs and NCCL may not (a pattern NCCL documents as unsafe)."""
+
+
+def poison(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with what reads as "undefined": NaN, or the dtype's smallest value for integers."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype == torch.bool:
+        tensor.fill_(True)
+    else:
+        tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return []
+
+
+#: dtlib's own wrappers of torch.distributed functions (counting, the communication log): they pass calls on,
+#: so the code that called them decides.
+PASS_THROUGH = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), "measure", name)
+                     for name in ("counting.py", "commlog.py"))
+
+
+def _called_from_torch() -> bool:
+    """Whether the wrapped function's caller is torch's own code (FSDP, DDP, DTensor, checkpointing)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in PASS_THROUGH:
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR)
+
+
+class DeferredWork:
+    """A collective's work whose results reach the caller's tensors only when it is waited for.
+
+    Everything else is the real work's (``is_completed``, ``exception``, ...).
+    """
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self._work = work
+        self._finish = finish
+        self._done = False
+
+    def _deliver(self) -> None:
+        if not self._done:
+            self._done = True
+            self._finish()
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        self._deliver()
+        return result
+
+    def get_future(self) -> torch.futures.Future:
+        def delivered(future: torch.futures.Future) -> Any:
+            future.wait()
+            self._deliver()
+            return future.value()
+        return self._work.get_future().then(delivered)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+    writes = WRITES.get(name, ())
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if _called_from_torch():
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        op = arguments.get("op")
+        if op is not None and getattr(op, "name", str(op).rsplit(".", 1)[-1]) in BITWISE:
+            raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
+                             "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
+        rank = dist.get_rank()
+        undefined_here = name == "reduce" and rank != _global_dst(arguments)
+        if not arguments.get("async_op"):
+            result = original(*bound.args, **bound.kwargs)
+            if undefined_here:
+                poison(arguments["tensor"])
+            return result
+        # Async: the collective writes copies; the caller's tensors read as undefined until wait().
+        theirs = [t for key in writes for t in _tensors(arguments.get(key))]
+        copies = {id(t): t.clone() for t in theirs}
+        for key in writes:
+            value = arguments.get(key)
+            if isinstance(value, torch.Tensor):
+                arguments[key] = copies[id(value)]
+            elif isinstance(value, (list, tuple)):
+                arguments[key] = type(value)(copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
+                                             for t in value)
+        work = original(*bound.args, **bound.kwargs)
+        for tensor in theirs:
+            poison(tensor)
+
+        def finish() -> None:
+            if not undefined_here:  # a reduce's non-root tensor stays undefined after wait() too
+                for tensor in theirs:
+                    tensor.copy_(copies[id(tensor)])
+        return DeferredWork(work, finish)
+    return collective
+
+
+def _global_dst(arguments: dict[str, Any]) -> int:
+    """``reduce``'s destination as a global rank (``dst``, or ``group_dst`` in its group)."""
+    if arguments.get("group_dst") is not None:
+        return dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments["group_dst"])
+    return arguments["dst"]
+
+
+class _PointToPoint:
+    """Watches blocking send and recv: one with a peer, then the other with the same peer, is posted apart."""
+
+    def __init__(self) -> None:
+        self.last: tuple[str, int] | None = None
+        self.warned: set[tuple[str, int]] = set()
+
+    def wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+        peer_key = "dst" if name == "send" else "src"
+
+        @functools.wraps(original)
+        def point_to_point(*args: Any, **kwargs: Any) -> Any:
+            if _called_from_torch():
+                return original(*args, **kwargs)
+            arguments = signature.bind(*args, **kwargs).arguments
+            peer = arguments.get(peer_key)
+            if peer is None and arguments.get(f"group_{peer_key}") is not None:
+                peer = dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[f"group_{peer_key}"])
+            if name == "recv" and peer is None:
+                raise ValueError("dist.recv without src receives from any rank: gloo allows it, NCCL does not. "
+                                 "Name the sender: dist.recv(tensor, src=...)")
+            if self.last is not None and self.last[1] == peer and self.last[0] != name:
+                caller = sys._getframe(1)
+                where = (caller.f_code.co_filename, caller.f_lineno)
+                if where not in self.warned:
+                    self.warned.add(where)
+                    warnings.warn(
+                        f"rank {dist.get_rank()} posted a blocking dist.{self.last[0]} and a blocking dist.{name} with "
+                        f"rank {peer} as two calls. NCCL documents that such dependent transfers can deadlock unless "
+                        "posted together: dist.batch_isend_irecv([dist.P2POp(dist.isend, ...), "
+                        "dist.P2POp(dist.irecv, ...)]) then wait() on each.", StrictWarning, stacklevel=2)
+            self.last = (name, peer)
+            return original(*args, **kwargs)
+        return point_to_point
+
+
+_active: dict[str, Callable[..., Any]] = {}
+
+
+def install() -> bool:
+    """Hold this process's later ``torch.distributed`` calls to NCCL's contract; False where it already is.
+
+    Call it inside a rank after the process group exists (the worker does, when strict mode is asked for).
+    """
+    if _active:
+        return False
+    point_to_point = _PointToPoint()
+    for name in WRITES:
+        if hasattr(dist, name):
+            _active[name] = getattr(dist, name)
+            setattr(dist, name, _strict(name, _active[name]))
+    for name in ("send", "recv"):
+        _active[name] = getattr(dist, name)
+        setattr(dist, name, point_to_point.wrap(name, _active[name]))
+    return True
+
+
+def uninstall() -> None:
+    """Give ``torch.distributed`` its own functions back."""
+    for name, original in _active.items():
+        setattr(dist, name, original)
+    _active.clear()
+
+
+def active() -> bool:
+    """Whether strict mode holds this process's calls."""
+    return bool(_active)
+
+
+@contextlib.contextmanager
+def nccl_contract() -> Iterator[None]:
+    """Strict mode for a block of code inside a rank (a no-op where it is on already)."""
+    started = install()
+    try:
+        yield
+    finally:
+        if started:
+            uninstall()
+
+
+def wanted(environ: dict[str, str] | None = None) -> bool:
+    """Whether the environment leaves strict mode on (anything but ``DTLIB_STRICT=0``)."""
+    return (environ if environ is not None else os.environ).get(STRICT_ENV, "1") != "0"

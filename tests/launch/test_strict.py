@@ -1,0 +1,176 @@
+"""Strict mode refuses, on gloo, what NCCL does not promise; code NCCL runs gives the same answers under it.
+
+Oracle: the same rank function with strict mode off (gloo's own behaviour) and what torch documents for NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtlib
+from dtlib.launch import strict
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _reduce_then_read(rank, world_size):
+    x = torch.full((3,), float(rank + 1))
+    dist.reduce(x, dst=0)
+    counts = torch.full((2,), rank + 1, dtype=torch.int64)
+    dist.reduce(counts, dst=1)
+    return x.tolist(), counts.tolist()
+
+
+def test_reduce_leaves_the_other_ranks_tensors_undefined():
+    (x0, c0), (x1, c1) = dtlib.spawn(_reduce_then_read, 2, strict=True)
+    assert x0 == [3.0] * 3 and c1 == [3, 3]  # the roots hold the sum
+    assert all(math.isnan(v) for v in x1)  # gloo leaves the sum here too; NCCL promises nothing
+    assert c0 == [torch.iinfo(torch.int64).min] * 2
+    (x0, _), (x1, _) = dtlib.spawn(_reduce_then_read, 2, strict=False)
+    assert not any(math.isnan(v) for v in x1)  # gloo leaves numbers there (a sum, or part of one) that read as valid
+
+
+def _reduce_then_broadcast_from_the_wrong_rank(rank, world_size):
+    """A wrong answer that gloo passes: the sum is reduced to 0 and broadcast from 1."""
+    x = torch.tensor([float(rank + 1)])
+    dist.reduce(x, dst=0)
+    dist.broadcast(x, src=1)
+    return x.item()
+
+
+def test_a_broadcast_from_a_non_root_after_reduce_spreads_nan():
+    lenient = dtlib.spawn(_reduce_then_broadcast_from_the_wrong_rank, 2, strict=False)
+    assert not any(math.isnan(v) for v in lenient)  # a number, at times the right sum: a wrong answer that passes
+    assert all(math.isnan(v) for v in dtlib.spawn(_reduce_then_broadcast_from_the_wrong_rank, 2, strict=True))
+
+
+def _async_reads(rank, world_size):
+    x = torch.full((4,), float(rank + 1))
+    work = dist.all_reduce(x, async_op=True)
+    before = x.clone()  # read before wait(): undefined
+    work.wait()
+    gathered = torch.empty(2 * world_size)
+    work = dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)), async_op=True)
+    gathered_before = gathered.clone()
+    work.wait()
+    y = torch.ones(2)
+    chained = dist.all_reduce(y, async_op=True).get_future().then(lambda future: y * 10)  # a comm hook's idiom
+    return before.tolist(), x.tolist(), gathered_before.tolist(), gathered.tolist(), chained.wait().tolist()
+
+
+def test_an_async_collectives_tensors_read_nan_until_wait_and_the_result_after():
+    for rank, (before, after, gathered_before, gathered, chained) in enumerate(dtlib.spawn(_async_reads, 2,
+                                                                                           strict=True)):
+        assert all(math.isnan(v) for v in before + gathered_before), rank
+        assert after == [3.0] * 4 and gathered == [0.0, 0.0, 1.0, 1.0] and chained == [20.0, 20.0]
+
+
+def _refused(rank, world_size, what):
+    try:
+        if what == "bitwise":
+            dist.all_reduce(torch.ones(1, dtype=torch.int32), op=dist.ReduceOp.BOR)
+        else:
+            if rank == 0:
+                dist.send(torch.ones(1), dst=1)
+            else:
+                dist.recv(torch.empty(1))  # from any rank
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(("what", "says"), [("bitwise", "NCCL has no bitwise"), ("any source", "Name the sender")])
+def test_what_nccl_lacks_is_refused_with_its_reason(what, says):
+    if what == "bitwise":
+        messages = dtlib.spawn(_refused, 2, args=(what,), strict=True)
+        assert all(says in message for message in messages)
+    else:
+        with pytest.raises(dtlib.WorkerError):  # rank 0's send then waits for a receive that never comes
+            dtlib.spawn(_refused, 2, args=(what,), strict=True, timeout=20)
+
+
+def _ping_pong_posted_apart(rank, world_size):
+    peer = 1 - rank
+    mine, theirs = torch.tensor([float(rank)]), torch.empty(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank == 0:
+            dist.send(mine, dst=peer)
+            dist.recv(theirs, src=peer)
+        else:
+            dist.recv(theirs, src=peer)
+            dist.send(mine, dst=peer)
+    return theirs.item(), [str(w.message) for w in caught if issubclass(w.category, strict.StrictWarning)]
+
+
+def test_a_send_and_a_receive_with_one_peer_posted_apart_are_flagged():
+    (got0, said0), (got1, said1) = dtlib.spawn(_ping_pong_posted_apart, 2, strict=True)
+    assert (got0, got1) == (1.0, 0.0)
+    assert said0 and said1 and "batch_isend_irecv" in said0[0]
+
+
+def _fsdp_and_ddp_unchanged(rank, world_size):
+    """torch's own calls keep gloo's behaviour: a DDP step gives the same gradients with strict mode on."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    torch.manual_seed(rank + 1)
+    model(torch.randn(3, 4)).sum().backward()
+    return model.module.weight.grad, strict.active()
+
+
+def test_torchs_own_collectives_are_left_alone():
+    (on0, active), _ = dtlib.spawn(_fsdp_and_ddp_unchanged, 2, strict=True)
+    (off0, inactive), _ = dtlib.spawn(_fsdp_and_ddp_unchanged, 2, strict=False)
+    assert active and not inactive
+    torch.testing.assert_close(on0, off0)
+
+
+def test_poison_reads_as_undefined_for_each_kind_of_dtype():
+    for dtype, check in [(torch.float32, lambda t: t.isnan().all()), (torch.bfloat16, lambda t: t.isnan().all()),
+                         (torch.int32, lambda t: (t == torch.iinfo(torch.int32).min).all())]:
+        tensor = torch.zeros(3, dtype=dtype)
+        strict.poison(tensor)
+        assert check(tensor), dtype
+
+
+def test_strict_must_be_a_bool():
+    with pytest.raises(TypeError, match="strict"):
+        dtlib.spawn(lambda rank, world_size: None, 2, strict="yes")
+
+
+def _fsdp_counted_by_group(rank, world_size):
+    """FSDP2's own all-gathers pass through count_by_group's wrappers: they stay torch's, unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlib.measure.counting import count_by_group
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+    _, counts = count_by_group(lambda: model(torch.ones(2, 4)).sum().backward(), {"dp": mesh.get_group()})
+    return model.weight.grad.full_tensor(), counts
+
+
+def test_torchs_calls_through_dtlibs_counters_are_left_alone():
+    (on, counts), _ = dtlib.spawn(_fsdp_counted_by_group, 2, strict=True)
+    (off, _), _ = dtlib.spawn(_fsdp_counted_by_group, 2, strict=False)
+    torch.testing.assert_close(on, off)
+    assert counts["dp"]["all_gather_single"] >= 1
+
+
+def _strict_is_on(rank, world_size):
+    return strict.active()
+
+
+def test_strict_mode_is_on_by_default_and_off_on_request(monkeypatch):
+    monkeypatch.delenv(strict.STRICT_ENV, raising=False)
+    assert dtlib.spawn(_strict_is_on, 2) == [True, True]
+    monkeypatch.setenv(strict.STRICT_ENV, "0")
+    assert dtlib.spawn(_strict_is_on, 2) == [False, False]
+    assert dtlib.spawn(_strict_is_on, 2, strict=True) == [True, True]
