@@ -4,9 +4,16 @@ Each rank's record comes from torch's own Flight Recorder (``TORCH_FR_BUFFER_SIZ
 notes every collective a process group starts, with its sequence number, operation, tensor
 shapes and dtypes, and whether it has finished; nothing in the user's code is patched. A
 rank answers :func:`last_collectives` from a thread of its own, so it answers even while
-its main thread waits inside gloo or NCCL. :func:`explain` turns the ranks' answers into
-one line per rank and a verdict, e.g. *rank 0 waits in all_reduce #3 (float32[4]); rank 1
-finished the cell after all_reduce #2: rank 0 is alone in collective #3*.
+its main thread waits inside gloo or NCCL.
+
+gloo and NCCL keep separate recorders (``_dump_fr_trace`` and, in CUDA builds, ``_dump_nccl_trace``,
+the same format). Under NCCL a collective or a send only queues work on the GPU and returns, so the
+CPU runs ahead: the rank is stuck in its oldest unfinished NCCL record, not its newest, and a
+send or recv is recorded (gloo's recorder notes none). Where NCCL's recorder cannot be read, the
+doctor says that it has no record rather than judge from the CPU's stack alone.
+
+:func:`explain` turns the ranks' answers into one line per rank and a verdict, e.g. *rank 0 waits in
+all_reduce #3 (float32[4]); rank 1 finished the cell after all_reduce #2: rank 0 is alone in collective #3*.
 
 Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live.ranks`) and, in each rank, :mod:`dtlib.live.rank`.
 """
@@ -44,6 +51,7 @@ class Collective:
     group: str  # "default_pg" for the world
     tensors: tuple[str, ...]  # "float32[4]" per input tensor
     done: bool  # False: the rank started it and has not got past it
+    recorded: bool = True  # False: a stand-in where NCCL's Flight Recorder could not be read (NO_NCCL_RECORD)
 
     def describe(self, number: bool = True) -> str:
         where = "" if self.group == "default_pg" else f" on group {self.group}"
@@ -56,6 +64,11 @@ class Collective:
         return self.op, self.group, self.tensors
 
 
+#: What a rank answers under NCCL when NCCL's Flight Recorder cannot be read: nothing is known of its collectives.
+NO_NCCL_RECORD = Collective("no record", 0, "default_pg", (), True, recorded=False)
+POINT_TO_POINT = ("send", "recv")
+
+
 def _tensor(size: list[int], dtype: str) -> str:
     return f"{_DTYPES.get(dtype, dtype)}[{', '.join(map(str, size))}]"
 
@@ -65,18 +78,31 @@ def from_flight_recorder(dump: dict[str, Any]) -> Collective | None:
     entries = dump.get("entries", [])  # collectives and point-to-point calls (send, recv) alike
     if not entries:
         return None
-    entry = max(entries, key=lambda e: (e.get("time_created_ns") or 0, e.get("record_id") or 0))
+
+    def order(e: dict[str, Any]) -> tuple[int, int]:
+        return e.get("time_created_ns") or 0, e.get("record_id") or 0
+
+    # Under NCCL the CPU queues work and runs on: the GPU works through the queue in order, so the rank
+    # is held by its oldest unfinished record. A gloo call returns only when done: its newest record.
+    queued = [e for e in entries if str(e.get("profiling_name", "")).startswith("nccl:") and not _done(e)]
+    entry = min(queued, key=order) if queued else max(entries, key=order)
     group = entry.get("process_group", ("0", "default_pg"))
-    name = str(entry.get("profiling_name", "?")).split(":", 1)[-1]  # "gloo:all_reduce" -> "all_reduce"
+    # "gloo:all_reduce" -> "all_reduce"; NCCL names a transfer with its peers: "nccl:send 0->1" -> "send"
+    name = str(entry.get("profiling_name", "?")).split(":", 1)[-1].split(" ", 1)[0]
     seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
     tensors = tuple(_tensor(size, dtype) for size, dtype in
                     zip(entry.get("input_sizes", []), entry.get("input_dtypes", []), strict=False))
-    done = bool(entry.get("retired")) or entry.get("state") == "completed"
-    return Collective(name, int(seq or 0), str(group[1] if len(group) > 1 else group[0]), tensors, done)
+    return Collective(name, int(seq or 0), str(group[1] if len(group) > 1 else group[0]), tensors, _done(entry))
+
+
+def _done(entry: dict[str, Any]) -> bool:
+    """Whether a record's work has finished: retired, or its end seen (for NCCL, its end event on the GPU)."""
+    return bool(entry.get("retired")) or entry.get("state") == "completed"
 
 
 def last_collectives() -> Collective | None:
-    """Inside a rank: the newest collective its Flight Recorder holds (None before the first, or without torch)."""
+    """Inside a rank: the collective its Flight Recorders say it is in, or its newest (None before the first, or
+    without torch); :data:`NO_NCCL_RECORD` under NCCL when NCCL's recorder cannot be read."""
     import sys
 
     if "torch.distributed" not in sys.modules:
@@ -84,9 +110,32 @@ def last_collectives() -> Collective | None:
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
 
-        return from_flight_recorder(pickle.loads(_dump_fr_trace(True, False, False)))
+        entries = pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])
     except Exception:  # noqa: BLE001 - no recorder in this build, or nothing recorded: no record
-        return None
+        entries = []
+    if _uses_nccl():
+        # GPU run must confirm: torch 2.13's CUDA build exposes _dump_nccl_trace with _dump_fr_trace's arguments
+        # and format, FR_ENV's TORCH_FR_BUFFER_SIZE switches NCCL's recorder on too, an unfinished send reads
+        # state "scheduled" (not retired) while the GPU waits in it, and a dump from this thread is safe while
+        # the rank's main thread waits in a CUDA synchronize; and that notebook 02's send-first ring of 4 floats
+        # hangs on the GPU at all (NCCL may complete a small send into its buffers, or block the CPU in send).
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+
+            entries = entries + pickle.loads(_dump_nccl_trace(True, False, False)).get("entries", [])
+        except Exception:  # noqa: BLE001 - not in this build, or it failed: say so rather than guess
+            return NO_NCCL_RECORD
+    return from_flight_recorder({"entries": entries})
+
+
+def _uses_nccl() -> bool:
+    """Whether this rank's default process group runs NCCL (alone, or beside gloo for CPU tensors)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    except Exception:  # noqa: BLE001 - a group being torn down: no NCCL to read
+        return False
 
 
 def point_to_point(stack: str) -> str | None:
@@ -108,13 +157,18 @@ def explain(states: dict[int, str], last: dict[int, Collective | None],
     ``#2``, the verdict is ``"rank 0 is alone in collective #3: rank 1 never called it ..."``.
     """
     lines = []
-    blocked_in: dict[int, str] = {}  # rank -> "send" or "recv", for running ranks no collective explains
+    blocked_in: dict[int, str] = {}  # rank -> "send" or "recv": a running rank held by a point-to-point call
+    unrecorded = []  # running ranks under NCCL whose recorder could not be read
     for rank in sorted(states):
         record, state = last.get(rank), states[rank]
         if state == "died":  # its recorder died with it
             lines.append(f"rank {rank} died")
             continue
         if state == "running" and record is not None and not record.done:
+            if record.op in POINT_TO_POINT:  # NCCL records them (gloo does not): said as a stack would say it
+                blocked_in[rank] = record.op
+                lines.append(f"rank {rank} waits in {record.op}")
+                continue
             lines.append(f"rank {rank} waits in {record.describe()}")
             continue
         call = point_to_point((stacks or {}).get(rank, "")) if state == "running" else None
@@ -122,23 +176,34 @@ def explain(states: dict[int, str], last: dict[int, Collective | None],
             blocked_in[rank] = call
             lines.append(f"rank {rank} waits in {call}")
             continue
-        after = f"after {record.describe()}" if record is not None else "before any collective"
         doing = {"running": "runs Python code", "finished": "finished the cell",
                  "failed": "raised an error"}.get(state, state)
+        if record is not None and not record.recorded:
+            unrecorded += [rank] if state == "running" else []
+            lines.append(f"rank {rank} {doing} (no record of its NCCL calls)")
+            continue
+        after = f"after {record.describe()}" if record is not None else "before any collective"
         lines.append(f"rank {rank} {doing} {after}")
-    return lines, _point_to_point_verdict(states, last, blocked_in) or _verdict(states, last)
+    verdict = _point_to_point_verdict(states, last, blocked_in)
+    if verdict is None and unrecorded:
+        verdict = (f"no verdict: under NCCL a collective or a send only queues work on the GPU, and this torch's "
+                   f"NCCL Flight Recorder could not be read on {_ranks(unrecorded)}, so where each GPU waits is "
+                   "not known; the stacks below show only where each CPU waits (a line that reads a CUDA "
+                   "tensor, or a synchronize, is waiting for the GPU)")
+    return lines, verdict or _verdict(states, last)
 
 
 def _point_to_point_verdict(states: dict[int, str], last: dict[int, Collective | None],
                             blocked_in: dict[int, str]) -> str | None:
     """The verdict when every running rank is blocked in a send or a recv (and none in a collective)."""
     running = [rank for rank, state in states.items() if state == "running"]
-    in_collective = any(last.get(rank) is not None and not last[rank].done for rank in running)
+    in_collective = any(last.get(rank) is not None and not last[rank].done and last[rank].op not in POINT_TO_POINT
+                        for rank in running)
     if not blocked_in or in_collective or set(running) != set(blocked_in):
         return None
     calls = set(blocked_in.values())
     if calls == {"send"}:
-        return ("every running rank waits in a blocking send, and none in a recv: on gloo and NCCL a send returns "
+        return ("every running rank waits in a blocking send, and none in a recv: on gloo and NCCL a send completes "
                 "only once its peer receives, so ranks that all send first wait for each other for ever. Let half "
                 "of them receive first, or post isend and irecv together and wait on both")
     if calls == {"recv"}:

@@ -6,6 +6,12 @@ process of the machine shares, so the ranks' records line up). It can also make 
 time, a stand-in for a GPU kernel: on a laptop the ranks share a few CPU cores, and a schedule's chart
 would then show their contention instead of the schedule. The work is a sleep, which leaves the cores free.
 
+A stage on a GPU is timed on the GPU (:class:`dtlib.measure.timing.DeviceClock`): under NCCL neither a kernel
+nor a send or a receive blocks the CPU, so the CPU's clock would time the queueing of the work, not the
+schedule. Each span starts and ends at a CUDA event on the current stream, the stand-in work is a GPU sleep
+(``torch.cuda._sleep``) of the same length, and :meth:`StageClock.spans` synchronises once and puts the events
+on ``perf_counter``'s clock, so the ranks' spans still line up.
+
 The records give what a schedule is judged by: :func:`bubble`, the share of the ranks' time spent idle
 inside the step, and :func:`in_flight_peak`, the most micro-batches whose activations a stage held at
 once (GPipe holds every micro-batch; 1F1B at most the number of stages).
@@ -20,6 +26,7 @@ Example (inside a rank)::
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -28,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtlib.measure.timing import DeviceClock
+
 Span = tuple[str, int, int, float, float]  # ("F" or "B", stage, micro-batch, start s, end s)
 
 
@@ -35,14 +44,14 @@ class _Mark(torch.autograd.Function):
     """Identity that records (and, if asked, takes) time in forward and in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clock: StageClock, stage: int, began: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, clock: StageClock, stage: int, began: Any) -> torch.Tensor:
         ctx.clock, ctx.stage = clock, stage
-        clock._record("F", stage, clock.forward_s, began)
+        clock._record("F", stage, clock.forward_s, began, x.device)
         return x.clone()  # a tensor of its own: in-place ops on it, and torch's split backward, stay legal
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        ctx.clock._record("B", ctx.stage, ctx.clock.backward_s)
+        ctx.clock._record("B", ctx.stage, ctx.clock.backward_s, device=grad.device)
         return grad, None, None, None
 
 
@@ -52,7 +61,8 @@ class _Clocked(nn.Module):
         self.module, self.clock, self.stage = module, clock, stage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
+        inputs = [a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        began = self.clock._now(inputs[0] if inputs else None)
         out = self.module(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"StageClock wraps stages that return one tensor, got {type(out).__name__}")
@@ -68,25 +78,60 @@ class StageClock:
     A forward span runs from the stage's input to its output, the module's own forward included. A backward
     span is the sleep alone, taken as the gradient arrives at the stage's output: the module's own backward
     runs after it, unrecorded, so the clock times a schedule with stand-in work, not real layers (for those,
-    use torch.profiler, and CUDA events on GPUs, whose kernels run asynchronously). Under schedules that split
-    a backward into its input and weight parts (the zero-bubble ones), only the input part is recorded.
+    use torch.profiler). Under schedules that split a backward into its input and weight parts (the zero-bubble
+    ones), only the input part is recorded. On a GPU the spans are CUDA events and the stand-in work is a GPU
+    sleep (see the module's docstring); the records are floats again once :meth:`spans` has read them.
     """
 
     def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
         if not (math.isfinite(forward_s) and math.isfinite(backward_s)) or forward_s < 0 or backward_s < 0:
             raise ValueError(f"forward_s and backward_s must be finite and >= 0, got {forward_s} and {backward_s}")
         self.forward_s, self.backward_s = forward_s, backward_s
-        self.events: list[tuple[str, int, float, float]] = []
+        self.events: list[tuple[str, int, Any, Any]] = []  # start and end: seconds, or CUDA events until read
+        self._clocks: dict[torch.device, DeviceClock] = {}  # one per GPU the stages run on
 
     def wrap(self, module: nn.Module, stage: int) -> nn.Module:
         """``module`` with every pass through it recorded as stage ``stage``; its parameters are unchanged."""
         return _Clocked(module, self, stage)
 
-    def _record(self, kind: str, stage: int, seconds: float, start: float | None = None) -> None:
-        start = time.perf_counter() if start is None else start
-        if seconds:
-            time.sleep(seconds)
-        self.events.append((kind, stage, start, time.perf_counter()))
+    def _gpu(self, device: torch.device | None) -> DeviceClock | None:
+        """The clock of a CUDA device (None on a CPU, whose records are read from perf_counter at once)."""
+        if device is None or device.type != "cuda":
+            return None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return self._clocks.setdefault(device, DeviceClock(device))
+
+    def _now(self, device: torch.device | None) -> Any:
+        gpu = self._gpu(device)
+        return time.perf_counter() if gpu is None else gpu.mark()
+
+    def _record(self, kind: str, stage: int, seconds: float, start: Any = None,
+                device: torch.device | None = None) -> None:
+        gpu = self._gpu(device)
+        if gpu is None:
+            start = time.perf_counter() if start is None else start
+            if seconds:
+                time.sleep(seconds)
+            self.events.append((kind, stage, start, time.perf_counter()))
+            return
+        start = gpu.mark() if start is None else start
+        if seconds:  # the stand-in work on the GPU's stream, where the stage's kernels and transfers wait for it
+            with torch.cuda.device(gpu.device):
+                torch.cuda._sleep(max(1, round(seconds * _cycles_per_second(gpu.device))))
+        self.events.append((kind, stage, start, gpu.mark()))
+
+    def _read(self) -> None:
+        """Put every CUDA record on perf_counter's clock: one synchronize per GPU, then each event read."""
+        if not self._clocks:
+            return
+        for device in self._clocks:
+            torch.cuda.synchronize(device)
+        self.events = [(kind, stage, self._on_cpu_clock(start), self._on_cpu_clock(end))
+                       for kind, stage, start, end in self.events]
+
+    def _on_cpu_clock(self, mark: Any) -> float:
+        return mark if isinstance(mark, float) else self._clocks[mark.device].seconds(mark)
 
     def clear(self) -> None:
         """Forget what was recorded: a schedule's first step also runs its metadata inference."""
@@ -96,7 +141,8 @@ class StageClock:
         """The records, each with its micro-batch: GPipe, 1F1B and interleaved 1F1B run a stage's forwards, and
         its backwards, in micro-batch order, so the n-th forward (backward) of a stage is micro-batch n. (Not
         every schedule does: ScheduleLoopedBFS runs backwards last to first; a module used twice in a step
-        counts twice.)"""
+        counts twice.) On a GPU, call it after the step: it waits for the GPU to finish what was queued."""
+        self._read()
         seen: dict[tuple[str, int], int] = {}
         out: list[Span] = []
         for kind, stage, start, end in self.events:
@@ -104,6 +150,21 @@ class StageClock:
             seen[(kind, stage)] = index + 1
             out.append((kind, stage, index, start, end))
         return out
+
+
+@functools.cache
+def _cycles_per_second(device: torch.device) -> float:
+    """How many cycles ``torch.cuda._sleep`` spins per second on ``device``, timed once with CUDA events."""
+    # GPU run must confirm: a 10 ms stand-in (forward_s=0.01) shows as a 10 ms span, within a few percent.
+    cycles = 10_000_000
+    with torch.cuda.device(device):
+        torch.cuda._sleep(cycles)  # warm-up: the first launch also loads the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
 
 
 def bubble(spans_per_rank: Sequence[Sequence[Span]]) -> float:

@@ -7,7 +7,7 @@ themselves are called in notebook 02's cells.
 
 ``ring_all_reduce`` is the bandwidth-optimal algorithm of ``dtlib.ring`` on real
 processes: reduce-scatter then all-gather, each step a send to the right-hand
-neighbour and a receive from the left-hand one.
+neighbour and a receive from the left-hand one, posted together.
 """
 
 from __future__ import annotations
@@ -31,14 +31,18 @@ def starting_values(rank: int, world_size: int, device: torch.device | str | Non
 Phase = Callable[[list[torch.Tensor], int, int], None]
 
 
+# GPU run must confirm: on NCCL, one GPU per rank, the ring equals dist.all_reduce (tests/ring/test_collectives.py).
 def ring_shift(send: torch.Tensor, receive_into: torch.Tensor, rank: int, world_size: int) -> None:
     """One ring step: send ``send`` to rank+1 while receiving ``receive_into`` from rank-1.
 
+    The send and the receive are posted together, in one ``batch_isend_irecv``: with two ranks both go to the
+    same peer, and NCCL documents two separate calls to one peer as a possible deadlock.
     Every rank must call it the same number of times, or the ring waits for ever.
     """
-    request = dist.isend(send.contiguous(), (rank + 1) % world_size)
-    dist.recv(receive_into, (rank - 1) % world_size)
-    request.wait()
+    transfers = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), (rank + 1) % world_size),
+                                        dist.P2POp(dist.irecv, receive_into, (rank - 1) % world_size)])
+    for transfer in transfers:
+        transfer.wait()  # on a GPU: the current stream waits, so what reads receive_into runs after it
 
 
 def ring_reduce_scatter_phase(chunks: list[torch.Tensor], rank: int, world_size: int) -> None:

@@ -249,11 +249,10 @@ def test_a_send_first_ring_on_live_ranks_is_named_by_the_doctor_and_its_fix_runs
     assert caught.value.collectives == ["rank 0 waits in send", "rank 1 waits in send"]
     assert "every running rank waits in a blocking send" in str(caught.value)
     both = ("x = torch.full((4,), float(rank), device=device)\nreceived = torch.empty_like(x)\n"
-            "requests = [dist.isend(x, dst=(rank + 1) % world_size),\n"
-            "            dist.irecv(received, src=(rank - 1) % world_size)]\n"
-            "for request in requests:\n    request.wait()\nreceived")
-    left, right = ranks.run(both)
-    assert torch.equal(left, torch.full((4,), 1.0)) and torch.equal(right, torch.full((4,), 0.0))  # each one's left
+            "requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world_size),\n"
+            "                                   dist.P2POp(dist.irecv, received, (rank - 1) % world_size)])\n"
+            "for request in requests:\n    request.wait()\nreceived.tolist()")
+    assert ranks.run(both) == [[1.0] * 4, [0.0] * 4]  # each one's left-hand neighbour's
 
 
 def test_a_group_is_broken_when_a_rank_is_stuck_or_the_ranks_did_different_numbers_of_collectives():
@@ -350,6 +349,70 @@ def test_a_ranks_cell_error_shows_the_ranks_traceback_not_dtlibs_frames(capsys):
     assert "ValueError: boom on 1" in shown and '<rank cell' in shown
     assert "magics.py" not in shown and "def run(" not in shown
     assert shown.count("dtlib/live/ranks.py") <= 1  # the frame that raised, which IPython always shows
+
+
+# -- under NCCL: the GPU's queue, and NCCL's own recorder ------------------------------------
+def _nccl_entry(record_id: int, name: str, seq: int, state: str, p2p: bool = True) -> dict:
+    """A record as NCCL's Flight Recorder writes it: a transfer is named with its peers, "nccl:send 0->1"."""
+    return {"record_id": record_id, "time_created_ns": 100 + record_id, "profiling_name": name, "is_p2p": p2p,
+            "p2p_seq_id": seq if p2p else 0, "collective_seq_id": 0 if p2p else seq, "input_sizes": [[4]],
+            "input_dtypes": ["Float"], "state": state, "retired": state == "completed",
+            "process_group": ("0", "default_pg")}
+
+
+def test_under_nccl_the_oldest_unfinished_record_is_where_the_rank_waits():
+    """Under NCCL the CPU queues a send and a recv and runs on; the GPU is held by the send, the older one."""
+    dump = {"entries": [_nccl_entry(0, "nccl:all_reduce", 1, "completed", p2p=False),
+                        _nccl_entry(1, "nccl:send 0->1", 1, "scheduled"),
+                        _nccl_entry(2, "nccl:recv 0<-1", 2, "scheduled")]}
+    assert _doctor.from_flight_recorder(dump) == Collective("send", 1, "default_pg", ("float32[4]",), False)
+    dump["entries"][1].update(state="completed", retired=True)
+    assert _doctor.from_flight_recorder(dump) == Collective("recv", 2, "default_pg", ("float32[4]",), False)
+    dump["entries"][2].update(state="completed", retired=True)
+    assert _doctor.from_flight_recorder(dump).describe() == "recv #2 (float32[4])"  # all done: the newest
+
+
+def test_a_send_first_ring_under_nccl_is_named_from_nccls_records():
+    """The CPUs wait on the GPUs (in .tolist()), not in send: the records, not the stacks, name the sends, in
+    the words gloo's stacks give (notebook 02 checks that output, whichever backend runs it)."""
+    last = {0: _c("send", 1, False, "float32[4]"), 1: _c("send", 1, False, "float32[4]")}
+    stacks = {0: _stack("tolist"), 1: _stack("tolist")}
+    lines, verdict = _doctor.explain({0: "running", 1: "running"}, last, stacks)
+    assert lines == ["rank 0 waits in send", "rank 1 waits in send"]
+    assert verdict.startswith("every running rank waits in a blocking send, and none in a recv")
+    last[1] = _c("recv", 1, False, "float32[4]")
+    assert _doctor.explain({0: "running", 1: "running"}, last, stacks)[1].startswith(
+        "the ranks wait in sends and recvs that do not pair up")
+
+
+def test_without_nccls_records_the_doctor_says_so_instead_of_a_verdict():
+    last = {0: _doctor.NO_NCCL_RECORD, 1: _doctor.NO_NCCL_RECORD}
+    lines, verdict = _doctor.explain({0: "running", 1: "finished"}, last, {0: _stack("tolist")})
+    assert lines == ["rank 0 runs Python code (no record of its NCCL calls)",
+                     "rank 1 finished the cell (no record of its NCCL calls)"]
+    assert verdict.startswith("no verdict: under NCCL") and "rank 0" in verdict
+    assert _doctor.explain({0: "running", 1: "running"}, last, {0: _stack("send"), 1: _stack("send")})[1].startswith(
+        "every running rank waits in a blocking send")  # a CPU stuck in send is still read from its stack
+    assert not _doctor.group_is_broken({0: "finished", 1: "finished"}, last)
+
+
+def test_a_rank_under_nccl_reads_nccls_recorder_or_says_it_has_none(monkeypatch):
+    """In a rank (faked: this build has no NCCL): NCCL's dump is read beside gloo's, and its absence is said."""
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *a: pickle.dumps({"entries": []}), raising=False)
+    monkeypatch.delattr(c10d, "_dump_nccl_trace", raising=False)
+    assert _doctor.last_collectives() is _doctor.NO_NCCL_RECORD
+    dump = {"entries": [_nccl_entry(0, "nccl:send 0->1", 1, "scheduled"), _nccl_entry(1, "nccl:recv 0<-1", 2,
+                                                                                          "scheduled")]}
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a: pickle.dumps(dump), raising=False)
+    assert _doctor.last_collectives() == Collective("send", 1, "default_pg", ("float32[4]",), False)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # gloo alone: NCCL's dump is not read
+    assert _doctor.last_collectives() is None
 
 
 def _recorded(rank, world_size):

@@ -20,7 +20,7 @@ def test_starting_values_say_which_rank_and_slot_they_came_from():
 
 def _ring_against_oracles(rank, world_size, length):
     generator = torch.Generator().manual_seed(rank)
-    data = torch.randn(length, generator=generator, dtype=torch.float64)
+    data = torch.randn(length, generator=generator, dtype=torch.float64).to(dtlib.rank_device())  # NCCL: its GPU
     ours = collectives.ring_all_reduce(data.clone())
     theirs = data.clone()
     dist.all_reduce(theirs)
@@ -39,8 +39,8 @@ def test_send_recv_ring_equals_dist_all_reduce_and_the_simulator(world_size, len
 
 
 def _ring_on_a_matrix(rank, world_size):
-    matrix = torch.full((3, 4), float(rank + 1))  # (3, 4), contiguous
-    column_major = torch.full((4, 3), float(rank + 1)).t()  # (3, 4), not contiguous
+    matrix = torch.full((3, 4), float(rank + 1), device=dtlib.rank_device())  # (3, 4), contiguous
+    column_major = torch.full((4, 3), float(rank + 1), device=dtlib.rank_device()).t()  # (3, 4), not contiguous
     collectives.ring_all_reduce(matrix)
     collectives.ring_all_reduce(column_major)
     return matrix.tolist(), column_major.tolist()
@@ -50,3 +50,31 @@ def _ring_on_a_matrix(rank, world_size):
 def test_ring_reduces_any_shape_in_place():
     for matrix, column_major in dtlib.spawn(_ring_on_a_matrix, 3, output="none"):
         assert matrix == column_major == [[6.0] * 4] * 3
+
+
+def _shifts_as_posted(rank, world_size):
+    """Each ``batch_isend_irecv`` that ``ring_shift`` makes, as (operation, peer) pairs, and what arrived."""
+    posted = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.append([(op.op.__name__, op.peer) for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        received = torch.empty(2, device=dtlib.rank_device())
+        collectives.ring_shift(torch.full((2,), float(rank), device=received.device), received, rank, world_size)
+    finally:
+        dist.batch_isend_irecv = original
+    return posted, received.tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_shift_posts_its_send_and_its_receive_together(world_size):
+    """NCCL's contract, not gloo's leniency: a send and a receive between the same two ranks (every pair, at
+    two ranks) posted as two separate calls may deadlock under NCCL, so each step posts both in one batch."""
+    for rank, (posted, received) in enumerate(dtlib.spawn(_shifts_as_posted, world_size, output="none")):
+        assert posted == [[("isend", (rank + 1) % world_size), ("irecv", (rank - 1) % world_size)]]
+        assert received == [float((rank - 1) % world_size)] * 2  # the left-hand neighbour's tensor
