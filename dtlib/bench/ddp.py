@@ -18,6 +18,7 @@ import torch
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as as_records
 from dtlib.bench._table import format_table as _format_table
+from dtlib.launch.spawn import resolve_backend
 from dtlib.measure.timing import slowest_median
 from dtlib.train import ddp
 
@@ -47,12 +48,18 @@ def _row(setting: str, results: list[ddp.RankResult], config: ddp.TrainConfig) -
 
 def measure(world_size: int = 2, *, model: str = "wide_mlp", global_batch: int = 2048, steps: int = 12,
             threads: int = 1, **spawn_options: Any) -> list[Row]:
-    """The table's rows. Example: ``measure(2)[0].step_ms``."""
+    """The table's rows. Example: ``measure(2)[0].step_ms``.
+
+    The one-rank baseline runs on the backend, so on the device kind, of the ``world_size``-rank rows: on a
+    machine with fewer GPUs than ranks those fall back to gloo on the CPU, and a baseline on the one GPU
+    beside them would compare a GPU with CPUs.
+    """
     if steps < 3:
         raise ValueError(f"steps must be >= 3 (step 0 builds buckets and is not timed), got {steps}")
     config = ddp.TrainConfig(model=model, steps=steps, global_batch=global_batch, threads=threads,
                              num_samples=max(1024, global_batch * 4))
     spawn_options.setdefault("output", "none")
+    spawn_options["backend"] = resolve_backend(spawn_options.get("backend", "auto"), world_size)  # every row's
     rows = [_row("1 rank, whole global batch", ddp.run(replace(config, wrapper="none"), 1, **spawn_options), config)]
     for setting, wrapper, cap in (("torch DDP, buckets (default 25 MB)", "ddp", None),
                                   ("dtlib BucketedDDP, 1 MB buckets", "bucketed", 1.0),

@@ -152,12 +152,7 @@ def sampler_coverage(dataset_len: int, world_size: int, *, drop_last: bool = Fal
             "dropped": sorted(set(range(dataset_len)) - set(seen))}
 
 
-def data_parallel(steps: int = 5, model: str = "wide_mlp", global_batch: int = 512) -> dict[str, Any]:
-    """``nn.DataParallel`` (one process, one thread per GPU) for a few steps, where there are 2+ GPUs.
-
-    Returns the GPU count and, with 2 or more, the median step time in ms; otherwise a note.
-    DataParallel has no CPU mode: it exists to drive several GPUs from one process.
-    """
+def _data_parallel_steps(rank: int, world_size: int, steps: int, model: str, global_batch: int) -> dict[str, Any]:
     import time
 
     gpus = torch.cuda.device_count()
@@ -175,3 +170,16 @@ def data_parallel(steps: int = 5, model: str = "wide_mlp", global_batch: int = 5
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return {"gpus": gpus, "step_ms": statistics.median(times[1:]) * 1e3}
+
+
+def data_parallel(steps: int = 5, model: str = "wide_mlp", global_batch: int = 512) -> dict[str, Any]:
+    """``nn.DataParallel`` (one process, one thread per GPU) for a few steps, where there are 2+ GPUs.
+
+    Returns the GPU count and, with 2 or more, the median step time in ms; otherwise a note.
+    DataParallel has no CPU mode: it exists to drive several GPUs from one process. That process is a
+    child (``dtlib.spawn`` with one rank and no process group), so the caller, a notebook's kernel, never
+    initialises CUDA, and ``fork`` stays safe there. Example: ``data_parallel()["gpus"]``.
+    """
+    # GPU run must confirm: with 2+ GPUs the child drives them all (dtlib.spawn sets no CUDA_VISIBLE_DEVICES).
+    return spawn(_data_parallel_steps, 1, args=(steps, model, global_batch), init_process_group=False,
+                 output="none")[0]

@@ -46,7 +46,11 @@ def wrap_fsdp2(model: nn.Module, config: Any, world_size: int, device: torch.dev
     if config.cpu_offload:
         pin = device.type == "cuda"  # pinned host memory is for copies to a GPU: only if the rank computes on one
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-        if not pin:
+        if pin:  # GPU run must confirm: GPU ranks note this (tests/train/test_fsdp.py::test_cpu_offload_under_fsdp2)
+            notes.append(f"CPUOffloadPolicy(pin_memory=True): the parameter shards, their gradients and the optimizer "
+                         f"state live in pinned host memory, where the optimizer step runs; each unit's shards are "
+                         f"copied to {device} before its all-gather, its gradient shards back to the host in backward")
+        else:
             where = "on a CPU-only machine" if not torch.cuda.is_available() else "with ranks that compute on the CPU"
             notes.append(f"CPUOffloadPolicy(pin_memory=False): {where} the parameters already live in host memory, "
                          "so offloading changes nothing here")

@@ -26,3 +26,25 @@ def test_records_are_the_rows_fields():
                           "step_ms": 25.0, "allreduce_calls_per_step": 2, "allreduce_mb_per_step": 3.05,
                           "hidden_share": 0.55, "final_loss": 0.5}
     json.dumps(records)  # plain values only
+
+
+def test_the_one_rank_baseline_runs_on_the_backend_of_the_ranks_it_is_compared_with(monkeypatch):
+    """One GPU, two ranks: the ranks fall back to gloo on the CPU, and so must the baseline (left to ``auto``,
+    one rank would get NCCL and the GPU). No process starts: ``ddp.run`` is replaced by a recorder."""
+    from dtlib.launch import spawn
+
+    monkeypatch.delenv(spawn.BACKEND_OVERRIDE, raising=False)
+    monkeypatch.setattr(spawn.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(spawn.dist, "is_nccl_available", lambda: True)
+    assert (spawn.resolve_backend("auto", 1), spawn.resolve_backend("auto", 2)) == ("nccl", "gloo")
+    backends = []
+
+    def recorded_run(config, world_size, **spawn_options):
+        backends.append((world_size, spawn_options.get("backend", "auto")))
+        return [bench_ddp.ddp.RankResult(rank, world_size, "gloo", 0, losses=[0.5] * 3, step_times_s=[0.1] * 3,
+                                         comm_calls=[1] * 3, comm_bytes=[8] * 3, hidden_share=[0.5] * 3)
+                for rank in range(world_size)]
+
+    monkeypatch.setattr(bench_ddp.ddp, "run", recorded_run)
+    bench_ddp.measure(world_size=2, steps=3)
+    assert backends == [(1, "gloo")] + [(2, "gloo")] * 3

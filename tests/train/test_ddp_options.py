@@ -158,3 +158,17 @@ def test_sampler_coverage_numbers():
     assert dropped["samples_per_rank"] == 2 and dropped["repeated"] == [] and len(dropped["dropped"]) == 2
     even = ddp_options.sampler_coverage(12, 4)
     assert even["samples_per_rank"] == 3 and even["repeated"] == [] and even["dropped"] == []
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_counts_and_runs_the_gpus_in_a_child_process(monkeypatch):
+    """This process claims two GPUs more than the machine has: a count taken here would then try to run
+    DataParallel here (and initialise CUDA in a notebook's kernel); the child counts the real ones."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus + 2)
+    result = ddp_options.data_parallel(steps=3)
+    assert result["gpus"] == gpus
+    assert ("step_ms" in result) == (gpus >= 2) and ("note" in result) == (gpus < 2)
+    assert not torch.cuda.is_initialized()
