@@ -13,6 +13,10 @@
 #   make bench      set up, then measure the launcher (python -m dtlib.bench launch)
 #   make bench-check  set up, then measure every speed target against its limit (python -m dtlib.bench check);
 #                   exits non-zero on a miss. Run it on a quiet machine: the test gate never asserts a time.
+#   make gpu-check  on NVIDIA GPUs: the GPU tests, every notebook and small benchmarks, 8 minutes at most
+#                   (scripts/gpu_check.sh; writes docs/results/gpu_run.md and the _gpu tables). Runs no set-up,
+#                   which would install the CPU torch: .venv's python if there is one, else python3. Without a
+#                   GPU it prints what it would run and exits 0
 VENV ?= .venv
 # pytest-xdist workers; whole files go to one worker (--dist loadfile), since a notebook's cells run in order,
 # longest first (tests/conftest.py orders them; --no-loadscope-reorder in pyproject.toml keeps that order).
@@ -24,7 +28,7 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 export VENV
 
 LOCK_ARGS ?=
-.PHONY: setup lock lab test test-torch test-browser browser-screenshots notebooks bench bench-check clean
+.PHONY: setup lock lab test test-torch test-browser browser-screenshots notebooks bench bench-check gpu-check clean
 
 setup:
 	@scripts/setup.sh
@@ -59,6 +63,9 @@ bench: setup
 
 bench-check: setup
 	$(PY) -m dtlib.bench check
+
+gpu-check:
+	@PYTHON="$(if $(wildcard $(PY)),$(PY),python3)" scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build
