@@ -287,7 +287,7 @@ def test_tensor_parallel_mlp_is_not_fooled_by_right_numbers_and_takes_right_answ
     ((2, 4), {"dp", "tp"}, False, ["tuple of strings"]),  # a set has no order
     ((-2, -4), ("dp", "tp"), False, ["positive"]),
     ((2, 2), ("dp", "tp"), False, ["4 ranks; the job has 2 x 4 = 8"]),
-    ((2, 4), ("data", "tp"), False, ["named \"dp\" and \"tp\""]),
+    ((2, 4), ("data", "tp"), True, ["data group ([0, 4], "]),  # any names init_device_mesh takes
     ("x", ("dp", "tp"), False, ["tuple of whole numbers"]),
     ((2, 2, 2), ("dp", "tp", "pp"), False, ["two dimensions"]),
 ])
