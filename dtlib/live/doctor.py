@@ -1,10 +1,13 @@
 """The hang doctor: which collective each live rank is in, and where the ranks disagree.
 
-Each rank's record comes from torch's own Flight Recorder (``TORCH_FR_BUFFER_SIZE``), which
-notes every collective a process group starts, with its sequence number, operation, tensor
-shapes and dtypes, and whether it has finished; nothing in the user's code is patched. A
-rank answers :func:`last_collectives` from a thread of its own, so it answers even while
-its main thread waits inside gloo or NCCL.
+Each rank's record comes from torch's own Flight Recorder (``TORCH_FR_BUFFER_SIZE``), which notes every
+collective a process group starts: its number in the group, the group, the Python stack that called it (so
+gloo's ``all_reduce`` that runs a ``reduce_scatter_tensor`` is named as the call you wrote), its tensors' sizes
+and dtypes, and whether it has finished. What the recorder leaves out (a broadcast's ``src``, a reduce's ``dst``
+and ``op``, an all-to-all's split sizes, the ranks of a group) each rank notes as the collective starts
+(:class:`dtlib.live.rank.CallNotes`), under the same group and number; a rank that raised inside a call says
+which. A rank answers :func:`last_collectives` from a thread of its own, so it answers even while its main
+thread waits inside gloo or NCCL.
 
 gloo and NCCL keep separate recorders (``_dump_fr_trace`` and, in CUDA builds, ``_dump_nccl_trace``,
 the same format). Under NCCL a collective or a send only queues work on the GPU and returns, so the
@@ -14,6 +17,8 @@ doctor says that it has no record rather than judge from the CPU's stack alone.
 
 :func:`explain` turns the ranks' answers into one line per rank and a verdict, e.g. *rank 0 waits in
 all_reduce #3 (float32[4]); rank 1 finished the cell after all_reduce #2: rank 0 is alone in collective #3*.
+It compares every field of the collective across the ranks that reached it (finished, waiting or raised
+inside it), says "the same arguments" only when every field was recorded and matched, and names the rest.
 
 Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live.ranks`) and, in each rank, :mod:`dtlib.live.rank`.
 """
@@ -21,7 +26,7 @@ Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live.ranks`) and, in each rank, :m
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dtlib.errors import torch_call_in
@@ -36,32 +41,76 @@ FR_ENV = {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_SIZE)}
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
            "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
+#: gloo's and NCCL's names for what they ran -> the torch.distributed call, where the recorder kept no Python
+#: stack that names the call itself (gloo runs every reduce-scatter as an "all_reduce": only the stack tells).
+_PROFILING_CALLS = {"_allgather_base": "all_gather_into_tensor", "_all_gather_base": "all_gather_into_tensor",
+                    "_reduce_scatter_base": "reduce_scatter_tensor", "all_reduce_barrier": "barrier",
+                    "_broadcast_oop": "broadcast", "_reduce_oop": "reduce",
+                    "allreduce_coalesced": "all_reduce_coalesced"}
+#: The arguments beside tensors and group that every rank must pass alike, and the calls that take each.
+ARGUMENTS = {"src": {"broadcast", "scatter", "broadcast_object_list", "scatter_object_list"},
+             "dst": {"reduce", "gather", "gather_object"},
+             "op": {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                    "all_reduce_coalesced"},
+             "input_split_sizes": {"all_to_all_single"}, "output_split_sizes": {"all_to_all_single"}}
+_SAID = {"tensors": "tensors", "outputs": "output sizes", "group": "group"}  # a field, as a learner says it
 
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective as a rank's Flight Recorder saw it.
+    """One collective as a rank's Flight Recorder saw it, with what the rank noted beside it.
 
     Example: ``Collective("all_reduce", 3, "default_pg", ("float32[4]",), done=False).describe()``
     is ``"all_reduce #3 (float32[4])"``.
     """
 
-    op: str
+    op: str  # the torch.distributed call: "reduce_scatter_tensor", not gloo's "all_reduce"
     seq: int  # the group's collective number (point-to-point calls count separately)
     group: str  # "default_pg" for the world
     tensors: tuple[str, ...]  # "float32[4]" per input tensor
     done: bool  # False: the rank started it and has not got past it
     recorded: bool = True  # False: a stand-in where NCCL's Flight Recorder could not be read (NO_NCCL_RECORD)
+    outputs: tuple[str, ...] | None = None  # per output tensor; None: not recorded
+    members: tuple[int, ...] | None = None  # the group's ranks, by group rank; None: not recorded
+    arguments: tuple[tuple[str, str], ...] | None = None  # (("src", "1"),) as ARGUMENTS names them; None: not noted
+    raised: str = ""  # the exception's type when this rank raised inside this call
+    started: bool = True  # False: it raised before gloo or NCCL started it (no Flight Recorder record)
+    group_id: str = ""  # the recorder's name of the group ("0" for the world); "" in records made by hand
+    others: tuple[Collective, ...] = ()  # this rank's newest record on each other group
 
-    def describe(self, number: bool = True) -> str:
-        where = "" if self.group == "default_pg" else f" on group {self.group}"
-        args = f" ({', '.join(self.tensors)})" if self.tensors else ""
-        return f"{self.op}{f' #{self.seq}' if number else ''}{args}{where}"
+    def describe(self, number: bool = True, show: tuple[str, ...] = ()) -> str:
+        """The call as a line says it; ``show`` adds those fields (``"outputs"``, ``"src"``, ...)."""
+        where = "" if self.group == "default_pg" else f" on group {self.group_label()}"
+        args = [", ".join(self.tensors)] if self.tensors else []
+        if "outputs" in show and self.outputs is not None:
+            args = [" -> ".join([", ".join(self.tensors) or "-", ", ".join(self.outputs) or "-"])]
+        noted = dict(self.arguments or ())
+        args += [f"{name}={noted[name]}" for name in show if name in noted]
+        listed = f" ({', '.join(args)})" if args else ""
+        return f"{self.op}{f' #{self.seq}' if number else ''}{listed}{where}"
 
-    def signature(self) -> tuple[str, str, tuple[str, ...]]:
-        """What every rank's call of the same collective must agree on: the operation, the group, and each
-        tensor's dtype and shape (the Flight Recorder's fields)."""
-        return self.op, self.group, self.tensors
+    def group_label(self) -> str:
+        """``"[0, 1]"`` (its ranks), ``"tp [0, 1]"`` with a description, else the recorder's name."""
+        ranks = "" if self.members is None else f"[{', '.join(map(str, self.members))}]"
+        name = "" if self.group in ("undefined", "default_pg", "") else self.group
+        return " ".join(part for part in (name, ranks) if part) or self.group_id or self.group
+
+    def fields(self) -> dict[str, str | None]:
+        """Every field two ranks' calls of one collective must agree on; None where it was not recorded."""
+        found: dict[str, str | None] = {"call": self.op, "tensors": ", ".join(self.tensors)}
+        if self.outputs is not None:
+            found["outputs"] = ", ".join(self.outputs)
+        world = self.group == "default_pg" and self.members is None  # by hand: the world, whoever is in it
+        found["group"] = "world" if world else None if self.members is None else self.group_label()
+        noted = dict(self.arguments or ())
+        for name, calls in ARGUMENTS.items():  # only what the call takes: a note under the wrong number shows as such
+            if self.op in calls:
+                found[name] = noted.get(name)
+        return found
+
+    def on(self, key: tuple[str, str]) -> Collective | None:
+        """This rank's record on the group ``key`` (:func:`_key`): this one, or its newest there."""
+        return next((record for record in (self, *self.others) if _key(record) == key), None)
 
 
 #: What a rank answers under NCCL when NCCL's Flight Recorder cannot be read: nothing is known of its collectives.
@@ -69,30 +118,88 @@ NO_NCCL_RECORD = Collective("no record", 0, "default_pg", (), True, recorded=Fal
 POINT_TO_POINT = ("send", "recv")
 
 
+def _key(record: Collective) -> tuple[str, str]:
+    return record.group_id, record.group
+
+
 def _tensor(size: list[int], dtype: str) -> str:
     return f"{_DTYPES.get(dtype, dtype)}[{', '.join(map(str, size))}]"
 
 
-def from_flight_recorder(dump: dict[str, Any]) -> Collective | None:
-    """The newest collective of a Flight Recorder dump (``pickle.loads(_dump_fr_trace(...))``), or None."""
+def _call(entry: dict[str, Any]) -> str:
+    """The torch.distributed call that started a record: the outermost ``distributed_c10d`` frame of its stack."""
+    # "gloo:all_reduce" -> "all_reduce"; NCCL names a transfer with its peers: "nccl:send 0->1" -> "send"
+    name = str(entry.get("profiling_name", "?")).split(":", 1)[-1].split(" ", 1)[0]
+    frames = [frame.get("name", "") for frame in entry.get("frames") or []  # innermost first
+              if str(frame.get("filename", "")).endswith("distributed_c10d.py")]
+    if frames and not entry.get("is_p2p"):  # a send stays "send" (batch_isend_irecv posts it)
+        return frames[-1]
+    return _PROFILING_CALLS.get(name, name)
+
+
+def _record(entry: dict[str, Any], arguments: dict | None, members: dict[str, tuple[int, ...]]) -> Collective:
+    group_id, group = (list(entry.get("process_group", ("0", "default_pg"))) + ["default_pg"])[:2]
+    p2p = bool(entry.get("is_p2p"))
+    seq = int((entry.get("p2p_seq_id") if p2p else entry.get("collective_seq_id")) or 0)
+
+    def tensors(sizes: str, dtypes: str) -> tuple[str, ...]:
+        return tuple(_tensor(size, dtype) for size, dtype in zip(entry.get(sizes, []), entry.get(dtypes, []),
+                                                                  strict=False))
+    outputs = tensors("output_sizes", "output_dtypes") if "output_sizes" in entry else None
+    noted = None if arguments is None or p2p else arguments.get((str(group_id), seq))
+    return Collective(_call(entry), seq, str(group), tensors("input_sizes", "input_dtypes"), _done(entry),
+                      outputs=outputs, members=members.get(str(group_id)), arguments=noted, group_id=str(group_id))
+
+
+def from_flight_recorder(dump: dict[str, Any], arguments: dict | None = None,
+                         members: dict[str, tuple[int, ...]] | None = None,
+                         raised: tuple | None = None) -> Collective | None:
+    """Where a Flight Recorder dump (``pickle.loads(_dump_fr_trace(...))``) says the rank is, or None.
+
+    ``arguments`` maps ``(group name, number)`` to what the rank noted of that call, ``members`` a group name to
+    its ranks, ``raised`` is ``(call, group name, group, number, started, exception type)`` for a call that raised
+    (:class:`dtlib.live.rank.CallNotes`). The answer carries the rank's newest record on every other group.
+    """
     entries = dump.get("entries", [])  # collectives and point-to-point calls (send, recv) alike
-    if not entries:
-        return None
+    known = {**_pg_config_members(dump.get("pg_config")), **(members or {})}
 
     def order(e: dict[str, Any]) -> tuple[int, int]:
         return e.get("time_created_ns") or 0, e.get("record_id") or 0
 
+    newest: dict[str, dict[str, Any]] = {}
+    for entry in sorted(entries, key=order):
+        newest[str(entry.get("process_group", ("0",))[0])] = entry
     # Under NCCL the CPU queues work and runs on: the GPU works through the queue in order, so the rank
     # is held by its oldest unfinished record. A gloo call returns only when done: its newest record.
     queued = [e for e in entries if str(e.get("profiling_name", "")).startswith("nccl:") and not _done(e)]
-    entry = min(queued, key=order) if queued else max(entries, key=order)
-    group = entry.get("process_group", ("0", "default_pg"))
-    # "gloo:all_reduce" -> "all_reduce"; NCCL names a transfer with its peers: "nccl:send 0->1" -> "send"
-    name = str(entry.get("profiling_name", "?")).split(":", 1)[-1].split(" ", 1)[0]
-    seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
-    tensors = tuple(_tensor(size, dtype) for size, dtype in
-                    zip(entry.get("input_sizes", []), entry.get("input_dtypes", []), strict=False))
-    return Collective(name, int(seq or 0), str(group[1] if len(group) > 1 else group[0]), tensors, _done(entry))
+    records = {group_id: _record(entry, arguments, known) for group_id, entry in newest.items()}
+    current = _record(min(queued, key=order), arguments, known) if queued else None
+    if current is None and entries:
+        current = records[str(max(entries, key=order).get("process_group", ("0",))[0])]
+    if raised is not None:
+        call, group_id, group, seq, started, error = raised
+        there = records.get(group_id)
+        if started and there is not None and there.seq == seq:
+            current = replace(there, raised=error)
+        else:  # it raised before the backend started it: only the call and its group are known
+            current = Collective(call, seq, group, (), True, members=known.get(group_id), raised=error,
+                                 started=False, group_id=group_id)
+    if current is None:
+        return None
+    return replace(current, others=tuple(record for record in records.values() if _key(record) != _key(current)))
+
+
+def _pg_config_members(config: Any) -> dict[str, tuple[int, ...]]:
+    """Each group's ranks where the recorder keeps them (NCCL: ``{"1": {"ranks": "[0, 1]"}}``; gloo: none)."""
+    found = {}
+    for group_id, group in (config or {}).items():
+        try:
+            ranks = tuple(int(rank) for rank in str(group.get("ranks", "")).strip("[]").split(",") if rank.strip())
+        except (AttributeError, ValueError):
+            continue
+        if group_id and ranks:
+            found[str(group_id)] = ranks
+    return found
 
 
 def _done(entry: dict[str, Any]) -> bool:
@@ -100,19 +207,22 @@ def _done(entry: dict[str, Any]) -> bool:
     return bool(entry.get("retired")) or entry.get("state") == "completed"
 
 
-def last_collectives() -> Collective | None:
+def last_collectives(arguments: dict | None = None, members: dict[str, tuple[int, ...]] | None = None,
+                     raised: tuple | None = None) -> Collective | None:
     """Inside a rank: the collective its Flight Recorders say it is in, or its newest (None before the first, or
-    without torch); :data:`NO_NCCL_RECORD` under NCCL when NCCL's recorder cannot be read."""
+    without torch); :data:`NO_NCCL_RECORD` under NCCL when NCCL's recorder cannot be read. The other arguments are
+    what the rank noted (:func:`from_flight_recorder`)."""
     import sys
 
     if "torch.distributed" not in sys.modules:
         return None
+    dump: dict[str, Any] = {"entries": []}
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
 
-        entries = pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])
+        dump = pickle.loads(_dump_fr_trace(True, True, False))  # with each record's Python stack: it names the call
     except Exception:  # noqa: BLE001 - no recorder in this build, or nothing recorded: no record
-        entries = []
+        pass
     if _uses_nccl():
         # GPU run must confirm: torch 2.13's CUDA build exposes _dump_nccl_trace with _dump_fr_trace's arguments
         # and format, FR_ENV's TORCH_FR_BUFFER_SIZE switches NCCL's recorder on too, an unfinished send reads
@@ -122,10 +232,12 @@ def last_collectives() -> Collective | None:
         try:
             from torch._C._distributed_c10d import _dump_nccl_trace
 
-            entries = entries + pickle.loads(_dump_nccl_trace(True, False, False)).get("entries", [])
+            nccl = pickle.loads(_dump_nccl_trace(True, True, False))
+            dump = {"entries": dump.get("entries", []) + nccl.get("entries", []),
+                    "pg_config": {**(dump.get("pg_config") or {}), **(nccl.get("pg_config") or {})}}
         except Exception:  # noqa: BLE001 - not in this build, or it failed: say so rather than guess
             return NO_NCCL_RECORD
-    return from_flight_recorder({"entries": entries})
+    return from_flight_recorder(dump, arguments, members, raised)
 
 
 def _uses_nccl() -> bool:
@@ -176,6 +288,9 @@ def explain(states: dict[int, str], last: dict[int, Collective | None],
             blocked_in[rank] = call
             lines.append(f"rank {rank} waits in {call}")
             continue
+        if state == "failed" and record is not None and record.raised:
+            lines.append(f"rank {rank} raised {record.raised} inside {record.describe()}")
+            continue
         doing = {"running": "runs Python code", "finished": "finished the cell",
                  "failed": "raised an error"}.get(state, state)
         if record is not None and not record.recorded:
@@ -212,11 +327,32 @@ def _point_to_point_verdict(states: dict[int, str], last: dict[int, Collective |
             "calls on each side, and that the tensors' sizes match")
 
 
-def _position(record: Collective | None, waiting: bool) -> int:
-    """The collective number a rank is at: the one it waits in, else the one after its last."""
+def _position(record: Collective | None) -> int:
+    """The collective number a rank is at on a group, given its record there: the one it waits in (or raised in
+    before it started), else the one after its last."""
     if record is None:
         return 1
-    return record.seq if waiting else record.seq + 1
+    return record.seq + 1 if record.done and record.started else record.seq
+
+
+def _members(key: tuple[str, str], last: dict[int, Collective | None], ranks: list[int]) -> tuple[list[int], bool]:
+    """The group's ranks, and whether they were recorded (the world's are every rank's)."""
+    for record in last.values():
+        there = record.on(key) if record is not None else None
+        if there is not None and there.members is not None:
+            return sorted(there.members), True
+    return ranks, key[1] == "default_pg"
+
+
+def _compare(records: list[Collective]) -> tuple[list[str], list[str], list[str]]:
+    """The fields on which ``records`` differ, those some rank did not record, and those that match."""
+    fields = [record.fields() for record in records]
+    differ, unrecorded, same = [], [], []
+    for name in dict.fromkeys(name for found in fields for name in found):
+        values = [found[name] for found in fields if name in found]
+        recorded = [value for value in values if value is not None]
+        (differ if len(set(recorded)) > 1 else unrecorded if len(recorded) < len(values) else same).append(name)
+    return differ, unrecorded, same
 
 
 def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
@@ -232,47 +368,93 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
             return ("no rank waits in a collective that the Flight Recorder saw: the stacks below show where each "
                     "running rank is (slow code, a Python loop, or a send or recv, which gloo does not record)")
         return "no rank waits in a collective"
-    first = min(record.seq for record in waiting.values())
-    at_first = {rank: record for rank, record in waiting.items() if record.seq == first}
-    group = next(iter(at_first.values())).group
-    # Every rank's record of that collective, the ranks that got past it included: a rank that finished it
-    # with other arguments (gloo lets a shorter tensor through) is where the ranks disagree.
-    called = {rank: record for rank, record in last.items() if record is not None and record.seq == first
-              and record.group == group and states.get(rank) != "died"}
-    if len({record.signature() for record in called.values()}) > 1:
-        calls = ", ".join(f"rank {rank} calls {record.describe(number=False)}"
+    key = _key(waiting[min(waiting)])  # the group the lowest waiting rank waits on, at its lowest number there
+    first = min(record.seq for record in waiting.values() if _key(record) == key)
+    at_first = sorted(rank for rank, record in waiting.items() if _key(record) == key and record.seq == first)
+    members, known = _members(key, last, sorted(states))
+    there = {rank: last[rank].on(key) if last.get(rank) is not None else None for rank in members}
+    label = waiting[at_first[0]].group_label()
+    where = f"collective #{first}" + ("" if key[1] == "default_pg" else f" on group {label}")
+    # Every member's record of that collective, the ranks that got past it or raised inside it included: a rank
+    # that finished it with other arguments (gloo lets a shorter tensor through) is where the ranks disagree.
+    called = {rank: record for rank, record in there.items() if record is not None and record.seq == first
+              and record.started and states.get(rank) in ("running", "finished", "failed")}
+    raised = sorted(rank for rank, record in there.items() if record is not None and record.raised
+                    and record.seq == first and states.get(rank) == "failed")
+    differ, unrecorded, same = _compare(list(called.values()))
+    inside_raised = f"; {_ranks(raised)} raised an error inside it (its traceback is above)" if raised else ""
+    if differ:
+        show = tuple(name for name in differ if name not in ("call", "tensors", "group"))
+        if "tensors" in differ:
+            show = tuple(name for name in show if name != "outputs")
+        calls = ", ".join(f"rank {rank} calls {record.describe(number=False, show=show)}"
                           for rank, record in sorted(called.items()))
-        past = sorted(rank for rank, record in called.items() if record.done)
+        past = sorted(rank for rank, record in called.items() if record.done and not record.raised)
         wrong = (f"; {_ranks(past)} got past it, so what {'it' if len(past) == 1 else 'they'} received is wrong"
                  if past else "")
-        return f"the ranks disagree at collective #{first}: {calls}{wrong}"
-    missing = [rank for rank in sorted(states) if rank not in waiting
-               and _position(last.get(rank), waiting=False) <= first]
+        return f"the ranks disagree at {where}: {calls}{wrong}{inside_raised}"
+    waits = "waits" if len(at_first) == 1 else "wait"
+    if raised:
+        return (f"{_ranks(at_first)} {waits} in {where}, inside which {_ranks(raised)} raised an error (its traceback "
+                f"is above), so {'it' if len(raised) == 1 else 'they'} will never finish it: fix that error")
+    missing = [rank for rank in members if rank not in at_first and _position(there[rank]) <= first]
     if missing:
-        inside = ", ".join(map(str, sorted(at_first)))
-        alone = "is alone" if len(at_first) == 1 else "are alone"
-        busy = [rank for rank in missing if states.get(rank) == "running"]
-        gone = [rank for rank in missing if rank not in busy]
-        said = []
-        if gone:
-            said.append(f"rank {', '.join(map(str, gone))} never called it (a collective under `if rank == ...`, "
-                        "or a rank that returned early?)")
-        if busy:
-            said.append(f"rank {', '.join(map(str, busy))} has not called it yet and still runs Python code (slow "
-                        "work before the collective, or a loop that never reaches it: its stack is below)")
-        return f"rank {inside} {alone} in collective #{first}: " + "; ".join(said)
-    later = {rank: record for rank, record in waiting.items() if record.seq != first}
+        return _alone(at_first, where, missing, states, last, members if known else [])
+    later = {rank: record for rank, record in waiting.items() if _key(record) == key and record.seq != first}
     if later:
         ahead = ", ".join(f"rank {rank} at #{record.seq}" for rank, record in sorted(later.items()))
-        return (f"the ranks are at different collectives (collective #{first}, {ahead}): "
+        return (f"the ranks are at different collectives ({where}, {ahead}): "
                 "they called different numbers of collectives")
     past = sorted(rank for rank, record in called.items() if record.done)
     if past:
-        inside = _ranks(sorted(at_first))
-        return (f"{inside} {'waits' if len(at_first) == 1 else 'wait'} in collective #{first}, which {_ranks(past)} "
-                "finished with the same arguments: the rest is below Python (a peer's network, or a device)")
-    return (f"every rank waits in collective #{first} with the same arguments: it is stuck below Python "
-            "(a peer's network, or a device)")
+        return (f"{_ranks(at_first)} {waits} in {where}, which {_ranks(past)} finished {_same(unrecorded, same)}: "
+                "the rest is below Python (a peer's network, or a device)")
+    everyone = "every rank" if len(members) == len(states) else "every rank of the group"
+    return (f"{everyone} waits in {where} {_same(unrecorded, same)}: it is stuck below Python (a peer's network, "
+            "or a device)")
+
+
+def _alone(at_first: list[int], where: str, missing: list[int], states: dict[int, str],
+           last: dict[int, Collective | None], members: list[int]) -> str:
+    """The verdict when members of the group have not reached the collective that ``at_first`` wait in."""
+    said = []
+    gone = [rank for rank in missing if states.get(rank) == "finished"]
+    failed = [rank for rank in missing if states.get(rank) == "failed"]
+    elsewhere = {rank: last[rank] for rank in missing if states.get(rank) == "running" and last.get(rank) is not None
+                 and not last[rank].done}
+    late = [rank for rank in missing if states.get(rank) == "running" and rank not in elsewhere]
+    if gone:
+        said.append(f"rank {', '.join(map(str, gone))} never called it (a collective under `if rank == ...`, "
+                    "or a rank that returned early?)")
+    if failed:
+        said.append(f"{_ranks(failed)} raised an error before calling it (its traceback is above)")
+    for rank, record in sorted(elsewhere.items()):
+        world = " on the world group" if record.group == "default_pg" else ""
+        said.append(f"rank {rank} waits in {record.describe()}{world} instead (a group= left out, or collectives "
+                    "called in a different order?)")
+    if late:
+        said.append(f"rank {', '.join(map(str, late))} is late: it has not called it yet and still runs Python code "
+                    "(slow work before the collective, or a loop that never reaches it: its stack is below)")
+    outside = [rank for rank in sorted(states) if members and rank not in members]
+    if outside:
+        said.append(f"{_ranks(outside)} {'is' if len(outside) == 1 else 'are'} not in that group")
+    alone = "is alone" if len(at_first) == 1 else "are alone"
+    return f"{_ranks(at_first)} {alone} in {where}: " + "; ".join(said)
+
+
+def _same(unrecorded: list[str], same: list[str]) -> str:
+    """"with the same arguments" only when every field was recorded and matched; else which were not recorded."""
+    if not unrecorded:
+        return "with the same arguments"
+    one = len(unrecorded) == 1
+    return (f"with the same {_listed(same)} ({_listed(unrecorded)} {'was' if one else 'were'} not recorded: check "
+            f"on every rank that {'it is' if one else 'they are'} the same)")
+
+
+def _listed(names: list[str]) -> str:
+    """"call", "call and tensors", "call, tensors and group", in a learner's words."""
+    said = [_SAID.get(name, name) for name in names]
+    return ", ".join(said[:-1]) + f" and {said[-1]}" if len(said) > 1 else "".join(said)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -283,11 +465,19 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def group_is_broken(states: dict[int, str], last: dict[int, Collective | None]) -> bool:
-    """After an interrupt: can the process group still be used? Not if a rank is still inside a
-    collective, or if the ranks have finished different numbers of collectives on the world group."""
+    """After an interrupt: can the process group still be used? Not if a rank is still inside a collective, or if
+    the members of a group have finished different numbers of its collectives."""
     if any(state == "running" for state in states.values()):
         return True
-    if any(record is not None and not record.done for record in last.values()):
+    records = [record for record in last.values() if record is not None and record.recorded]
+    if any(not record.done for record in records):
         return True
-    done = {record.seq if record is not None and record.group == "default_pg" else 0 for record in last.values()}
-    return len(done) > 1
+    keys = {_key(there) for record in records for there in (record, *record.others)}
+    for key in keys:
+        members, known = _members(key, last, sorted(states))
+        there = {rank: last[rank].on(key) if last.get(rank) is not None else None for rank in members
+                 if last.get(rank) is None or last[rank].recorded}
+        done = {_position(record) for record in there.values() if known or record is not None}
+        if len(done) > 1:
+            return True
+    return False

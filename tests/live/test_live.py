@@ -174,8 +174,14 @@ def test_bad_arguments_are_refused_before_any_rank_starts(no_process_start):
 
 
 # -- the hang doctor's reasoning, on records made by hand ----------------------------------
-def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
-    return Collective(op, seq, "default_pg", tensors, done)
+def _c(call: str, seq: int, done: bool, *tensors: str, **arguments: str) -> Collective:
+    """A record made by hand; ``arguments`` (``op="SUM"``) as the rank notes them, else not recorded."""
+    return Collective(call, seq, "default_pg", tensors, done, arguments=tuple(arguments.items()) if arguments else None)
+
+
+def _core(record: Collective | None) -> tuple | None:
+    """What the Flight Recorder's own fields say: the call, its number, group, input tensors and whether it is done."""
+    return None if record is None else (record.op, record.seq, record.group, record.tensors, record.done)
 
 
 @pytest.mark.parametrize(("states", "last", "verdict"), [
@@ -190,7 +196,7 @@ def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
     ({0: "running", 1: "running"}, {0: _c("barrier", 2, False), 1: _c("barrier", 2, False)},
      "every rank waits in collective #2 with the same arguments"),
     ({0: "running", 1: "running"}, {0: _c("all_reduce", 3, False, "float32[4]"), 1: _c("all_reduce", 2, True)},
-     "rank 0 is alone in collective #3: rank 1 has not called it yet and still runs Python code"),
+     "rank 0 is alone in collective #3: rank 1 is late: it has not called it yet and still runs Python code"),
     # a shorter tensor on rank 1: gloo lets rank 1 through with wrong numbers while rank 0 waits
     ({0: "running", 1: "finished"}, {0: _c("all_reduce", 1, False, "float32[4]"),
                                      1: _c("all_reduce", 1, True, "float32[3]")},
@@ -202,10 +208,15 @@ def _c(op: str, seq: int, done: bool, *tensors: str) -> Collective:
     ({0: "running", 1: "running"}, {0: _c("all_reduce", 1, False, "float32[4]"),
                                     1: _c("broadcast", 1, False, "float32[4]")},
      "the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4]), rank 1 calls broadcast"),
-    ({0: "running", 1: "finished", 2: "running"}, {0: _c("all_reduce", 1, False, "float32[4]"),
-                                                   1: _c("all_reduce", 1, True, "float32[4]"),
-                                                   2: _c("all_reduce", 1, False, "float32[4]")},
+    ({0: "running", 1: "finished", 2: "running"}, {0: _c("all_reduce", 1, False, "float32[4]", op="SUM"),
+                                                   1: _c("all_reduce", 1, True, "float32[4]", op="SUM"),
+                                                   2: _c("all_reduce", 1, False, "float32[4]", op="SUM")},
      "ranks 0 and 2 wait in collective #1, which rank 1 finished with the same arguments"),
+    # the reduce op was not noted: the doctor does not call the arguments the same, and says what it could not see
+    ({0: "running", 1: "finished"}, {0: _c("all_reduce", 1, False, "float32[4]"), 1: _c("all_reduce", 1, True,
+                                                                                       "float32[4]")},
+     "rank 0 waits in collective #1, which rank 1 finished with the same call, tensors and group (op was not "
+     "recorded: check on every rank that it is the same)"),
 ])
 def test_the_doctor_finds_where_the_ranks_disagree(states, last, verdict):
     lines, found = _doctor.explain(states, last)
@@ -267,8 +278,10 @@ def test_flight_recorder_entries_become_collectives():
          "input_sizes": [[4]], "input_dtypes": ["Float"], "retired": True, "process_group": ("0", "default_pg")},
         {"record_id": 1, "collective_seq_id": 2, "profiling_name": "gloo:broadcast", "time_created_ns": 2,
          "input_sizes": [[2, 3]], "input_dtypes": ["BFloat16"], "retired": False, "process_group": ("1", "tp")}]}
-    assert _doctor.from_flight_recorder(dump) == Collective("broadcast", 2, "tp", ("bfloat16[2, 3]",), False)
+    assert _core(_doctor.from_flight_recorder(dump)) == ("broadcast", 2, "tp", ("bfloat16[2, 3]",), False)
     assert _doctor.from_flight_recorder(dump).describe() == "broadcast #2 (bfloat16[2, 3]) on group tp"
+    assert _core(_doctor.from_flight_recorder(dump).others[0]) == ("all_reduce", 1, "default_pg", ("float32[4]",),
+                                                                   True)  # its newest on every other group
     assert _doctor.from_flight_recorder({"entries": []}) is None
 
 
@@ -365,9 +378,9 @@ def test_under_nccl_the_oldest_unfinished_record_is_where_the_rank_waits():
     dump = {"entries": [_nccl_entry(0, "nccl:all_reduce", 1, "completed", p2p=False),
                         _nccl_entry(1, "nccl:send 0->1", 1, "scheduled"),
                         _nccl_entry(2, "nccl:recv 0<-1", 2, "scheduled")]}
-    assert _doctor.from_flight_recorder(dump) == Collective("send", 1, "default_pg", ("float32[4]",), False)
+    assert _core(_doctor.from_flight_recorder(dump)) == ("send", 1, "default_pg", ("float32[4]",), False)
     dump["entries"][1].update(state="completed", retired=True)
-    assert _doctor.from_flight_recorder(dump) == Collective("recv", 2, "default_pg", ("float32[4]",), False)
+    assert _core(_doctor.from_flight_recorder(dump)) == ("recv", 2, "default_pg", ("float32[4]",), False)
     dump["entries"][2].update(state="completed", retired=True)
     assert _doctor.from_flight_recorder(dump).describe() == "recv #2 (float32[4])"  # all done: the newest
 
@@ -410,7 +423,7 @@ def test_a_rank_under_nccl_reads_nccls_recorder_or_says_it_has_none(monkeypatch)
     dump = {"entries": [_nccl_entry(0, "nccl:send 0->1", 1, "scheduled"), _nccl_entry(1, "nccl:recv 0<-1", 2,
                                                                                           "scheduled")]}
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a: pickle.dumps(dump), raising=False)
-    assert _doctor.last_collectives() == Collective("send", 1, "default_pg", ("float32[4]",), False)
+    assert _core(_doctor.last_collectives()) == ("send", 1, "default_pg", ("float32[4]",), False)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # gloo alone: NCCL's dump is not read
     assert _doctor.last_collectives() is None
 
