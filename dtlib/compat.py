@@ -209,6 +209,15 @@ def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
     return {"broadcast_buffers": enabled}
 
 
+def fsdp1_cpu_offload_state_dict_works() -> bool:
+    """Whether FSDP1's documented full-state-dict route (``offload_to_cpu=True``) survives CPU ranks.
+
+    Measured: torch 2.11 and 2.13 free the gathered flat parameter that ``.to("cpu")`` returned unchanged
+    and crash (``setStorage ... out of bounds``); 2.15 works. 2.12 and 2.14 were not measured.
+    """
+    return torch_version() >= (2, 15)
+
+
 #: FSDP2 on CPU tensors needs torch 2.7: 2.6's CPU Stream has no record_event (added by pytorch#145935).
 FSDP2_ON_CPU = (2, 7)
 

@@ -43,3 +43,22 @@ def constant_divisor(got: Any, total: Any) -> int | None:
     if whole >= 1 and torch.allclose(got, total / whole, rtol=1e-4, atol=1e-6):
         return whole
     return None
+
+
+def constant_factor(got: Any, target: Any, rtol: float = 1e-4) -> float | None:
+    """The number c with got == c * target, element by element (to ``rtol``), if there is one (shapes must match).
+
+    Example: ``constant_factor([0.75, 1.5], [1.0, 2.0]) == 0.75``; ``constant_factor([1.0, 1.0], [1.0, 2.0])``
+    is None.
+    """
+    import torch
+
+    try:
+        got, target = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(target, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    norm = float((target * target).sum())
+    if got.shape != target.shape or not 0 < norm < float("inf") or not bool(got.isfinite().all()):
+        return None
+    factor = float((got * target).sum()) / norm  # least squares fit of got = c * target
+    return factor if torch.allclose(got, factor * target, rtol=rtol, atol=1e-6) else None

@@ -310,7 +310,8 @@ def _failure(err: WorkerError) -> str:
         return (f"A rank looked up an expert it does not hold ({last}){where}. Here expert e lives on rank e % p "
                 "(with 8 experts on 3 ranks, rank 0 holds 0, 3 and 6): send each token to owner = expert % "
                 "world_size, and on arrival look its expert up by its global number.")
-    if "in->size % context->size" in said or "divisible" in said:
+    # gloo's own words before torch 2.15; 2.15's functional all-to-all refuses the tensor first, in its own
+    if any(words in said for words in ("in->size % context->size", "divisible", "does not divide equally")):
         return (f"An all-to-all without split sizes needs a first dimension that divides by the ranks ({last})"
                 f"{where}: a rank's tensor did not (8 counts, one per expert, do not split over 3 ranks). Lay the "
                 "counts out as a grid, one row of E counts per destination rank (p x E numbers, zeros included), "

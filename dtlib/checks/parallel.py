@@ -73,6 +73,50 @@ def _partial(size: int, rank: int) -> torch.Tensor:
     return (F.gelu(x @ up.chunk(size, 0)[rank].T) @ down.chunk(size, 1)[rank].T).double()
 
 
+def _summand_of(first: int, stop: int) -> torch.Tensor:
+    """The output's summand from hidden features ``first`` to ``stop - 1`` (zeros where there are none)."""
+    x, up, down = mlp_inputs("cpu")
+    return (F.gelu(x @ up[first:stop].T) @ down[:, first:stop].T).double()
+
+
+def _fixed_share(world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s hidden features when its slice is written for ``world`` ranks (``HIDDEN // world`` each,
+    ``up[6 * rank:6 * rank + 6]`` for 2), clipped to the features there are."""
+    width = HIDDEN // world
+    return min(HIDDEN, rank * width), min(HIDDEN, (rank + 1) * width)
+
+
+def _features_of(summand: torch.Tensor) -> tuple[int, int] | None:
+    """The run of hidden features whose summand this is, (first, stop), or None."""
+    return next(((first, stop) for first in range(HIDDEN) for stop in range(first + 1, HIDDEN + 1)
+                 if _close(summand, _summand_of(first, stop))), None)
+
+
+def _written_for(value: torch.Tensor, size: int) -> int | None:
+    """The world size (not ``size``) for which slices of HIDDEN // world features per rank give ``value``."""
+    worlds = [world for world in range(2, HIDDEN + 1) if HIDDEN % world == 0 and world != size]
+    return next((world for world in worlds
+                 if _close(value, sum(_summand_of(*_fixed_share(world, rank)) for rank in range(size)))), None)
+
+
+def _span(first: int, stop: int) -> str:
+    return f"{first} to {stop - 1} ({stop - first} of {HIDDEN})" if stop > first else f"none (of {HIDDEN})"
+
+
+def _share(size: int, rank: int) -> tuple[int, int]:
+    width = -(-HIDDEN // size)  # up.chunk(size, 0)'s pieces
+    return min(HIDDEN, rank * width), min(HIDDEN, (rank + 1) * width)
+
+
+def _written_for_hint(a: Any) -> str:
+    world = _written_for(a.value, a.size)
+    return (f"With {a.size} ranks your slices cover the hidden features as if there were {world} ranks: rank "
+            f"{a.rank} takes features {_span(*_fixed_share(world, a.rank))}, where its share with {a.size} ranks is "
+            f"{_span(*_share(a.size, a.rank))}. Your slice is written for {world} ranks (the check runs two world "
+            "sizes): compute it from world_size, e.g. up.chunk(world_size, 0)[rank] and down.chunk(world_size, 1)"
+            "[rank].")
+
+
 def _read(value: Any) -> Any:
     if hasattr(value, "placements") or not isinstance(value, torch.Tensor):  # a DTensor: not what to return
         return UNREADABLE
@@ -100,6 +144,11 @@ def _shape_of(value: Any) -> str:
 
 def _failure(err: WorkerError) -> str:
     said = err.failures[0].headline()
+    if err.failures[0].exc_type == "IndexError":
+        rank = err.failures[0].rank
+        return (f"Rank {rank} took a piece that does not exist ({said}): your split has fewer pieces than there "
+                f"are ranks, none for rank {rank}, as if written for a smaller world size. Split by world_size: "
+                "up.chunk(world_size, 0)[rank] and down.chunk(world_size, 1)[rank].")
     if "cannot be multiplied" in said or "size of tensor" in said or "shape" in said:
         return (f"A matmul's shapes did not fit on a rank ({said.splitlines()[-1]}). nn.Linear keeps its weight as "
                 "(out_features, in_features): the first layer's columns of A (Y = XA) are rows of up (dim 0), "
@@ -107,8 +156,17 @@ def _failure(err: WorkerError) -> str:
     return f"Your function raised on a rank:\n{said}"
 
 
+def _all_reduce_in_two_steps(counted: dict[str, int]) -> bool:
+    """One reduce-scatter, then one all-gather, and no all-reduce: an all-reduce in its two halves (notebook 09,
+    section 5), judged further by :func:`tensor_parallel_mlp` (what was reduced)."""
+    scatters = sum(times for name, times in counted.items() if "reduce_scatter" in name)
+    gathers = sum(times for name, times in counted.items() if "gather" in name)
+    return scatters == 1 and gathers == 1 and not counted.get("all_reduce")
+
+
 def _excess(calls: Sequence[dict[str, int]]) -> str | None:
-    gathered = [rank for rank, counted in enumerate(calls) if any("gather" in name for name in counted)]
+    gathered = [rank for rank, counted in enumerate(calls) if any("gather" in name for name in counted)
+                and not _all_reduce_in_two_steps(counted)]
     if gathered:
         return (f"Right values, but rank {gathered[0]} gathered ({', '.join(sorted(calls[gathered[0]]))}): no rank "
                 "needs another rank's activations here. Each rank's rows of up and columns of down give a summand "
@@ -138,6 +196,7 @@ TENSOR_PARALLEL_MLP = RankExercise(
         (lambda a: a.value is UNREADABLE,
          lambda a: f"Rank {a.rank} returned {_shape_of(a.returned)}: return the MLP's whole output, a float tensor of "
                    f"shape ({BATCH}, {FEATURES}), on every rank."),
+        (lambda a: a.called("all_reduce") and _written_for(a.value, a.size) is not None, _written_for_hint),
         (lambda a: a.called("all_reduce") and _part_way(a.value, _partial(a.size, a.rank), a.expected),
          lambda a: f"Rank {a.rank} holds its own summand, in part or whole, although it called all_reduce: the "
                    "all-reduce had not finished when it returned. With async_op=True, call .wait() on the work it "
@@ -179,64 +238,121 @@ TENSOR_PARALLEL_MLP = RankExercise(
 
 # Communication ops that move data, as torch dispatches them: c10d's (dist.*) and the functional ones (DTensor).
 _ALL_REDUCE = {"allreduce_", "all_reduce", "allreduce_coalesced_", "all_reduce_coalesced"}
+_REDUCE_SCATTER = {"reduce_scatter_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_tensor": 0}  # -> input arg
 _MOVERS = set(CALL_NAMES) - {"barrier"} | {"broadcast", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
                                             "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
                                             "all_to_all_single", "all_gather"}
 
 
+def _flat(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _flat(item)] if isinstance(value, list | tuple) else []
+
+
 def _what_moved(rank: int, world_size: int, fn: Callable[[int, int], Any]) -> dict[str, Any]:
-    """In a rank: run ``fn`` and note every communication op torch dispatches, with a copy of each all-reduce's
-    input, taken before the op changes it (c10d's ``allreduce_`` and the functional ``all_reduce`` of DTensor)."""
+    """In a rank: run ``fn`` and note every communication op torch dispatches, with a copy of each reduction's
+    input, taken before the op changes it: an all-reduce's tensor (c10d's ``allreduce_`` and the functional
+    ``all_reduce`` of DTensor), or a reduce-scatter's input, flattened."""
     moved: list[str] = []
     summands: list[torch.Tensor] = []
+    scattered: list[torch.Tensor] = []
 
     def see(namespace: str, name: str, args: tuple) -> None:
-        if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name in _ALL_REDUCE | _MOVERS:
-            if name in _ALL_REDUCE:
-                tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
-                summands.extend(t.detach().to("cpu", torch.float64, copy=True) for t in tensors)
-            else:
-                moved.append(name.strip("_"))
+        if namespace not in ("c10d", "_c10d_functional", "c10d_functional"):
+            return
+        if name in _ALL_REDUCE:
+            summands.extend(t.detach().to("cpu", torch.float64, copy=True) for t in _flat(args[0]))
+        elif name in _REDUCE_SCATTER:
+            pieces = _flat(args[_REDUCE_SCATTER[name]])
+            scattered.append(torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in pieces]))
+        elif name in _MOVERS:
+            moved.append(name.strip("_"))
 
     with watching(see):
         fn(rank, world_size)
-    return {"moved": moved, "summands": summands}
+    return {"moved": moved, "summands": summands, "scattered": scattered}
+
+
+def _not_the_summand(size: int, rank: int, reduced: torch.Tensor, what: str) -> str:
+    """What to say when a rank reduced a tensor that is not its summand."""
+    features = _features_of(reduced) if reduced.shape == (BATCH, FEATURES) else None
+    if features is not None and features != (0, HIDDEN):  # every feature: every weight, on every rank (below)
+        written_for = next((world for world in range(2, HIDDEN + 1) if HIDDEN % world == 0 and world != size
+                            and _fixed_share(world, rank) == features), None)
+        mine = f"its share with {size} ranks is features {_span(*_share(size, rank))}"
+        if written_for is not None:
+            return (f"Right values, but with {size} ranks rank {rank} all-reduced the summand of hidden features "
+                    f"{_span(*features)}, its share with {written_for} ranks, where {mine}: your slice is written for "
+                    f"{written_for} ranks (the check runs two world sizes). Compute it from world_size, e.g. "
+                    "up.chunk(world_size, 0)[rank] and down.chunk(world_size, 1)[rank].")
+        return (f"Right values, but with {size} ranks rank {rank} all-reduced the summand of hidden features "
+                f"{_span(*features)}, where {mine}: compute each rank's slice from rank and world_size, e.g. "
+                "up.chunk(world_size, 0)[rank] and down.chunk(world_size, 1)[rank].")
+    return (f"Right values, but with {size} ranks rank {rank} {what}: tensor parallelism all-reduces each rank's "
+            "summand gelu(x @ up_r.T) @ down_r.T, computed from its own rows of up and columns of down (the same "
+            "numbers reached with every weight on every rank, or a batch split, are data parallelism or no "
+            "parallelism at all).")
+
+
+def _judge_moves(size: int, rank: int, report: dict[str, Any]) -> str | None:
+    """What is wrong with what rank ``rank`` moved, or None where it all-reduced its summand, at once or as a
+    reduce-scatter and an all-gather."""
+    summands, scattered, moved = report["summands"], report["scattered"], report["moved"]
+    expected = _partial(size, rank)
+    if scattered and not summands and len(scattered) == 1 and len(moved) == 1 and "gather" in moved[0]:
+        flat, numbers = scattered[0], expected.reshape(-1)
+        head = flat[:numbers.numel()]
+        if (flat.numel() >= numbers.numel() and _close(head, numbers)
+                and not flat[numbers.numel():].abs().gt(0).any()):  # the summand, then any padding of zeros
+            return None
+        return _not_the_summand(size, rank, head.reshape(BATCH, FEATURES) if head.numel() == expected.numel()
+                                else head, "reduce-scattered a tensor that is not its summand")
+    if moved:
+        return (f"Right values, but with {size} ranks rank {rank} also moved data "
+                f"({', '.join(sorted(set(moved)))}): every rank already holds mlp_inputs, so it takes its slices "
+                "locally, and the only communication the MLP needs is one all_reduce of the summands.")
+    if len(summands) != 1 or not _close(summands[0], expected):
+        what = (f"{len(summands)} all-reduces" if len(summands) != 1 else
+                f"a tensor of shape {tuple(summands[0].shape)}" if summands[0].shape != expected.shape else
+                "a tensor that is not its summand")
+        if len(summands) == 1 and summands[0].shape == expected.shape:
+            return _not_the_summand(size, rank, summands[0], f"all-reduced {what}")
+        return _not_the_summand(size, rank, expected.new_zeros(0), f"all-reduced {what}")
+    return None
 
 
 def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
     """Notebook 09: ``fn(rank, world_size)`` computes :func:`mlp_inputs`' MLP with its own slice of ``up`` and of
     ``down`` and returns the whole output on every rank; it runs with ``world_size`` ranks and with one more.
 
-    Right: one process's output, reached through exactly one all-reduce per rank, of that rank's summand
-    ``gelu(x @ up_r.T) @ down_r.T``, and no other data moved. Each wrong answer is named: the missing all-reduce,
-    an average, MAX, gelu in the wrong place, the first layer split by its input features, a shape that does not
-    fit, and right numbers reached some other way (every rank computing everything, a broadcast, a batch split).
+    Right: one process's output, reached through one all-reduce per rank of that rank's summand
+    ``gelu(x @ up_r.T) @ down_r.T`` (or that all-reduce in its two halves, a reduce-scatter of the summand and an
+    all-gather), and no other data moved. Each wrong answer is named: the missing all-reduce, an average, MAX,
+    gelu in the wrong place, the first layer split by its input features, slices written for another world size,
+    a shape that does not fit, and right numbers reached some other way (every rank computing everything, a
+    broadcast, a batch split).
     """
     verdict = judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
     if not verdict.ok:
         return verdict
+    in_two_steps = False
     for size in (world_size, world_size + 1):
         try:
             reports = spawn(_what_moved, size, args=(fn,), timeout=timeout, output="none", **ON_GLOO)
         except (WorkerError, WorkerTimeout) as err:  # it passed a moment ago: say what happened this time
             return Feedback(False, f"Your function failed when run again with {size} ranks: {err}")
         for rank, report in enumerate(reports):
-            if report["moved"]:
-                return Feedback(False, f"Right values, but with {size} ranks rank {rank} also moved data "
-                                       f"({', '.join(sorted(set(report['moved'])))}): every rank already holds "
-                                       "mlp_inputs, so it takes its slices locally, and the only communication the "
-                                       "MLP needs is one all_reduce of the summands.")
-            summands = report["summands"]
-            expected = _partial(size, rank)
-            if len(summands) != 1 or not _close(summands[0], expected):
-                what = (f"{len(summands)} all-reduces" if len(summands) != 1 else
-                        f"a tensor of shape {tuple(summands[0].shape)}" if summands[0].shape != expected.shape else
-                        "a tensor that is not its summand")
-                return Feedback(False, f"Right values, but with {size} ranks rank {rank} all-reduced {what}: "
-                                       "tensor parallelism all-reduces each rank's summand gelu(x @ up_r.T) @ "
-                                       "down_r.T, computed from its own rows of up and columns of down (the same "
-                                       "numbers reached with every weight on every rank, or a batch split, are "
-                                       "data parallelism or no parallelism at all).")
+            wrong = _judge_moves(size, rank, report)
+            if wrong is not None:
+                return Feedback(False, wrong)
+            in_two_steps = in_two_steps or bool(report["scattered"])
+    if in_two_steps:
+        return Feedback(True, f"Every rank holds the MLP's output, with {world_size} ranks and with {world_size + 1}: "
+                              "column parallel (rows of up) then row parallel (columns of down), the split Megatron-LM "
+                              "uses. Your reduce-scatter then all-gather of the summands is an all-reduce in its two "
+                              "halves (section 5), the same bytes on a ring; one dist.all_reduce(y) does both in one "
+                              "call.")
     return verdict
 
 
@@ -396,40 +512,64 @@ def mesh_for_nodes(shape: Any, names: Any, nodes: int = 2, gpus_per_node: int = 
                           f"fast links, and each {dp_name} group ({dp_groups[0]}, ...) {across}.")
 
 
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + offset
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.exp(scores - lse) @ v, lse
 
 
-def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
-
-
-def _merge_case(scale: float, sizes: Sequence[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Queries, keys in blocks of ``sizes``: the full attention and each block's (out, lse). ``scale`` makes
-    the scores large (their exponentials overflow float32 past 88)."""
+def _merge_case(sizes: Sequence[int], offsets: Sequence[float]) -> tuple[torch.Tensor,
+                                                                          list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Queries, keys in blocks of ``sizes``, block i's scores raised by ``offsets[i]``: the full attention (float64)
+    and each block's (out, lse) in float32. Offsets of about 1000 make exp(lse) overflow float64 (past 709) and
+    offsets of -1000 underflow it to 0: only a merge that exponentiates differences of lse survives them."""
     generator = torch.Generator().manual_seed(12)
-    q = torch.randn(2, 4, 8, generator=generator) * scale
-    k, v = torch.randn(2, sum(sizes), 8, generator=generator), torch.randn(2, sum(sizes), 8, generator=generator)
-    blocks = [_block_attention(q, k_i, v_i) for k_i, v_i in zip(k.split(list(sizes), 1), v.split(list(sizes), 1),
-                                                                   strict=True)]
-    return _full_attention(q, k, v), blocks
+    q = torch.randn(2, 4, 8, generator=generator, dtype=torch.float64)
+    k = torch.randn(2, sum(sizes), 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, sum(sizes), 8, generator=generator, dtype=torch.float64)
+    blocks = [_block_attention(q, k_i, v_i, offset) for k_i, v_i, offset in
+              zip(k.split(list(sizes), 1), v.split(list(sizes), 1), offsets, strict=True)]
+    bias = torch.cat([torch.full((size,), float(offset), dtype=torch.float64)
+                      for size, offset in zip(sizes, offsets, strict=True)])
+    full = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + bias, dim=-1) @ v
+    return full, [(out.float(), lse.float()) for out, lse in blocks]
+
+
+#: (block sizes, score offsets, what the case is, atol): float32's lse near 1000 is exact to 6e-5 only (a right
+#: float32 merge is then off by 4e-5), so the cases of large scores compare to 2e-4.
+MERGE_CASES = (((8, 8), (0, 0), "two equal blocks", 1e-5),
+               ((3, 13), (0, 0), "a block of 3 keys and one of 13", 1e-5),
+               ((4, 5, 7), (0, 0, 0), "three blocks merged in a chain", 1e-5),
+               ((8, 8), (1000, 1000), "scores near 1000 (lse about 1000: exp(lse) overflows float64 too)", 2e-4),
+               ((8, 8), (-1000, -1000), "scores near -1000 (exp(lse) underflows to 0, in float64 too)", 2e-4),
+               ((8, 8), (0, 1000), "one block's scores 1000 above the other's", 2e-4))
+
+
+def _overflowed(what: str, offsets: Sequence[float], largest: float, which: str) -> str:
+    if len(set(offsets)) == 1:
+        did = (f"your merge exponentiated a number of about {largest:.0f} in size, such as lse itself: exp overflows "
+               "past 709 and underflows to 0 below -745 even in float64 (past 88 and below -103 in float32), and 0/0 "
+               "is nan, so no dtype saves exp(lse1) and exp(lse2)")
+    else:
+        did = ("your merge exponentiated a number of about 1000, such as one block's lse relative to the other's, "
+               "exp(lse2 - lse1): that overflows even float64 (past 709; float32 past 88)")
+    return (f"With {what}, your merged {which} holds inf or nan: {did}. Weigh each block by exp(lse_i - lse), with "
+            "lse = torch.logaddexp(lse1, lse2): the exponents are never positive, so nothing overflows.")
 
 
 def softmax_merge(fn: Callable[..., Any]) -> Feedback:
     """Notebook 12: ``fn(out1, lse1, out2, lse2)`` merges two blocks' attention, each normalised over its own keys
     with its log-sum-exp, into the attention over both blocks' keys, and returns ``(out, lse)``.
 
-    Checked against full attention: two equal blocks, two unequal ones, three blocks merged in a chain (which
-    needs the merged lse right, not only the output), and scores large enough that exp(lse) overflows float32.
+    Checked against full attention (:data:`MERGE_CASES`): two equal blocks, two unequal ones, three blocks merged
+    in a chain (which needs the merged lse right, not only the output), and scores whose exponentials overflow
+    and underflow float64, so that only a merge that exponentiates differences of lse passes.
     """
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    for scale, sizes, what in ((1.0, (8, 8), "two equal blocks"), (1.0, (3, 13), "a block of 3 keys and one of 13"),
-                               (1.0, (4, 5, 7), "three blocks merged in a chain"),
-                               (60.0, (8, 8), "large scores (exp(lse) above float32's range)")):
-        expected, blocks = _merge_case(scale, sizes)
+    for sizes, offsets, what, atol in MERGE_CASES:
+        expected, blocks = _merge_case(sizes, offsets)
         out, lse = blocks[0]
         try:
             for out_i, lse_i in blocks[1:]:
@@ -449,15 +589,15 @@ def softmax_merge(fn: Callable[..., Any]) -> Feedback:
             return Feedback(False, f"With {what}, the merged lse should be a tensor of shape "
                                    f"{tuple(blocks[0][1].shape)}, like each block's (one number per query row), got "
                                    f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}.")
+        largest = max(float(block_lse.abs().max()) for _, block_lse in blocks)
         out = out.detach().to(torch.float64)  # any float dtype the learner computed in
-        expected = expected.to(torch.float64)
-        if torch.allclose(out, expected, atol=1e-5):
-            continue
         if not torch.isfinite(out).all():
-            return Feedback(False, f"With {what}, your output holds inf or nan: exp(lse) overflows float32 once lse "
-                                   "passes 88. Weigh each block by exp(lse_i - lse), with lse = torch.logaddexp(lse1, "
-                                   "lse2): the differences are never positive, so nothing overflows.")
-        if len(sizes) == 2 and torch.allclose(out, ((blocks[0][0] + blocks[1][0]) / 2).double(), atol=1e-5):
+            return Feedback(False, _overflowed(what, offsets, largest, "output"))
+        if not torch.isfinite(lse.detach()).all():
+            return Feedback(False, _overflowed(what, offsets, largest, "lse"))
+        if torch.allclose(out, expected, atol=atol):
+            continue
+        if len(sizes) == 2 and torch.allclose(out, ((blocks[0][0] + blocks[1][0]) / 2).double(), atol=atol):
             return Feedback(False, f"With {what}, you averaged the two outputs: each block's output is normalised over "
                                    "its own keys only; weigh it by its share of the whole softmax's mass, "
                                    "exp(lse_i - lse).")
@@ -468,7 +608,7 @@ def softmax_merge(fn: Callable[..., Any]) -> Feedback:
         return Feedback(False, f"With {what}, your output differs from full attention by up to "
                                f"{(out - expected).abs().max().item():.3g}: weigh block i by exp(lse_i - lse), where "
                                "lse = torch.logaddexp(lse1, lse2).")
-    return Feedback(True, "Equal blocks, unequal ones, a chain of three and scores past float32's exp range all "
-                          "give full attention: out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2 with lse = "
-                          "logaddexp(lse1, lse2), the merge that ring attention (and FlashAttention) run on each "
-                          "block.")
+    return Feedback(True, "Equal blocks, unequal ones, a chain of three and scores whose exp overflows and underflows "
+                          "float64 (lse near 1000 and -1000) all give full attention: out = exp(lse1 - lse) out1 + "
+                          "exp(lse2 - lse) out2 with lse = logaddexp(lse1, lse2), the merge that ring attention (and "
+                          "FlashAttention) run on each block.")

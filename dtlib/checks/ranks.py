@@ -1,83 +1,50 @@
-"""Checkers of a function every rank runs, ``fn(rank, world_size)``: its result and its communication.
+"""Checkers of a function every rank runs, ``fn(rank, world_size, given)``, on data the checker owns.
 
-Each is an exercise written as data (:class:`dtlib.checks.skeleton.RankExercise`: the right value, how to
-read a rank's answer, a table of hints for wrong ones); :func:`dtlib.checks.skeleton.judge` runs the
-learner's function on two world sizes, names a hang, and refuses an answer worked out without communicating.
+Each call draws new data: every rank gets its own random float32 numbers (on ``dtlib.rank_device()``), a
+length that is not the world size, and one process works out the right answer from all of them (the oracle).
+A function that ignores its input, or that knows it, cannot pass. Each is an exercise written as data
+(:class:`dtlib.checks.skeleton.RankExercise`); :func:`dtlib.checks.skeleton.judge` runs it on two world sizes,
+one of them odd, names a hang, records what every collective carried, and refuses an answer whose collectives
+carried something other than the rank's own data.
 
-Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
+Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size, x: x)`` says the all-reduce is missing.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from dtlib.checks._numbers import as_number, constant_divisor, equals
-from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, reduce_hint, same_collectives_hang
+from dtlib.checks._numbers import constant_factor
+from dtlib.checks.skeleton import UNREADABLE, Answer, Carried, RankExercise, judge, reduce_hint, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
-from dtlib.ring.send_recv import starting_values
+
+#: The collectives that move a rank's data to others (a barrier and a receive carry none of the rank's own).
+_SENDING = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter",
+            "reduce_scatter_tensor", "scatter", "all_to_all", "all_to_all_single", "send")
 
 
 def _raised(err: WorkerError) -> str:
     return f"Your function raised on a rank:\n{err.failures[0].headline()}"
 
 
-def _sum_hung(err: WorkerError) -> str:
-    return f"Your function hung: does every rank call the same collective? Details:\n{err}"
+def _vectors(size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Every rank's numbers: float32, random, about 10 * (rank + 1), a length of world_size + 2 to + 4."""
+    length = size + 2 + int(torch.randint(0, 3, (), generator=generator))
+    return [(torch.randn(length, generator=generator) * 3 + 10 * (rank + 1)).float() for rank in range(size)]
 
 
-def _should_return(answer: Answer, hint: str) -> str:
-    return f"With {answer.size} ranks, rank {answer.rank} should return {answer.expected}, but {hint}"
+def _losses(size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Every rank's loss: a float32 scalar between 1 and 4, as a cross-entropy's would be."""
+    return [torch.empty((), dtype=torch.float32).uniform_(1.0, 4.0, generator=generator) for _ in range(size)]
 
 
-SUM_OF_RANKS = RankExercise(
-    expected=lambda size: size * (size - 1) // 2,
-    read=lambda value: value,
-    same=equals,
-    hints=[
-        (lambda a: a.returned is None, lambda a: _should_return(
-            a, "it returned None: return the tensor (or its .item()) after the all-reduce.")),
-        (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
-        (lambda a: all(equals(v, r) for r, v in enumerate(a.values)), lambda a: _should_return(
-            a, "each rank returned its own rank: was dist.all_reduce called before returning?")),
-        (lambda a: equals(a.value, a.expected * a.size), lambda a: _should_return(
-            a, "the sum came out world_size times too big: add each rank's number once, not the total.")),
-        (lambda a: a.size != a.world_size and equals(a.value, a.world_size * (a.world_size - 1) // 2),
-         lambda a: _should_return(a, f"it returned {as_number(a.value)!r}, the answer for {a.world_size} ranks: let "
-                                     "the collective add up the ranks that are there instead of writing the answer "
-                                     "for one world size.")),
-        (lambda a: a.called("all_reduce") and a.size > 2 and equals(a.value, a.size - 1), lambda a: _should_return(
-            a, f"it returned {a.size - 1}, the largest rank: ReduceOp.MAX keeps the largest value; add them with "
-               "ReduceOp.SUM (all_reduce's default).")),
-    ],
-    otherwise=lambda a: _should_return(a, f"it returned {a.returned!r}."),
-    no_collective=lambda rank, expected: (
-        f"Rank {rank} returned {expected}, but no collective was called: each rank worked the sum out alone, which "
-        "no rank can do with numbers only the others hold. Put the rank's own number in a tensor and use "
-        "dist.all_reduce to add them up."),
-    right=lambda first, second: (f"Every rank returned the sum, with {first} ranks and with {second}: the all-reduce "
-                                 "added every rank's number."),
-    hang=lambda err, name: _sum_hung(err),
-    failure=lambda err: _sum_hung(err) if any("still running" in f.message for f in err.failures) else _raised(err),
-)
-
-
-def sum_of_ranks(fn: Callable[[int, int], Any], world_size: int = 3, timeout: float = 30.0) -> Feedback:
-    """Notebook 01: ``fn(rank, world_size)`` must return, on every rank, 0 + 1 + ... + (world_size - 1),
-    computed through a collective; it runs with ``world_size`` ranks and with one more.
-
-    Example: ``sum_of_ranks(lambda rank, world_size: rank)`` says the all-reduce is missing.
-    """
-    return judge(fn, SUM_OF_RANKS, world_size, timeout)
-
-
-def _starting(size: int) -> torch.Tensor:
-    """Every rank's starting values, (ranks, slots), in float64."""
-    return torch.stack([starting_values(r, size) for r in range(size)]).double()
+def _stacked(inputs: Sequence[Any]) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(given, dtype=torch.float64) for given in inputs])
 
 
 def _as_float64(value: Any) -> Any:
@@ -85,6 +52,13 @@ def _as_float64(value: Any) -> Any:
         return torch.as_tensor(value, dtype=torch.float64)  # a list, tuple or numpy array is fine too
     except (TypeError, ValueError, RuntimeError):
         return UNREADABLE
+
+
+def _close(got: Any, expected: Any) -> bool:
+    got, expected = _as_float64(got), _as_float64(expected)
+    if got is UNREADABLE or expected is UNREADABLE or got.shape != expected.shape:
+        return False
+    return torch.allclose(got, expected, rtol=1e-5, atol=1e-5)  # float32 sums of a few numbers near 30
 
 
 def _floating(value: Any) -> bool:
@@ -95,73 +69,248 @@ def _floating(value: Any) -> bool:
         return True  # not for this hint to judge
 
 
-def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    return got.shape == expected.shape and torch.allclose(got, expected)
+def _low_precision(a: Answer) -> bool:
+    return isinstance(a.returned, torch.Tensor) and a.returned.dtype in (torch.float16, torch.bfloat16)
 
 
-AVERAGE_OF_RANKS = RankExercise(
-    expected=lambda size: _starting(size).mean(0),
+def _carries(entry: Carried, own: torch.Tensor, size: int) -> bool:
+    """Whether a collective sent the rank's own data: itself, or scaled (to 1%: a float16 copy still counts). A
+    single number is proportional to any other, so a loss counts only as itself, / world_size or * world_size."""
+    factor = constant_factor(entry.sent, own.flatten(), rtol=1e-2)
+    if factor is None or factor == 0:
+        return False
+    return own.numel() > 1 or any(abs(factor - c) < 1e-6 * c for c in (1.0, 1.0 / size, float(size)))
+
+
+def _stand_in(a: Answer) -> Carried | None:
+    """A collective that sent a rank's data when none of the rank's sent its own: a stand-in travelled."""
+    sending = [entry for entry in a.carried[a.rank] if entry.call in _SENDING]
+    if not sending or any(_carries(entry, a.own, a.size) for entry in sending):
+        return None
+    return sending[0]
+
+
+def _short(tensor: Any) -> str:
+    values = [round(float(v), 4) for v in torch.as_tensor(tensor, dtype=torch.float64).flatten()[:4]]
+    more = ", ..." if torch.as_tensor(tensor).numel() > 4 else ""
+    return "[" + ", ".join(f"{v:g}" for v in values) + more + "]"
+
+
+def _stand_in_said(name: str, fix: str) -> Callable[[Answer], str]:
+    def say(a: Answer) -> str:
+        entry = _stand_in(a)
+        assert entry is not None
+        if entry.sent.shape == a.own.flatten().shape and torch.equal(entry.sent, a.own.flatten().round()):
+            return (f"Rank {a.rank} called dist.{entry.call} on its {name} rounded to whole numbers "
+                    f"({_short(entry.sent)}, where its {name} is {_short(a.own)}): pass the {name} as it is, in "
+                    "float32, and the collective keeps the fractions.")
+        return (f"Rank {a.rank} called dist.{entry.call}, but on {_short(entry.sent)}, not on its own {name} "
+                f"({_short(a.own)}): a collective combines what each rank puts in, and only this rank holds its "
+                f"{name}. {fix}")
+    return say
+
+
+def _kept_largest(a: Answer) -> bool:
+    """Whether every rank's all-reduce left the ranks' largest values (ReduceOp.MAX), and this rank's answer holds
+    no undefined numbers (those have a hint of their own)."""
+    if a.value is not UNREADABLE and bool(torch.as_tensor(a.value).isnan().any()):
+        return False
+    largest, total = a.stacked.amax(0).flatten(), a.stacked.sum(0).flatten()
+    return all(any(entry.call == "all_reduce" and _close(entry.received, largest) and not _close(entry.received, total)
+                   for entry in entries) for entries in a.carried)
+
+
+def _moved(name: str) -> Callable[[Sequence[Any], Sequence[Sequence[Carried]]], str | None]:
+    """Once every value is right: each rank's collectives must have carried its own data."""
+    def check(inputs: Sequence[Any], carried: Sequence[Sequence[Carried]]) -> str | None:
+        for rank, entries in enumerate(carried):
+            own = torch.as_tensor(inputs[rank], dtype=torch.float64)
+            if not any(entry.call in _SENDING and _carries(entry, own, len(inputs)) for entry in entries):
+                return (f"Every rank returned the right numbers, but no collective of rank {rank} carried its {name}: "
+                        f"the numbers reached the other ranks some other way. Pass {name} (or {name} / world_size) "
+                        "to the collective itself.")
+        return None
+    return check
+
+
+def _factor(a: Answer, base: torch.Tensor) -> float | None:
+    return constant_factor(a.value, base) if a.value is not UNREADABLE else None
+
+
+def _is_factor(a: Answer, base: torch.Tensor, wanted: float) -> bool:
+    factor = _factor(a, base)
+    return factor is not None and abs(factor - wanted) < 1e-6
+
+
+def _whole_divisor(a: Answer, base: torch.Tensor) -> int | None:
+    """The whole number c > 1 that the answer is base / c, if it is."""
+    factor = _factor(a, base)
+    if not factor or factor <= 0:
+        return None
+    divisor = 1 / factor
+    return round(divisor) if divisor > 1.5 and abs(divisor - round(divisor)) < 1e-6 else None
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value) if len(repr(value)) < 60 else type(value).__name__
+
+
+# -- notebook 01: the sum over ranks ---------------------------------------------------------------------------------
+
+
+def _sum_said(a: Answer, hint: str) -> str:
+    return (f"With {a.size} ranks, rank {a.rank} should return the sum of every rank's x, {_short(a.expected)}, "
+            f"but {hint}")
+
+
+SUM_OF_RANKS = RankExercise(
+    expected=lambda inputs: _stacked(inputs).sum(0),
     read=_as_float64,
     same=_close,
+    inputs=_vectors,
     hints=[
-        (lambda a: a.value is UNREADABLE or a.value.shape != a.expected.shape,
-         lambda a: f"Rank {a.rank} returned {a.returned!r}; return the averaged tensor of {a.size} values."),
+        (lambda a: a.returned is None, lambda a: _sum_said(
+            a, "it returned None: return the tensor after the all-reduce.")),
+        (lambda a: a.value is not UNREADABLE and a.value.numel() == 1 and a.expected.numel() > 1
+         and (_close(a.value, a.expected.sum()) or _close(a.value, a.own.sum())),
+         lambda a: _sum_said(a, f"it returned one number, the total of x's {a.own.numel()} elements: the sum runs over "
+                                "the ranks, slot by slot. All-reduce x itself, not x.sum().")),
+        (lambda a: _stand_in(a) is not None,
+         _stand_in_said("x", "Call dist.all_reduce(x), then return x.")),
+        (lambda a: a.value is UNREADABLE or a.value.shape != a.expected.shape, lambda a: _sum_said(
+            a, f"it returned {_shape_of(a.returned)}: return a tensor shaped like x, {a.own.numel()} numbers.")),
         (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
-        (lambda a: a.called("all_reduce") and a.value is not UNREADABLE
-         and _close(a.value, _starting(a.size).max(0).values),
-         lambda a: f"Rank {a.rank} holds the largest values, not the mean: ReduceOp.MAX keeps the largest; sum with "
-                   "ReduceOp.SUM, then divide by world_size."),
-        (lambda a: a.value is not UNREADABLE and a.called("all_reduce")
-         and _close(a.value, _starting(a.size)[a.rank] / a.size),
-         lambda a: f"Rank {a.rank} holds its own values divided by world_size: the all-reduce had not finished "
-                   "when you divided. With async_op=True, call .wait() on the work it returns before using the "
-                   "tensor."),
-        (lambda a: not _floating(a.returned),
-         lambda a: f"Rank {a.rank} returned integers ({a.value.tolist()}): the mean of the ranks' values is not a "
-                   "whole number, so keep them as floats and divide with /, not with //."),
-        (lambda a: _close(a.value, a.expected.floor()),
-         lambda a: f"Rank {a.rank} holds the mean rounded down ({a.value.tolist()}): divide with /, not with //, "
-                   "which throws the fraction away."),
-        (lambda a: _close(a.value, _starting(a.size).sum(0)),
-         lambda a: f"Rank {a.rank} holds the sum {a.value.tolist()}: divide by world_size."),
-        (lambda a: _close(a.value, _starting(a.size)[a.rank]),
-         lambda a: f"Rank {a.rank} still holds its own values: call dist.all_reduce on them."),
-        (lambda a: constant_divisor(a.value, _starting(a.size).sum(0)) == a.size * a.size,
-         lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by world_size twice: divide once."),
-        (lambda a: a.size == a.world_size > 2  # in the second run, world_size - 1 is the first's hard-coded size
-                   and constant_divisor(a.value, _starting(a.size).sum(0)) == a.size - 1,
-         lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by world_size - 1: the mean divides "
-                   "by the number of ranks that added their values, world_size."),
-        (lambda a: constant_divisor(a.value, _starting(a.size).sum(0)) is not None,
-         lambda a: f"With {a.size} ranks, rank {a.rank} holds the sum divided by "
-                   f"{constant_divisor(a.value, _starting(a.size).sum(0))}: divide by world_size "
-                   "(dist.get_world_size()), not by a fixed number."),
+        (_kept_largest, lambda a: _sum_said(
+            a, "it holds the largest value of each slot: ReduceOp.MAX keeps the largest; add with ReduceOp.SUM "
+               "(all_reduce's default).")),
+        (lambda a: _close(a.value, a.own), lambda a: _sum_said(
+            a, "it returned its own x: was dist.all_reduce called on x before returning?")),
+        (lambda a: _low_precision(a), lambda a: _sum_said(
+            a, f"it computed in {str(a.returned.dtype).removeprefix('torch.')}, which keeps about 3 significant "
+               "digits: all-reduce x in its own dtype, float32.")),
+        (lambda a: not _floating(a.returned), lambda a: _sum_said(
+            a, "it returned whole numbers: x holds fractions; keep it float32 and do not round.")),
+        (lambda a: _is_factor(a, a.expected, a.size), lambda a: _sum_said(
+            a, "it came out world_size times too big: put each rank's x into the collective once, not x * "
+               "world_size or a sum already made.")),
+        (lambda a: _is_factor(a, a.expected, 1 / a.size), lambda a: _sum_said(
+            a, "it holds the mean, the sum divided by world_size: ReduceOp.SUM (all_reduce's default), and no "
+               "division.")),
+        (lambda a: a.size != a.world_size and _is_factor(a, a.expected, a.world_size / a.size), lambda a: _sum_said(
+            a, f"it holds {a.world_size}/{a.size} of the sum: a fixed {a.world_size}, the first run's world size, "
+               f"stands where the {a.size} ranks of this run belong. Let the collective add up the ranks that are "
+               "there (ReduceOp.SUM), with no fixed number.")),
     ],
-    otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {a.value.tolist()}, expected "
-                         f"{a.expected.tolist()}."),
+    otherwise=lambda a: _sum_said(a, f"it returned {_short(a.value)}: call dist.all_reduce(x) (ReduceOp.SUM) once on "
+                                     "every rank and return x."),
     no_collective=lambda rank, expected: (
-        f"Rank {rank} holds the mean, but no collective was called: it computed every rank's values itself, which "
-        "works only because starting_values is a formula; a real rank holds data no other rank has. Use "
-        "dist.all_reduce on the rank's own values, then divide by world_size."),
-    right=lambda first, second: (
-        f"Every rank holds the mean, with {first} ranks and with {second}. all_reduce(SUM) / world_size works on "
-        "every backend and torch version; DDP averages gradients with the same sum and division, dividing first so "
-        "that fp16 sums cannot overflow (notebook 04)."),
-    hang=same_collectives_hang,
-    failure=lambda err: ("This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide."
-                         if "AVG" in err.failures[0].headline() else _raised(err)),
+        f"Rank {rank} returned the sum, but no collective was called. Use dist.all_reduce to add up the ranks' x."),
+    right=lambda first, second: (f"Every rank returned the sum of every rank's x, with {first} ranks and with "
+                                 f"{second}, on new random numbers each time: the all-reduce added them up."),
+    hang=lambda err, name: f"Your function hung: does every rank call the same collective? Details:\n{err}",
+    failure=_raised,
+    moved=_moved("x"),
 )
 
 
-def average_of_ranks(fn: Callable[[int, int], Any], world_size: int = 4, timeout: float = 30.0) -> Feedback:
-    """Notebook 02: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
-    ``dtlib.ring.send_recv.starting_values(rank, world_size)`` (older torch's gloo has no ``ReduceOp.AVG``),
-    computed through a collective; it runs with ``world_size`` ranks and with one more. A tensor, a
-    list, a tuple or a numpy array of the right numbers is right.
+def sum_of_ranks(fn: Callable[[int, int, torch.Tensor], Any], world_size: int = 3, timeout: float = 30.0,
+                 seed: int | None = None) -> Feedback:
+    """Notebook 01: ``fn(rank, world_size, x)`` gets this rank's ``x``, float32 numbers of its own on the rank's
+    device, and must return, on every rank, the sum over ranks of ``x``, slot by slot, computed through a
+    collective that carried ``x``. It runs with ``world_size`` ranks and with one more, on new numbers each call
+    (``seed`` repeats a draw).
 
-    Example: ``average_of_ranks(lambda rank, world_size: None)`` says nothing came back.
+    Example: ``sum_of_ranks(lambda rank, world_size, x: x)`` says the all-reduce is missing.
     """
-    return judge(fn, AVERAGE_OF_RANKS, world_size, timeout)
+    return judge(fn, SUM_OF_RANKS, world_size, timeout, seed)
+
+
+# -- notebook 02: the mean over ranks, without ReduceOp.AVG -----------------------------------------------------------
+
+
+def _mean_said(a: Answer, hint: str) -> str:
+    return f"With {a.size} ranks, rank {a.rank} {hint}"
+
+
+AVERAGE_OF_RANKS = RankExercise(
+    expected=lambda inputs: _stacked(inputs).mean(0),
+    read=_as_float64,
+    same=_close,
+    inputs=_vectors,
+    hints=[
+        (lambda a: _stand_in(a) is not None,
+         _stand_in_said("values", "Call dist.all_reduce(values), then divide by world_size.")),
+        (lambda a: a.value is not UNREADABLE and a.value.numel() == 1 and a.expected.numel() > 1
+         and _close(a.value, a.expected.mean()),
+         lambda a: _mean_said(a, "returned one number, the mean over the slots too: average over the ranks only, "
+                                 "slot by slot, and return the whole tensor.")),
+        (lambda a: a.value is UNREADABLE or a.value.shape != a.expected.shape,
+         lambda a: _mean_said(a, f"returned {_shape_of(a.returned)}; return the averaged tensor of "
+                                 f"{a.own.numel()} values, shaped like values.")),
+        (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
+        (_kept_largest, lambda a: _mean_said(
+            a, "holds the largest values, not the mean: ReduceOp.MAX keeps the largest; sum with ReduceOp.SUM, then "
+               "divide by world_size.")),
+        (lambda a: a.called("all_reduce") and _is_factor(a, a.own, 1 / a.size),
+         lambda a: _mean_said(a, "holds its own values divided by world_size: the all-reduce had not finished when "
+                                 "you divided. With async_op=True, call .wait() on the work it returns first.")),
+        (lambda a: not _floating(a.returned),
+         lambda a: _mean_said(a, "returned integers: the mean of the ranks' values has fractions, so keep them as "
+                                 "floats and divide with /, not with //.")),
+        (lambda a: _close(a.value, a.expected.floor()),
+         lambda a: _mean_said(a, "holds the mean rounded down: divide with /, not with //, which throws the fraction "
+                                 "away.")),
+        (lambda a: _close(a.value, a.own), lambda a: _mean_said(
+            a, "still holds its own values: call dist.all_reduce on them.")),
+        (lambda a: _close(a.value, a.stacked.sum(0)), lambda a: _mean_said(
+            a, "holds the sum of the ranks' values: divide by world_size.")),
+        (lambda a: _whole_divisor(a, a.stacked.sum(0)) == a.own.numel(), lambda a: _mean_said(
+            a, f"holds the sum divided by {a.own.numel()}, the number of values each rank holds (values.numel()): "
+               "a mean over ranks divides by the number of ranks that added, world_size.")),
+        (lambda a: _whole_divisor(a, a.stacked.sum(0)) == a.size * a.size, lambda a: _mean_said(
+            a, "holds the sum divided by world_size twice: divide once.")),
+        (lambda a: a.size == a.world_size and _whole_divisor(a, a.stacked.sum(0)) == a.size - 1, lambda a: _mean_said(
+            a, "holds the sum divided by world_size - 1: the mean divides by the number of ranks that added their "
+               "values, world_size.")),
+        (lambda a: _whole_divisor(a, a.stacked.sum(0)) is not None, lambda a: _mean_said(
+            a, f"holds the sum divided by {_whole_divisor(a, a.stacked.sum(0))}: divide by world_size "
+               "(dist.get_world_size()), not by a fixed number.")),
+        (lambda a: _low_precision(a), lambda a: _mean_said(
+            a, f"computed in {str(a.returned.dtype).removeprefix('torch.')}, which keeps about 3 significant digits: "
+               "average in float32, the dtype of values.")),
+    ],
+    otherwise=lambda a: _mean_said(a, f"returned {_short(a.value)}, expected the mean {_short(a.expected)}: "
+                                      "dist.all_reduce(values) (SUM), then divide by world_size."),
+    no_collective=lambda rank, expected: (
+        f"Rank {rank} holds the mean, but no collective was called. Use dist.all_reduce on the rank's values, then "
+        "divide by world_size."),
+    right=lambda first, second: (
+        f"Every rank holds the mean, with {first} ranks and with {second}, on new random values each time. "
+        "all_reduce(SUM) / world_size works on every backend and torch version; DDP averages gradients with the "
+        "same sum and division, dividing first so that fp16 sums cannot overflow (notebook 04)."),
+    hang=same_collectives_hang,
+    failure=lambda err: ("This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide."
+                         if "AVG" in err.failures[0].headline() else _raised(err)),
+    moved=_moved("values"),
+)
+
+
+def average_of_ranks(fn: Callable[[int, int, torch.Tensor], Any], world_size: int = 4, timeout: float = 30.0,
+                     seed: int | None = None) -> Feedback:
+    """Notebook 02: ``fn(rank, world_size, values)`` gets this rank's ``values``, float32 numbers of its own on
+    the rank's device, and must return, on every rank, their mean over ranks, slot by slot (older torch's gloo
+    has no ``ReduceOp.AVG``), computed through a collective that carried ``values``. It runs with ``world_size``
+    ranks and with one more, on new numbers each call. A tensor, list, tuple or numpy array of the right numbers
+    is right.
+
+    Example: ``average_of_ranks(lambda rank, world_size, values: None)`` says nothing came back.
+    """
+    return judge(fn, AVERAGE_OF_RANKS, world_size, timeout, seed)
+
+
+# -- notebook 08: every rank calls the collective ----------------------------------------------------------------------
 
 
 def _stuck_in(stack: str, function_name: str) -> str:
@@ -192,58 +341,64 @@ def _loss(value: Any) -> Any:
     return float(number) if isinstance(number, (int, float)) and not isinstance(number, bool) else UNREADABLE
 
 
-def _divisor(answer: Answer) -> float:
-    """The constant the sum was divided by, if the answer is the sum over a whole number > 1 of it."""
-    divisor = answer.expected * answer.size / answer.value if answer.value else 0.0
-    return divisor if divisor > 1.5 and abs(divisor - round(divisor)) < 1e-6 else 0.0
-
-
 def _failed(err: WorkerError) -> str:
     raised = [failure for failure in err.failures if failure.exc_type is not None]
     hint = "" if raised else " (a rank dying inside a collective: the ranks called different ones or shapes)"
     return f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}"
 
 
+def _near(value: Any, number: float) -> bool:
+    return value is not UNREADABLE and abs(value - number) < 1e-5 * max(1.0, abs(number))
+
+
 FIXED_BARRIER = RankExercise(
-    expected=lambda size: (size + 1) / 2,
+    expected=lambda inputs: float(_stacked(inputs).mean()),
     read=_loss,
-    same=lambda value, expected: abs(value - expected) < 1e-6,
+    same=_near,
+    inputs=_losses,
     hints=[
         (lambda a: a.value is UNREADABLE,
-         lambda a: f"Rank {a.rank} returned {a.returned!r}: return the mean loss as a number on every rank "
+         lambda a: f"Rank {a.rank} returned {_shape_of(a.returned)}: return the mean loss as a number on every rank "
                    "(loss.item()), not only on rank 0."),
+        (lambda a: _stand_in(a) is not None,
+         _stand_in_said("loss", "Call dist.all_reduce(loss) on every rank, then divide by world_size.")),
         (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),
-        (lambda a: abs(a.value - (a.rank + 1)) < 1e-6,
-         lambda a: f"Rank {a.rank} returned its own loss {a.value:g}: it never took part in the all_reduce. Call "
+        (lambda a: _near(a.value, float(a.own)),
+         lambda a: f"Rank {a.rank} returned its own loss {a.value:.4g}: it never took part in the all_reduce. Call "
                    "dist.all_reduce on every rank."),
-        (lambda a: abs(a.value - a.expected * a.size) < 1e-6,
-         lambda a: f"Rank {a.rank} returned the sum {a.value:g}: divide by world_size for the mean."),
-        (lambda a: _divisor(a) > 0,
-         lambda a: f"With {a.size} ranks, rank {a.rank} returned {a.value:g}, the sum divided by "
-                   f"{round(_divisor(a))}: divide by world_size (dist.get_world_size()), not a constant."),
-        (lambda a: a.called("all_reduce") and abs(a.value - a.size) < 1e-6 and a.rank + 1 != a.size,
-         lambda a: f"Rank {a.rank} returned {a.value:g}, the largest loss: ReduceOp.MAX keeps the largest; sum with "
-                   "ReduceOp.SUM, then divide by world_size."),
+        (_kept_largest,
+         lambda a: f"With {a.size} ranks, rank {a.rank}'s all_reduce left the largest loss, "
+                   f"{float(a.stacked.max()):.4g}, and it returned {a.value:.4g}: ReduceOp.MAX keeps the largest; sum "
+                   "with ReduceOp.SUM, then divide by world_size."),
+        (lambda a: _near(a.value, float(a.stacked.sum())),
+         lambda a: f"Rank {a.rank} returned the sum {a.value:.4g}: divide by world_size for the mean."),
+        (lambda a: _whole_divisor(a, a.stacked.sum()) is not None,
+         lambda a: f"With {a.size} ranks, rank {a.rank} returned {a.value:.4g}, the sum divided by "
+                   f"{_whole_divisor(a, a.stacked.sum())}: divide by world_size (dist.get_world_size()), not a "
+                   "constant."),
     ],
-    otherwise=lambda a: (f"Rank {a.rank} returned {a.value:g}, expected the mean {a.expected:g}: all_reduce (SUM) "
-                         "once on every rank, then divide by world_size once."),
+    otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {a.value:.4g}, expected the mean of the ranks' "
+                         f"losses, {a.expected:.4g}: all_reduce (SUM) the loss once on every rank, then divide by "
+                         "world_size once."),
     no_collective=lambda rank, expected: (
-        f"Rank {rank} returned the mean {expected:g}, but no collective was called: it worked the mean out from a "
-        "formula, while a real rank knows only its own loss. Call dist.all_reduce on the loss on every rank, then "
-        "divide by world_size."),
+        f"Rank {rank} returned the mean, but no collective was called. Call dist.all_reduce on the loss on every "
+        "rank, then divide by world_size."),
     right=lambda first, second: (
-        f"Every rank returned the mean loss, with {first} ranks ({(first + 1) / 2:g}) and with {second} "
-        f"({(second + 1) / 2:g}): every rank called the same collective, so none waited for ever."),
+        f"Every rank returned the mean of the ranks' losses, with {first} ranks and with {second}: every rank "
+        "called the same collective, so none waited for ever."),
     hang=lambda err, name: _hang_message(err, name),
     failure=_failed,
+    moved=_moved("loss"),
 )
 
 
-def fixed_barrier(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 5.0) -> Feedback:
-    """Notebook 08's exercise: ``fn(rank, world_size)`` must return, on every rank, the mean over ranks of
-    each rank's loss ``rank + 1``, every rank calling the same collectives in the same order. It runs with
-    ``world_size`` ranks and with one more, and the mean must come through a collective.
+def fixed_barrier(fn: Callable[[int, int, torch.Tensor], Any], world_size: int = 2, timeout: float = 5.0,
+                  seed: int | None = None) -> Feedback:
+    """Notebook 08's exercise: ``fn(rank, world_size, loss)`` gets this rank's ``loss``, a float32 scalar of its
+    own on the rank's device, and must return, on every rank, the mean of the ranks' losses as a number, every
+    rank calling the same collectives in the same order. It runs with ``world_size`` ranks and with one more, on
+    new losses each call, and the mean must come through a collective that carried the loss.
 
-    Example: ``fixed_barrier(lambda rank, world_size: rank + 1)`` says rank 0 kept its own loss.
+    Example: ``fixed_barrier(lambda rank, world_size, loss: loss.item())`` says rank 0 kept its own loss.
     """
-    return judge(fn, FIXED_BARRIER, world_size, timeout)
+    return judge(fn, FIXED_BARRIER, world_size, timeout, seed)

@@ -1,28 +1,47 @@
-"""The one checker loop for exercises whose answer is a function every rank runs, ``fn(rank, world_size)``.
+"""The one checker loop for exercises whose answer is a function every rank runs, ``fn(rank, world_size)``,
+or, where the checker owns the data, ``fn(rank, world_size, given)``.
 
-An exercise is data: the right value for a world size, how to read a rank's answer, and a table of hints,
-each a test of a wrong answer and what to say about it. :func:`judge` does the rest, the same way for
-every exercise: refuse what is not a function; run it with ``dtlib.spawn`` on ``world_size`` ranks and
-on one more (an answer written for one size fails the other); name a hang or a failure; compare every
-rank's answer, the first matching hint explaining a wrong one; and refuse a right answer that no
+An exercise is data: the right value, how to read a rank's answer, and a table of hints, each a test of a
+wrong answer and what to say about it. :func:`judge` does the rest, the same way for every exercise: refuse
+what is not a function; run it with ``dtlib.spawn`` on ``world_size`` ranks and on one more (an answer
+written for one size fails the other, and one of the two sizes is odd); name a hang or a failure; compare
+every rank's answer, the first matching hint explaining a wrong one; and refuse a right answer that no
 collective produced (:mod:`dtlib.measure.counting`).
+
+An exercise with ``inputs`` owns its data: each call draws a new seed, makes every rank's input in this
+process (random, rank-dependent), hands rank ``r`` its own on ``dtlib.rank_device()``, and computes the
+right value from all of them in one process (``expected``, the oracle). Each collective a rank calls is
+recorded (:class:`Carried`: what it sent, what it received), so hints and ``moved`` can say what it carried.
 
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.feedback.Feedback`.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
-from dtlib.measure.counting import rank_without_communication, spawn_counting
+from dtlib.launch.entry import rank_device
+from dtlib.launch.spawn import spawn
+from dtlib.measure.counting import CALL_NAMES, count_collectives, rank_without_communication, spawn_counting, watching
 
 UNREADABLE = object()  # what ``read`` returns for an answer it cannot compare (a string, a wrong shape)
+
+
+@dataclass(frozen=True)
+class Carried:
+    """One collective a rank called, as it went: what the rank sent and what it received, flattened to
+    float64 on the CPU (empty where the call sends or receives nothing, as ``recv`` sends nothing)."""
+
+    call: str  # the torch.distributed name: "all_reduce", "reduce", "all_gather", ...
+    sent: torch.Tensor
+    received: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -37,17 +56,30 @@ class Answer:
     expected: Any
     values: Sequence[Any]  # every rank's, as read
     calls: Sequence[dict[str, int]]  # every rank's collectives, {name: times} (dtlib.measure.counting)
+    inputs: Sequence[Any] = ()  # every rank's input, where the exercise gives them (on the CPU)
+    carried: Sequence[Sequence[Carried]] = ()  # every rank's collectives in order, where inputs are given
 
     def called(self, name: str) -> bool:
         """Whether this rank's function called the collective ``name`` ("reduce", "all_reduce", ...)."""
         return bool(self.calls[self.rank].get(name))
+
+    @property
+    def own(self) -> Any:
+        """This rank's own input (float64), where the exercise gives inputs."""
+        return torch.as_tensor(self.inputs[self.rank], dtype=torch.float64)
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        """Every rank's input, (ranks, ...) in float64."""
+        return torch.stack([torch.as_tensor(given, dtype=torch.float64) for given in self.inputs])
 
 
 @dataclass(frozen=True)
 class RankExercise:
     """What one exercise asks, and what it says about each kind of wrong answer."""
 
-    expected: Callable[[int], Any]  # the world size -> the right value, the same on every rank
+    # the world size -> the right value, the same on every rank; with ``inputs``: every rank's input -> it (the oracle)
+    expected: Callable[..., Any]
     read: Callable[[Any], Any]  # what a rank returned -> a value to compare, or UNREADABLE
     same: Callable[[Any, Any], bool]  # (a rank's value, the expected one)
     hints: Sequence[tuple[Callable[[Answer], bool], Callable[[Answer], str]]]  # the first that holds explains
@@ -59,6 +91,13 @@ class RankExercise:
     # every rank's collectives, {name: times}, once every value is right: what to say if they were more than
     # the exercise needs (an all-gather where one all-reduce does), or None
     excess: Callable[[Sequence[dict[str, int]]], str | None] = lambda calls: None
+    # (the world size, a torch.Generator) -> every rank's input, made on the CPU; fn then gets its own as a third
+    # argument, on the rank's device. None: fn(rank, world_size) makes its own data.
+    inputs: Callable[[int, torch.Generator], list[Any]] | None = None
+    # once every value is right: (every rank's input, every rank's Carried) -> what to say if the collectives did
+    # not carry the ranks' own data (a stand-in went through them), or None
+    moved: Callable[[Sequence[Any], Sequence[Sequence[Carried]]], str | None] = field(
+        default=lambda inputs, carried: None)
 
 
 #: How every checker launches ranks: gloo, held to NCCL's contract (dtlib.launch.strict), on any machine. The
@@ -99,15 +138,74 @@ def undefined_hint(answer: Answer) -> str:
             "returning the tensor: NCCL writes it later, on its own stream, and the checker marks such numbers NaN.")
 
 
-def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> Feedback:
-    """Run ``fn`` on ``world_size`` ranks and on one more, and judge it by ``exercise``."""
+#: c10d op -> the index of the argument it sends from and of the one it writes (None: neither), as dispatched.
+_SENDS = {"allreduce_": 0, "broadcast_": 0, "reduce_": 0, "send": 0, "recv_": None, "recv_any_source_": None}
+_WRITES = {"send": None}
+
+
+def _flat(value: Any) -> torch.Tensor:
+    """Every tensor in a (nested) list, flattened and joined, in float64 on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", torch.float64).flatten()
+    parts = [_flat(item) for item in value] if isinstance(value, (list, tuple)) else []
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _async(name: str, args: tuple) -> bool:
+    schema = getattr(torch.ops.c10d, name).default._schema
+    where = next((i for i, argument in enumerate(schema.arguments) if argument.name == "async_op"), None)
+    return where is not None and where < len(args) and bool(args[where])
+
+
+def _recorded(rank: int, world_size: int, fn: Callable[..., Any], inputs: Sequence[Any]
+              ) -> tuple[Any, dict[str, int], list[Carried]]:
+    """In a rank: call ``fn(rank, world_size, its input on the rank's device)``, counting its collectives and
+    recording what each sent and received. A blocking call's result is read when the next op runs (before the
+    caller can change it); an async one's (which strict mode runs on copies) when ``fn`` returns, and may then
+    be unfinished: read it as a hint, not a proof."""
+    device = rank_device()
+    given = inputs[rank].to(device) if isinstance(inputs[rank], torch.Tensor) else inputs[rank]
+    going: list[tuple[str, torch.Tensor, Any, bool]] = []  # (call, sent, the tensors it writes, async)
+    carried: list[Carried] = []  # in the order the calls were made, each once its result is read
+
+    def settle(finished: bool) -> None:
+        for entry in [entry for entry in going if finished or not entry[3]]:
+            going.remove(entry)
+            carried.append(Carried(entry[0], entry[1], _flat(entry[2])))
+
+    def see(namespace: str, name: str, args: tuple) -> None:
+        settle(False)
+        if namespace != "c10d" or name not in CALL_NAMES or name == "barrier":
+            return
+        sends, writes = _SENDS.get(name, 1), _WRITES.get(name, 0)
+        sent = _flat(args[sends]) if sends is not None else torch.zeros(0, dtype=torch.float64)
+        going.append((CALL_NAMES[name], sent, args[writes] if writes is not None else [], _async(name, args)))
+
+    with watching(see):
+        value, calls = count_collectives(fn, rank, world_size, given)
+    settle(True)
+    return value, calls, carried
+
+
+def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed: int | None = None) -> Feedback:
+    """Run ``fn`` on ``world_size`` ranks and on one more, and judge it by ``exercise`` (with ``inputs``, on a
+    new draw of them for each call unless ``seed`` is given)."""
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size
+    sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size; one is odd
+    generator = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
     for size in sizes:
-        expected = exercise.expected(size)
+        inputs: list[Any] = []
+        carried: list[list[Carried]] = []
         try:
-            results, calls = spawn_counting(fn, size, timeout=timeout, **ON_GLOO)
+            if exercise.inputs is None:
+                expected = exercise.expected(size)
+                results, calls = spawn_counting(fn, size, timeout=timeout, **ON_GLOO)
+            else:
+                inputs = exercise.inputs(size, generator)
+                expected = exercise.expected(inputs)
+                reports = spawn(_recorded, size, args=(fn, inputs), timeout=timeout, output="none", **ON_GLOO)
+                results, calls, carried = (list(column) for column in zip(*reports, strict=True))
         except WorkerTimeout as err:
             return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
@@ -116,14 +214,15 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float) -> F
         for rank, value in enumerate(values):
             if value is not UNREADABLE and exercise.same(value, expected):
                 continue
-            answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls)
+            answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried)
             hints = [*exercise.hints, (_holds_undefined, undefined_hint)]  # the exercise's own come first
             say = next((say for holds, say in hints if holds(answer)), exercise.otherwise)
             return Feedback(False, say(answer))
         silent = rank_without_communication(calls)  # right values, but did they travel?
         if silent is not None:
             return Feedback(False, exercise.no_collective(silent, expected))
-        too_much = exercise.excess(calls)
+        stand_in = exercise.moved(inputs, carried) if exercise.inputs is not None else None
+        too_much = stand_in or exercise.excess(calls)
         if too_much:
             return Feedback(False, too_much)
     return Feedback(True, exercise.right(*sizes))

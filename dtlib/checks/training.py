@@ -20,10 +20,49 @@ from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
-from dtlib.measure.counting import count_collectives, rank_without_communication
+from dtlib.measure.counting import CALL_NAMES, count_collectives, rank_without_communication, watching
 from dtlib.train import data, models
 
 SAMPLES_PER_RANK = 8  # gradient_hook: each rank's share of the regression data
+LOW_PRECISION = {"torch.float16": "float16", "torch.bfloat16": "bfloat16"}  # dtype -> its name in a message
+
+
+def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[Any], Any]:
+    """``hook``, noting in ``report`` whether it changed the gradient it was given (torch's contract for
+    ``Tensor.register_hook``: "The hook should not modify its argument"), what wrote into it, and the dtypes
+    of the tensors its collectives moved."""
+    import torch
+
+    def watched(grad: Any) -> Any:
+        before = grad.detach().clone()
+        storage = grad.untyped_storage().data_ptr()
+
+        def shares(value: Any) -> bool:
+            return isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage
+
+        def see(namespace: str, name: str, args: tuple) -> None:
+            if namespace == "c10d" and name in CALL_NAMES and args:
+                first = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+                tensors = [t for item in first for t in (item if isinstance(item, list | tuple) else [item])
+                           if isinstance(t, torch.Tensor)]
+                report["dtypes"].update(str(t.dtype) for t in tensors)
+                for tensor in tensors:  # float32 numbers that all fit a half precision were rounded to it first
+                    low = next((low for low in (torch.bfloat16, torch.float16) if tensor.dtype == torch.float32
+                                and tensor.numel() > 8 and torch.equal(tensor.to(low).float(), tensor)), None)
+                    if low is not None:
+                        report["dtypes"].add(f"rounded to {low}")
+                if any(shares(t) for t in tensors):
+                    report["writers"].add(f"dist.{CALL_NAMES[name]}")
+            elif namespace == "aten" and name.endswith("_") and args and shares(args[0]):
+                report["writers"].add(name)  # div_, mul_, add_, ... (fill_ and copy_: strict mode's async)
+
+        with watching(see):
+            returned = hook(grad)
+        if not torch.equal(before, grad.detach()):
+            report["in_place"] = True
+        return returned
+
+    return watched
 
 
 def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any]) -> dict[str, Any]:
@@ -34,8 +73,9 @@ def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any
     x, y = (t.to(device) for t in data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors)
     mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
     yours = models.build("mlp", seed=0).to(device)
+    report: dict[str, Any] = {"in_place": False, "writers": set(), "dtypes": set()}
     for param in yours.parameters():
-        param.register_hook(hook)
+        param.register_hook(_watched(hook, report))
     _, calls = count_collectives(lambda: models.loss_fn("mlp", yours(x[mine]), y[mine]).backward())
     reference = DistributedDataParallel(models.build("mlp", seed=0).to(device),
                                         device_ids=[device.index] if device.type == "cuda" else None)
@@ -43,7 +83,7 @@ def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any
     local = models.build("mlp", seed=0).to(device)
     models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
     flat = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]).cpu() for m in (yours, reference.module, local)]
-    return {"yours": flat[0], "ddp": flat[1], "local": flat[2], "calls": calls}
+    return {"yours": flat[0], "ddp": flat[1], "local": flat[2], "calls": calls, **report}
 
 
 def _one_process_gradient(world_size: int) -> Any:
@@ -57,11 +97,119 @@ def _one_process_gradient(world_size: int) -> Any:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
+def _called(calls: dict[str, int]) -> str:
+    return ", ".join(sorted(calls)) or "no collective"
+
+
+def _one_ranks_gradient(results: list[dict[str, Any]], size: int) -> tuple[int, int] | None:
+    """(k, c) where every rank holds rank k's own gradient divided by c: one rank's gradient handed to all."""
+    for source in range(size):
+        divisor = constant_divisor(results[0]["yours"], results[source]["local"])
+        if divisor is not None and all(constant_divisor(r["yours"], results[source]["local"]) == divisor
+                                       for r in results):
+            return source, divisor
+    return None
+
+
+def _rounded(yours: Any, exact: Any, dtypes: set[str]) -> str | None:
+    """How a gradient that is the mean to a few digits, not to fp32's, was rounded; None if it is not so."""
+    import torch
+
+    if not torch.allclose(yours, exact, rtol=1e-2, atol=1e-4):
+        return None
+    off = f"up to {(yours - exact).abs().max().item():.2g} off the exact mean"
+    for dtype, name in LOW_PRECISION.items():
+        digits = 3 if name == "float16" else 2
+        if dtype in dtypes:
+            return (f"your hook all-reduced the gradient as {name}, so your average went through {name} and was "
+                    f"rounded ({off}; {name} keeps about {digits} significant digits)")
+        if f"rounded to {dtype}" in dtypes:
+            return (f"your hook rounded the gradient to {name} before all-reducing it, so your average went through "
+                    f"{name} and was rounded ({off}; {name} keeps about {digits} significant digits)")
+    for low in (torch.bfloat16, torch.float16):  # the narrower first: a bfloat16 number fits float16 too
+        if torch.equal(yours.to(low).float(), yours):
+            name = str(low).removeprefix("torch.")
+            return f"your average went through {name} and was rounded ({off}: every number is a {name} one)"
+    return f"your average was rounded on the way ({off}): part of it went through a lower precision than float32"
+
+
+def _wrong_average(rank: int, size: int, results: list[dict[str, Any]], single: Any) -> str:
+    """What rank ``rank``'s wrong gradients are, in the learner's terms, and what to change."""
+    import torch
+
+    result = results[rank]
+    yours, local, calls = result["yours"], result["local"], result["calls"]
+    if calls.get("reduce") and not calls.get("all_reduce"):
+        return (f"Rank {rank}'s gradients were not averaged: dist.reduce leaves the sum on one rank only (dst), and "
+                "the others' tensors are undefined (NCCL promises them nothing; the checker fills them with NaN). "
+                "Use dist.all_reduce.")
+    if yours.isnan().any():
+        if calls:
+            return (f"Rank {rank}'s gradients hold NaN: your hook used a tensor that its {_called(calls)} had not "
+                    "finished writing. With async_op=True, call .wait() on the work it returns before dividing or "
+                    "returning the tensor: NCCL writes it later, on its own stream (the checker marks such numbers "
+                    "NaN until wait()).")
+        return f"Rank {rank}'s gradients hold NaN: return the gradient averaged over the ranks."
+    one = _one_ranks_gradient(results, size)
+    if one is not None:
+        source, divisor = one
+        divided = f", divided by {divisor}" if divisor != 1 else ""
+        did = (f"your hook broadcast rank {source}'s gradient to every rank{divided}" if calls.get("broadcast")
+               else f"every rank holds rank {source}'s gradient{divided} (your hook called {_called(calls)})")
+        return (f"With {size} ranks, {did}: that is one rank's gradient, not the mean of all "
+                "ranks'. dist.all_reduce (SUM) adds every rank's gradient into each rank's tensor; divide by "
+                "dist.get_world_size().")
+    if torch.allclose(yours, torch.stack([r["local"] for r in results]).max(0).values, atol=1e-6):
+        return (f"Rank {rank} holds the largest gradient of the ranks, not their mean: ReduceOp.MAX keeps the "
+                "largest; sum with ReduceOp.SUM and divide.")
+    own = constant_divisor(yours, local)
+    if own is not None:
+        divided = f", divided by {own}," if own != 1 else ""
+        if rank_without_communication([calls]) is not None:
+            moved = (f"your hook's {_called(calls)} moves no data" if calls else "your hook called no collective")
+            return (f"Rank {rank} kept its own gradients{divided.rstrip(',')}: {moved}. Call dist.all_reduce(grad) in "
+                    "the hook.")
+        return (f"Rank {rank} kept its own gradients{divided} although your hook called {_called(calls)}: the sum "
+                "went into another tensor than the one your hook returned. dist.all_reduce writes the sum in place, "
+                "into the tensor you pass it: return that tensor (divided by the world size).")
+    divisor = constant_divisor(yours, single * size)  # the sum over ranks divided by what?
+    if divisor == 1:
+        return f"Rank {rank} holds the sum over ranks: divide by dist.get_world_size()."
+    if divisor == size * size:
+        return f"Rank {rank}'s gradients are world_size times too small: divide once."
+    if divisor is not None:
+        return (f"With {size} ranks, rank {rank}'s gradients are the sum over ranks divided by {divisor}: divide by "
+                "dist.get_world_size(), not a constant.")
+    rounded = _rounded(yours, single, result["dtypes"])
+    if rounded is not None:
+        return (f"With {size} ranks, {rounded}. DDP's average is exact in the gradient's dtype: all-reduce the "
+                "float32 gradient itself (casting to half precision is gradient compression, like torch's "
+                "fp16_compress_hook, not DDP's average).")
+    return (f"With {size} ranks, rank {rank}'s gradients differ from DDP's by up to "
+            f"{(yours - result['ddp']).abs().max().item():.3g}: return the gradient divided by the world size and "
+            "all-reduced with SUM.")
+
+
+def _in_place(result: dict[str, Any]) -> str:
+    """What to say to a hook that wrote into its argument."""
+    writers = set(result["writers"])
+    if writers & {"fill_", "copy_"} and result["calls"]:  # strict mode's async collective writes on wait()
+        writers -= {"fill_", "copy_"}
+        writers |= {f"an async dist.{name}" for name in result["calls"]}
+    by = (f" ({' and '.join(sorted(w if w.startswith(('dist.', 'an ')) else f'grad.{w}()' for w in writers))} "
+          "wrote into it)" if writers else "")
+    return ("Right values, but your hook changed the gradient it was given in place" + by + ". torch's "
+            "Tensor.register_hook says: \"The hook should not modify its argument, but it can optionally return "
+            "a new gradient\": autograd may share that tensor with other parts of the backward pass (an addition "
+            "hands one gradient to both its inputs), and they would see your average. Work on a new tensor: "
+            "grad = grad / dist.get_world_size(), then dist.all_reduce(grad), and return it.")
+
+
 def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
     """Notebook 04: ``hook(grad)`` is registered on every parameter (``param.register_hook``) and must
-    return the gradient averaged over the ranks, as DDP makes it. It runs with ``world_size`` ranks and
-    with one more; the gradients must equal torch's ``DistributedDataParallel``'s and those of one
-    process training on all ranks' samples at once.
+    return the gradient averaged over the ranks, as DDP makes it, without changing its argument (torch's
+    contract for tensor hooks). It runs with ``world_size`` ranks and with one more; the gradients must equal
+    torch's ``DistributedDataParallel``'s and those of one process training on all ranks' samples at once.
 
     Example: ``gradient_hook(lambda grad: grad)`` says the gradients were never all-reduced.
     """
@@ -85,37 +233,12 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
                                    f"{err.failures[0].headline()}")
         single = _one_process_gradient(size)
         for rank, result in enumerate(results):
-            yours, ddp, local = result["yours"], result["ddp"], result["local"]
-            if torch.allclose(yours, ddp, atol=1e-6) and torch.allclose(yours, single, atol=1e-6):
-                continue
-            calls = result["calls"]
-            if calls.get("reduce") and not calls.get("all_reduce"):
-                return Feedback(False, f"Rank {rank}'s gradients were not averaged: dist.reduce leaves the sum on "
-                                       "one rank only (dst), and the others keep their own. Use dist.all_reduce.")
-            if torch.allclose(yours, torch.stack([r["local"] for r in results]).max(0).values, atol=1e-6):
-                return Feedback(False, f"Rank {rank} holds the largest gradient of the ranks, not their mean: "
-                                       "ReduceOp.MAX keeps the largest; sum with ReduceOp.SUM and divide.")
-            if calls.get("all_reduce") and torch.allclose(yours, local / size, atol=1e-6):
-                return Feedback(False, f"Rank {rank} holds its own gradients divided by world_size: the all-reduce "
-                                       "had not finished when you divided. With async_op=True, call .wait() on the "
-                                       "work it returns before using the tensor.")
-            if torch.allclose(yours, local, atol=1e-6):
-                if rank_without_communication([result["calls"]]) is not None:
-                    return Feedback(False, f"Rank {rank} kept its own gradients: your hook called no collective. "
-                                           "Call dist.all_reduce(grad) in the hook.")
-                return Feedback(False, f"Rank {rank} kept its own gradients although your hook called "
-                                       f"{', '.join(sorted(result['calls']))}: dist.all_reduce sums in place, into "
-                                       "the tensor you pass it, so return that tensor (divided by the world size).")
-            divisor = constant_divisor(yours, single * size)  # the sum over ranks divided by what?
-            if divisor == 1:
-                return Feedback(False, f"Rank {rank} holds the sum over ranks: divide by dist.get_world_size().")
-            if divisor == size * size:
-                return Feedback(False, f"Rank {rank}'s gradients are world_size times too small: divide once.")
-            if divisor is not None:
-                return Feedback(False, f"With {size} ranks, rank {rank}'s gradients are the sum over ranks divided "
-                                       f"by {divisor}: divide by dist.get_world_size(), not a constant.")
-            return Feedback(False, f"With {size} ranks, rank {rank}'s gradients differ from DDP's by up to "
-                                   f"{(yours - ddp).abs().max().item():.3g}; return the averaged gradient.")
+            yours, ddp = result["yours"], result["ddp"]
+            if not (torch.allclose(yours, ddp, atol=1e-6) and torch.allclose(yours, single, atol=1e-6)):
+                return Feedback(False, _wrong_average(rank, size, results, single))
+        edited = next((result for result in results if result["in_place"]), None)
+        if edited is not None:
+            return Feedback(False, _in_place(edited))
     try:
         halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none", **ON_GLOO)
     except (WorkerError, WorkerTimeout) as err:

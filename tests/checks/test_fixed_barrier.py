@@ -66,46 +66,114 @@ def test_fingerprint_summary_leaves_other_messages_readable():
 # -- the exercise's checker ---------------------------------------------------------------------
 
 
-def _mean_loss_fixed(rank, world_size):
-    loss = torch.tensor([float(rank + 1)])
+def _mean_loss_fixed(rank, world_size, loss):
     dist.all_reduce(loss)
     return (loss / world_size).item()
 
 
-def _mean_loss_buggy(rank, world_size):
-    loss = torch.tensor([float(rank + 1)])
+def _mean_loss_buggy(rank, world_size, loss):
+    loss = loss.clone()
     if rank == 0:
         dist.all_reduce(loss)
         loss /= world_size
     return loss.item()
 
 
-def _sum_not_mean(rank, world_size):
-    loss = torch.tensor([float(rank + 1)])
+def _mean_loss_dividing_first(rank, world_size, loss):
+    share = loss / world_size
+    dist.all_reduce(share, op=dist.ReduceOp.SUM)
+    if rank == 0:
+        print("mean loss:", share.item())
+    return share  # a one-element tensor is a number too
+
+
+def _mean_loss_by_gathering(rank, world_size, loss):
+    losses = [torch.empty_like(loss) for _ in range(world_size)]
+    dist.all_gather(losses, loss)
+    return torch.stack(losses).mean().item()
+
+
+def _max_then_the_formula(rank, world_size, loss):
+    dist.all_reduce(loss, op=dist.ReduceOp.MAX)  # the largest loss, world_size when losses are rank + 1
+    return (loss.item() + 1) / 2  # (1 + world_size) / 2: a formula for losses 1, 2, ..., world_size
+
+
+def _throwaway_collective_then_the_formula(rank, world_size, loss):
+    dist.all_reduce(torch.tensor(float(rank + 1), device=loss.device))
+    return (world_size + 1) / 2
+
+
+def _sum_not_mean(rank, world_size, loss):
     dist.all_reduce(loss)
     return loss
 
 
-def _raises(rank, world_size):
-    raise KeyError("loss")
-
-
-def _mean_by_two(rank, world_size):
-    loss = torch.tensor([float(rank + 1)])
+def _mean_by_two(rank, world_size, loss):
     dist.all_reduce(loss)
     return (loss / 2).item()  # right on 2 ranks only
 
 
-def _every_rank_waits_to_receive(rank, world_size):
-    loss = torch.tensor([float(rank + 1)])
+def _mean_by_reduce(rank, world_size, loss):
+    dist.reduce(loss, dst=0)
+    return loss.item() / world_size
+
+
+def _mean_without_wait(rank, world_size, loss):
+    dist.all_reduce(loss, async_op=True)  # never waited for
+    return loss.item() / world_size
+
+
+def _mean_of_rounded_losses(rank, world_size, loss):
+    rounded = torch.tensor(round(loss.item(), 1), device=loss.device)  # to one decimal, "for the log"
+    dist.all_reduce(rounded)
+    return rounded.item() / world_size
+
+
+def _raises(rank, world_size, loss):
+    raise KeyError("loss")
+
+
+def _every_rank_waits_to_receive(rank, world_size, loss):
     dist.recv(loss, src=(rank + 1) % world_size)  # nobody sends: every rank waits
     return loss.item()
 
 
+RIGHT = [_mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering]
+
+#: (wrong answer, what the message must say): one of each kind
+WRONG = [
+    (_max_then_the_formula, ["all_reduce left the largest loss", "ReduceOp.MAX keeps the largest"]),
+    (_throwaway_collective_then_the_formula, ["Rank 0 called dist.all_reduce, but on [1], not on its own loss"]),
+    (_mean_by_two, ["With 3 ranks, rank 0 returned", "the sum divided by 2", "not a constant"]),
+    (_mean_by_reduce, ["dist.reduce leaves it on one rank only"]),
+    (_mean_without_wait, ["call .wait() on the work"]),
+    (_sum_not_mean, ["returned the sum", "divide by world_size"]),
+    (lambda rank, world_size, loss: loss.item(), ["Rank 0 returned its own loss"]),
+    (_mean_of_rounded_losses, ["called dist.all_reduce, but on [", "not on its own loss"]),
+    (lambda rank, world_size, loss: None, ["returned None"]),
+    (lambda rank, world_size, loss: "1.5", ["return the mean loss as a number"]),
+    (_raises, ["rank 0 raised KeyError"]),
+    ("mean_loss", ["Pass your function itself"]),
+]
+
+
 @pytest.mark.timeout(60)
-def test_checker_accepts_every_rank_calling_the_collective():
-    feedback = fixed_barrier(_mean_loss_fixed)
-    assert feedback.ok and "2 ranks (1.5)" in feedback.message and "3 (2)" in feedback.message, feedback.message
+@pytest.mark.parametrize("fn", RIGHT)
+def test_checker_accepts_every_rank_calling_the_collective_written_differently(fn):
+    feedback = fixed_barrier(fn)
+    assert feedback.ok and "with 2 ranks and with 3" in feedback.message, feedback.message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("fn", "fragments"), WRONG)
+def test_checker_says_what_is_wrong(fn, fragments):
+    feedback = fixed_barrier(fn)
+    assert not feedback.ok and all(fragment in feedback.message for fragment in fragments), feedback.message
+    assert "Traceback" not in feedback.message and "dtlib/" not in feedback.message
+
+
+def test_the_bank_holds_many_kinds():
+    assert len(RIGHT) >= 3 and len(WRONG) >= 8 and len({tuple(says) for _, says in WRONG}) == len(WRONG)
 
 
 @pytest.mark.timeout(60)
@@ -130,44 +198,3 @@ def test_checker_names_the_ranks_that_returned_whatever_their_number(fn, world_s
     feedback = fixed_barrier(fn, world_size=world_size, timeout=3)
     assert not feedback.ok and fragment in feedback.message, feedback.message
     assert "rank(s)" not in feedback.message and "none" not in feedback.message
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("fn", "fragment"),
-    [
-        (lambda rank, world_size: rank + 1, "Rank 0 returned its own loss 1"),
-        (_sum_not_mean, "returned the sum 3"),
-        (lambda rank, world_size: 2.0, "returned 2, expected the mean 1.5"),
-        (lambda rank, world_size: None, "returned None"),
-        (_raises, "rank 0 raised KeyError"),
-        ("mean_loss", "Pass your function itself"),
-        (lambda rank, world_size: 1.5, "Rank 0 returned the mean 1.5, but no collective was called"),
-        (lambda rank, world_size: (world_size + 1) / 2, "no collective was called"),
-        (_mean_by_two, "With 3 ranks, rank 0 returned 3, the sum divided by 2"),
-        (_mean_by_two, "not a constant"),
-    ],
-)
-def test_checker_says_what_is_wrong(fn, fragment):
-    feedback = fixed_barrier(fn)
-    assert not feedback.ok and fragment in feedback.message, feedback.message
-
-
-def _mean_by_max(rank, world_size):
-    loss = torch.tensor(float(rank + 1))
-    dist.all_reduce(loss, op=dist.ReduceOp.MAX)
-    return loss.item()
-
-
-def _mean_by_reduce(rank, world_size):
-    loss = torch.tensor(float(rank + 1))
-    dist.reduce(loss, dst=0)
-    return loss.item() / world_size
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(("fn", "fragment"), [(_mean_by_max, "the largest loss: ReduceOp.MAX keeps the largest"),
-                                              (_mean_by_reduce, "dist.reduce leaves it on one rank only")])
-def test_the_wrong_collective_is_named(fn, fragment):
-    feedback = fixed_barrier(fn, world_size=2, timeout=10)
-    assert not feedback.ok and fragment in feedback.message, feedback.message

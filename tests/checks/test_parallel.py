@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtlib import checks
-from dtlib.checks.parallel import mlp_inputs
+from dtlib.checks.parallel import BATCH, FEATURES, mlp_inputs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -251,12 +251,74 @@ def in_bfloat16(rank, world_size):
     return y
 
 
+def _padded(y, world_size):
+    flat = y.reshape(-1)  # 32 numbers: 3 ranks need padding to 33
+    return torch.cat([flat, flat.new_zeros(-flat.numel() % world_size)])
+
+
+def reduce_scatter_then_all_gather(rank, world_size):  # an all-reduce in its two halves (09, section 5)
+    padded = _padded(no_all_reduce(rank, world_size), world_size)
+    mine = padded.new_empty(padded.numel() // world_size)
+    dist.reduce_scatter_tensor(mine, padded)
+    whole = torch.empty_like(padded)
+    dist.all_gather_into_tensor(whole, mine)
+    return whole[:BATCH * FEATURES].view(BATCH, FEATURES)
+
+
+def reduce_scatter_then_all_gather_as_lists(rank, world_size):
+    pieces = list(_padded(no_all_reduce(rank, world_size), world_size).chunk(world_size))
+    mine = torch.empty_like(pieces[0])
+    dist.reduce_scatter(mine, pieces)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return torch.cat(gathered)[:BATCH * FEATURES].view(BATCH, FEATURES)
+
+
+def reduce_scatter_without_all_gather(rank, world_size):
+    padded = _padded(no_all_reduce(rank, world_size), world_size)
+    mine = padded.new_empty(padded.numel() // world_size)
+    dist.reduce_scatter_tensor(mine, padded)
+    return mine
+
+
+def reduce_scatter_of_the_whole_output(rank, world_size):  # every weight on every rank, then the two halves
+    x, up, down = mlp_inputs()
+    padded = _padded(F.gelu(x @ up.T) @ down.T / world_size, world_size)
+    mine = padded.new_empty(padded.numel() // world_size)
+    dist.reduce_scatter_tensor(mine, padded)
+    whole = torch.empty_like(padded)
+    dist.all_gather_into_tensor(whole, mine)
+    return whole[:BATCH * FEATURES].view(BATCH, FEATURES)
+
+
+def written_for_four_ranks(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up[3 * rank:3 * rank + 3].T) @ down[:, 3 * rank:3 * rank + 3].T  # 3 = 12 / 4, fixed
+    dist.all_reduce(y)
+    return y
+
+
+def chunks_for_two_ranks(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(2, 0)[rank].T) @ down.chunk(2, 1)[rank].T  # 2 pieces, whatever the world size
+    dist.all_reduce(y)
+    return y
+
+
 @pytest.mark.parametrize("fn, ok, fragments", [
     (broadcast_from_rank_0, False, ["also moved data (broadcast)"]),
     (whole_mlp_averaged, False, ["all-reduced a tensor that is not its summand"]),
     (batch_split, False, ["all-reduced a tensor that is not its summand"]),
     (hidden_all_reduced, False, ["all-reduced a tensor of shape (4, 12)"]),
-    (written_for_two_ranks, False, ["with 3 ranks rank 0 all-reduced"]),  # 6 rows, where 3 ranks hold 4 each
+    (written_for_two_ranks, False, ["with 3 ranks rank 0 all-reduced the summand of hidden features 0 to 5",
+                                    "your slice is written for 2 ranks"]),  # 6 rows, where 3 ranks hold 4 each
+    (written_for_four_ranks, False, ["as if there were 4 ranks", "written for 4 ranks"]),
+    (chunks_for_two_ranks, False, ["Rank 2 took a piece that does not exist", "IndexError",
+                                   "up.chunk(world_size, 0)[rank]"]),
+    (reduce_scatter_then_all_gather, True, ["reduce-scatter then all-gather", "one dist.all_reduce(y)"]),
+    (reduce_scatter_then_all_gather_as_lists, True, ["all-reduce in its two halves"]),
+    (reduce_scatter_without_all_gather, False, ["returned a float32 tensor of shape (16,)"]),
+    (reduce_scatter_of_the_whole_output, False, ["reduce-scattered a tensor that is not its summand"]),
     (maximum, False, ["ReduceOp.MAX keeps the largest"]),
     (gelu_after_the_sum, False, ["applied gelu after the second layer"]),
     (async_without_wait, False, ["call .wait()"]),
@@ -322,6 +384,32 @@ def _naive_merge(out1, lse1, out2, lse2):
     return (a * out1 + b * out2) / (a + b), torch.log(a + b)
 
 
+def _naive_merge_in_float64(out1, lse1, out2, lse2):  # review: passed while the scores stayed in float64's range
+    a, b = torch.exp(lse1.double()), torch.exp(lse2.double())  # overflows past lse = 709
+    return ((a * out1 + b * out2) / (a + b)).float(), torch.log(a + b).float()
+
+
+def _shifted_by_a_constant(out1, lse1, out2, lse2):  # neighbour: a fixed shift only moves the range
+    a, b = torch.exp(lse1.double() - 500), torch.exp(lse2.double() - 500)
+    return ((a * out1 + b * out2) / (a + b)).float(), (torch.log(a + b) + 500).float()
+
+
+def _relative_to_the_first_block(out1, lse1, out2, lse2):  # neighbour: one difference, unbounded above
+    ratio = torch.exp(lse2 - lse1)
+    return (out1 + ratio * out2) / (1 + ratio), lse1 + torch.log1p(ratio)
+
+
+def _right_by_the_maximum(out1, lse1, out2, lse2):  # right, written another way: the larger lse subtracted
+    top = torch.maximum(lse1, lse2)
+    a, b = torch.exp(lse1 - top), torch.exp(lse2 - top)
+    return (a * out1 + b * out2) / (a + b), top + torch.log(a + b)
+
+
+def _right_by_softmax(out1, lse1, out2, lse2):  # right, written another way: a softmax over the two blocks
+    weights = torch.softmax(torch.stack([lse1, lse2]), dim=0)
+    return weights[0] * out1 + weights[1] * out2, torch.logsumexp(torch.stack([lse1, lse2]), dim=0)
+
+
 def _max_lse_merge(out1, lse1, out2, lse2):
     lse = torch.logaddexp(lse1, lse2)
     return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, torch.maximum(lse1, lse2)
@@ -332,25 +420,49 @@ def _size_weighted_merge(out1, lse1, out2, lse2):
     return (n1 * out1 + n2 * out2) / (n1 + n2), torch.logaddexp(lse1, lse2)
 
 
-@pytest.mark.parametrize("fn, ok, fragments", [
-    (_right_merge, True, ["a chain of three", "logaddexp"]),
-    (_naive_merge, False, ["inf or nan", "overflows float32"]),
+def _safe_output_naive_lse(out1, lse1, out2, lse2):  # the output safe, the lse through exp: inf past 709
+    lse = torch.logaddexp(lse1, lse2)
+    return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, torch.log(torch.exp(lse1.double())
+                                                                                   + torch.exp(lse2.double())).float()
+
+
+MERGES = [
+    (_right_merge, True, ["a chain of three", "overflows and underflows float64", "logaddexp"]),
+    (_right_by_the_maximum, True, []),
+    (_right_by_softmax, True, []),
+    (lambda *args: tuple(t.double() for t in _right_merge(*(a.double() for a in args))), True, []),  # float64
+    (_naive_merge, False, ["scores near 1000", "inf or nan", "float32", "torch.logaddexp(lse1, lse2)"]),
+    (_naive_merge_in_float64, False, ["scores near 1000", "inf or nan", "even in float64", "no dtype saves"]),
+    (_shifted_by_a_constant, False, ["scores near -1000", "underflows to 0", "0/0 is nan"]),
+    (_relative_to_the_first_block, False, ["one block's scores 1000 above the other's", "exp(lse2 - lse1)",
+                                           "overflows even float64"]),
+    (_safe_output_naive_lse, False, ["your merged lse holds inf or nan"]),
     (_max_lse_merge, False, ["three in a chain do not", "torch.logaddexp(lse1, lse2)"]),
     (_size_weighted_merge, False, ["you averaged the two outputs"]),
     (lambda out1, lse1, out2, lse2: _right_merge(out1, lse1, out2, lse2)[0], False, ["Return (out, lse)"]),
     (lambda out1, lse1, out2, lse2: (torch.where(lse1 > lse2, out1, out2), torch.maximum(lse1, lse2)), False,
      ["differs from full attention"]),
     (lambda out1, lse1, out2: None, False, ["raised TypeError"]),
-    (lambda *args: tuple(t.double() for t in _right_merge(*(a.double() for a in args))), True, []),  # float64
     (lambda *args: (_right_merge(*args)[0].numpy(), _right_merge(*args)[1]), False, ["a torch tensor, got ndarray"]),
     (lambda *args: (_right_merge(*args)[0], _right_merge(*args)[1].squeeze(-1)), False, ["merged lse should be"]),
     ("merge", False, ["Pass your function itself"]),
-])
+]
+
+
+@pytest.mark.parametrize("fn, ok, fragments", MERGES)
 def test_softmax_merge(fn, ok, fragments):
     feedback = checks.softmax_merge(fn)
     assert feedback.ok is ok, feedback.message
     for fragment in fragments:
         assert fragment in feedback.message, feedback.message
+
+
+def test_the_merge_bank_holds_many_kinds_and_its_large_scores_pass_float64s_range():
+    from dtlib.checks.parallel import MERGE_CASES, _merge_case
+
+    assert sum(ok for _, ok, _ in MERGES) >= 3 and sum(not ok for _, ok, _ in MERGES) >= 8
+    lses = [lse for sizes, offsets, _, _ in MERGE_CASES for _, lse in _merge_case(sizes, offsets)[1]]
+    assert max(float(lse.max()) for lse in lses) > 709.8 and min(float(lse.min()) for lse in lses) < -745.2
 
 
 def test_an_all_reduce_read_part_way_is_named_as_unfinished():

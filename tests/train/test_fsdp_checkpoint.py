@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dtlib
+from dtlib import compat
 from dtlib.train import common as runs
 from dtlib.train import data, fsdp, fsdp_checkpoint, fsdp_wrap, models
 from dtlib.train.fsdp import FSDPConfig
@@ -157,6 +158,7 @@ def _documented_route(rank: int, world_size: int) -> dict[str, object]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the documented route works")
 @pytest.mark.timeout(90)
+@pytest.mark.skipif(compat.fsdp1_cpu_offload_state_dict_works(), reason="this torch fixed the documented route")
 def test_documented_fsdp1_full_state_dict_fails_on_the_cpu(leftovers):
     with pytest.raises(dtlib.WorkerError, match=r"setStorage|out of bounds") as info:
         dtlib.spawn(_documented_route, 2, timeout=30, output="none")

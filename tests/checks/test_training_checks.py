@@ -1,0 +1,181 @@
+"""dtlib.checks.gradient_hook (notebook 04): a bank of wrong hooks, each of a distinct kind and each named in the
+learner's terms, and right hooks written several ways.
+
+The hook is a tensor hook (``param.register_hook``): torch's contract is "The hook should not modify its argument,
+but it can optionally return a new gradient", so a hook that averages into the gradient it was given is refused
+even where the numbers come out right. The checker runs under strict mode: an async collective's tensor reads NaN
+until ``wait()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtlib import checks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# -- right answers, written three ways ------------------------------------------------------------
+
+
+def right_divide_first(grad):  # notebook 04's answer
+    grad = grad / dist.get_world_size()  # divide first, as DDP does: the sum of halves cannot overflow
+    dist.all_reduce(grad)
+    return grad
+
+
+def right_async_then_wait(grad):
+    averaged = grad.div(dist.get_world_size())
+    dist.all_reduce(averaged, async_op=True).wait()
+    return averaged
+
+
+def right_in_float64(grad):
+    wide = grad.double()  # a sum in float64 neither overflows in fp16 nor rounds in fp32
+    dist.all_reduce(wide)
+    return (wide / dist.get_world_size()).to(grad.dtype)
+
+
+# -- wrong answers, one kind each -------------------------------------------------------------------
+
+
+def kept_own(grad):
+    return grad
+
+
+def summed(grad):
+    grad = grad.clone()
+    dist.all_reduce(grad)
+    return grad
+
+
+def by_two(grad):
+    grad = grad / 2  # right on 2 ranks only
+    dist.all_reduce(grad)
+    return grad
+
+
+def by_world_size_twice(grad):
+    grad = grad / dist.get_world_size()
+    dist.all_reduce(grad)
+    return grad / dist.get_world_size()
+
+
+def by_reduce(grad):
+    grad = grad / dist.get_world_size()
+    dist.reduce(grad, dst=0)
+    return grad
+
+
+def by_max(grad):
+    grad = grad.clone()
+    dist.all_reduce(grad, op=dist.ReduceOp.MAX)
+    return grad
+
+
+def reduces_a_copy(grad):
+    dist.all_reduce(grad.clone())  # the sum lands in the copy, which is dropped
+    return grad / dist.get_world_size()
+
+
+def async_without_wait(grad):  # review: nothing said about wait()
+    grad = grad / dist.get_world_size()
+    dist.all_reduce(grad, async_op=True)
+    return grad
+
+
+def waits_too_late(grad):  # neighbour: the work is waited for, but after the tensor was read
+    summed = grad.clone()
+    work = dist.all_reduce(summed, async_op=True)
+    averaged = summed / dist.get_world_size()
+    work.wait()
+    return averaged
+
+
+def broadcast(grad):  # review: was told to "return that tensor"
+    grad = grad.clone()
+    dist.broadcast(grad, src=0)
+    return grad
+
+
+def gathered_and_took_rank_1(grad):  # neighbour: one rank's gradient handed to all, by another collective
+    pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, grad)
+    return pieces[1] / dist.get_world_size()
+
+
+def through_fp16(grad):  # review: was told to "return the averaged gradient", which it did, rounded
+    half = grad.half() / dist.get_world_size()
+    dist.all_reduce(half)
+    return half.to(grad.dtype)
+
+
+def through_bfloat16_before_the_sum(grad):  # neighbour: rounded before an fp32 all-reduce
+    rounded = (grad / dist.get_world_size()).bfloat16().float()
+    dist.all_reduce(rounded)
+    return rounded
+
+
+def in_place_returned(grad):  # review: right numbers, but the argument was changed
+    grad.div_(dist.get_world_size())
+    dist.all_reduce(grad)
+    return grad
+
+
+def in_place_returning_none(grad):  # neighbour: autograd keeps the changed argument when a hook returns None
+    grad /= dist.get_world_size()
+    dist.all_reduce(grad)
+
+
+def sum_then_divide(grad):
+    summed = grad.clone()
+    dist.all_reduce(summed)
+    return summed / dist.get_world_size()  # right in fp32; in fp16 the sum overflows first
+
+
+RIGHT = [right_divide_first, right_async_then_wait, right_in_float64]
+
+WRONG = [
+    (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
+    (summed, ["holds the sum over ranks"]),
+    (by_two, ["With 3 ranks", "divided by 2", "not a constant"]),
+    (by_world_size_twice, ["world_size times too small"]),
+    (by_reduce, ["dist.reduce leaves the sum on one rank only"]),
+    (by_max, ["the largest gradient of the ranks, not their mean"]),
+    (reduces_a_copy, ["kept its own gradients, divided by 2, although your hook called all_reduce",
+                      "return that tensor"]),
+    (async_without_wait, ["hold NaN", "async_op=True, call .wait()"]),
+    (waits_too_late, ["hold NaN", ".wait()"]),
+    (broadcast, ["your hook broadcast rank 0's gradient", "not the mean of all ranks'"]),
+    (gathered_and_took_rank_1, ["every rank holds rank 1's gradient", "called all_gather", "divided by 2"]),
+    (through_fp16, ["all-reduced the gradient as float16", "went through float16 and was rounded"]),
+    (through_bfloat16_before_the_sum, ["rounded the gradient to bfloat16 before all-reducing it",
+                                       "went through bfloat16 and was rounded"]),
+    (in_place_returned, ["changed the gradient it was given in place", "grad.div_()", "dist.all_reduce",
+                         "should not modify its argument"]),
+    (in_place_returning_none, ["changed the gradient it was given in place", "grad = grad / dist.get_world_size()"]),
+    (sum_then_divide, ["in fp16 two gradients of 40000", "divides each gradient by the world size first"]),
+    ("average_gradient", ["Pass your hook function itself"]),
+]
+
+
+@pytest.mark.parametrize("hook", RIGHT)
+def test_gradient_hook_accepts_right_hooks_written_several_ways(hook):
+    feedback = checks.gradient_hook(hook)
+    assert feedback.ok, feedback.message
+    assert "one process" in feedback.message
+
+
+@pytest.mark.parametrize(("hook", "fragments"), WRONG)
+def test_gradient_hook_names_each_kind_of_wrong_hook(hook, fragments):
+    feedback = checks.gradient_hook(hook)
+    assert not feedback.ok, feedback.message
+    for fragment in fragments:
+        assert fragment in feedback.message, feedback.message
+
+
+def test_the_bank_holds_many_kinds():
+    assert len(RIGHT) >= 3 and len({fragments[0] for _, fragments in WRONG}) >= 8
