@@ -208,7 +208,8 @@ SUM_OF_RANKS = RankExercise(
     no_collective=lambda rank, expected: (
         f"Rank {rank} returned the sum, but no collective was called. Use dist.all_reduce to add up the ranks' x."),
     right=lambda first, second: (f"Every rank returned the sum of every rank's x, with {first} ranks and with "
-                                 f"{second}, on new random numbers each time: the all-reduce added them up."),
+                                 f"{second}, on new random numbers each time: only a collective could have added "
+                                 "them up."),
     hang=lambda err, name: f"Your function hung: does every rank call the same collective? Details:\n{err}",
     failure=_raised,
     moved=_moved("x"),
