@@ -140,16 +140,18 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
         rank = dist.get_rank()
-        undefined_here = name == "reduce" and rank != _global_dst(arguments)
+        undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
         if not arguments.get("async_op"):
             result = original(*bound.args, **bound.kwargs)
             if undefined_here:
                 poison(arguments["tensor"])
             return result
-        # Async: the collective writes copies; the caller's tensors read as undefined until wait().
-        theirs = [t for key in writes for t in _tensors(arguments.get(key))]
+        # Async: the collective writes copies; the caller's tensors read as undefined until wait(). A broadcast's
+        # source only reads its tensor: that stays readable (writing it before wait() is still a race).
+        written = () if name == "broadcast" and rank == _global_root(arguments, "src") else writes
+        theirs = [t for key in written for t in _tensors(arguments.get(key))]
         copies = {id(t): t.clone() for t in theirs}
-        for key in writes:
+        for key in written:
             value = arguments.get(key)
             if isinstance(value, torch.Tensor):
                 arguments[key] = copies[id(value)]
@@ -168,11 +170,12 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return collective
 
 
-def _global_dst(arguments: dict[str, Any]) -> int:
-    """``reduce``'s destination as a global rank (``dst``, or ``group_dst`` in its group)."""
-    if arguments.get("group_dst") is not None:
-        return dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments["group_dst"])
-    return arguments["dst"]
+def _global_root(arguments: dict[str, Any], key: str) -> int:
+    """A rooted collective's root as a global rank: ``arguments[key]`` (``"src"``, ``"dst"``), or
+    ``group_src``/``group_dst``, a rank within ``group``."""
+    if arguments.get(f"group_{key}") is not None:
+        return dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[f"group_{key}"])
+    return arguments[key]
 
 
 class _PointToPoint:

@@ -63,6 +63,20 @@ def _async_reads(rank, world_size):
     return before.tolist(), x.tolist(), gathered_before.tolist(), gathered.tolist(), chained.wait().tolist()
 
 
+def _async_broadcast(rank, world_size):
+    x = torch.full((2,), float(rank + 5))
+    work = dist.broadcast(x, src=0, async_op=True)
+    before = x.tolist()  # the source's own tensor: read, never written, by the broadcast
+    work.wait()
+    return before, x.tolist()
+
+
+def test_an_async_broadcast_leaves_its_source_readable_and_the_others_undefined_until_wait():
+    (source_before, source_after), (other_before, other_after) = dtlib.spawn(_async_broadcast, 2, strict=True)
+    assert source_before == source_after == [5.0, 5.0]
+    assert all(math.isnan(v) for v in other_before) and other_after == [5.0, 5.0]
+
+
 def test_an_async_collectives_tensors_read_nan_until_wait_and_the_result_after():
     for rank, (before, after, gathered_before, gathered, chained) in enumerate(dtlib.spawn(_async_reads, 2,
                                                                                            strict=True)):
