@@ -23,15 +23,6 @@ pytestmark = pytest.mark.timeout(300)
 C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    live = dtlib.LiveRanks(2, backend="gloo", timeout=60)
-    try:
-        yield live
-    finally:
-        live.close()
-
-
 def _hang(ranks: dtlib.LiveRanks, code: str) -> str:
     """The message of the hang (or of the error that left the others waiting) that ``code`` makes."""
     with pytest.raises(dtlib.WorkerError) as caught:

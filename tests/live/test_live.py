@@ -23,15 +23,6 @@ from dtlib.live.rankview import RankValues, compare
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    live = dtlib.LiveRanks(2, backend="gloo", timeout=60)
-    try:
-        yield live
-    finally:
-        live.close()
-
-
 def test_values_are_each_ranks_last_expression_and_output_is_prefixed(ranks, capsys):
     assert ranks.run("x = torch.tensor([rank + 1.0])\nprint('hello from', rank)\nx") == [
         torch.tensor([1.0]), torch.tensor([2.0])]
