@@ -78,16 +78,22 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-#: dtlib's own wrappers of torch.distributed functions (counting, the communication log): they pass calls on,
-#: so the code that called them decides.
-PASS_THROUGH = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), "measure", name)
-                     for name in ("counting.py", "commlog.py"))
+#: The code of wrappers that pass torch.distributed calls on (dtlib's counters and communication log): the code
+#: that called them decides whether a call is torch's own.
+_PASS_THROUGH: set[Any] = set()
+
+
+def passes_through(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``wrapper``, a function that wraps a ``torch.distributed`` call and passes it on, so that strict mode
+    judges a call by whoever called the wrapper (FSDP's calls through a counter stay torch's own). A decorator."""
+    _PASS_THROUGH.add(wrapper.__code__)
+    return wrapper
 
 
 def _called_from_torch() -> bool:
     """Whether the wrapped function's caller is torch's own code (FSDP, DDP, DTensor, checkpointing)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in PASS_THROUGH:
+    while frame is not None and frame.f_code in _PASS_THROUGH:
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR)
 

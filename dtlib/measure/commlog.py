@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib.launch import strict
+
 #: Collectives the log can wrap, and which argument holds the whole buffer S (by position).
 SIZED_BY = {
     "all_reduce": 0,
@@ -110,6 +112,7 @@ class CommLog:
     def _wrapped(self, name: str, original: Any) -> Any:
         signature = inspect.signature(original)
 
+        @strict.passes_through
         def collective(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             buffer = list(bound.arguments.values())[SIZED_BY[name]]

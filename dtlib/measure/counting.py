@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtlib import compat
+from dtlib.launch import strict
 from dtlib.launch.spawn import spawn
 
 #: c10d operator (``torch.ops.c10d.<name>``) -> the ``torch.distributed`` call that a learner writes.
@@ -163,6 +164,7 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
     def wrapped(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
 
+        @strict.passes_through
         def collective(*call_args: Any, **kwargs: Any) -> Any:
             # Under the name the course teaches: FSDP2 calls all_gather_into_tensor before torch 2.13.
             note(label_of(signature.bind(*call_args, **kwargs).arguments.get("group")), compat.current_name(call))
