@@ -96,11 +96,23 @@ def _short(tensor: Any) -> str:
     return "[" + ", ".join(f"{v:g}" for v in values) + more + "]"
 
 
+def _rounded_everywhere(a: Answer) -> bool:
+    """Whether every rank sent its own input rounded to whole numbers (a rank whose input was already whole, or
+    one whose stand-in only happens to equal its rounded input, does not make it so)."""
+    for rank, entries in enumerate(a.carried):
+        own = torch.as_tensor(a.inputs[rank], dtype=torch.float64).flatten()
+        if torch.equal(own, own.round()) or not any(
+                entry.call in _SENDING and entry.sent.shape == own.shape and torch.equal(entry.sent, own.round())
+                for entry in entries):
+            return False
+    return bool(a.carried)
+
+
 def _stand_in_said(name: str, fix: str) -> Callable[[Answer], str]:
     def say(a: Answer) -> str:
         entry = _stand_in(a)
         assert entry is not None
-        if entry.sent.shape == a.own.flatten().shape and torch.equal(entry.sent, a.own.flatten().round()):
+        if _rounded_everywhere(a):
             return (f"Rank {a.rank} called dist.{entry.call} on its {name} rounded to whole numbers "
                     f"({_short(entry.sent)}, where its {name} is {_short(a.own)}): pass the {name} as it is, in "
                     "float32, and the collective keeps the fractions.")

@@ -198,3 +198,20 @@ def test_checker_names_the_ranks_that_returned_whatever_their_number(fn, world_s
     feedback = fixed_barrier(fn, world_size=world_size, timeout=3)
     assert not feedback.ok and fragment in feedback.message, feedback.message
     assert "rank(s)" not in feedback.message and "none" not in feedback.message
+
+
+def test_a_stand_in_that_equals_one_ranks_rounded_loss_is_not_called_rounding():
+    """CI once drew rank 0's loss as 1.42: its stand-in 1.0 equalled the loss rounded, and the message said the
+    learner rounded the loss. Rounding is named only when every rank sent its own input rounded."""
+    from dtlib.checks.ranks import _rounded_everywhere
+    from dtlib.checks.skeleton import Answer, Carried
+
+    def answer(sent: list[float], losses: list[float]) -> Answer:
+        carried = [[Carried("all_reduce", torch.tensor([s], dtype=torch.float64), torch.tensor([sum(sent)]))]
+                   for s in sent]
+        return Answer(rank=0, size=2, world_size=2, returned=1.5, value=1.5, expected=2.0, values=[1.5, 1.5],
+                      calls=[{"all_reduce": 1}] * 2, inputs=[torch.tensor(x) for x in losses], carried=carried)
+
+    assert not _rounded_everywhere(answer([1.0, 2.0], [1.42, 3.71]))  # rank + 1: rank 0's only by chance
+    assert _rounded_everywhere(answer([1.0, 4.0], [1.42, 3.71]))
+    assert not _rounded_everywhere(answer([2.0, 4.0], [2.0, 4.0]))  # whole already: nothing was rounded
