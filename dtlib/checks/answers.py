@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
+import numbers
 import os
 import re
 import shlex
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from dtlib.feedback import Feedback
 from dtlib.launch import torchrun
@@ -25,23 +29,49 @@ from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory
 from dtlib.train import guide
 
+#: Backends torch knows besides gloo and NCCL, which ``backend="auto"`` never picks, and what they are for.
+_OTHER_BACKENDS = {"mpi": "MPI, which needs a torch built against an MPI library",
+                   "ucc": "UCC, an experimental backend torch must be built with",
+                   "xccl": "XCCL, for Intel GPUs", "hccl": "HCCL, for Huawei's Ascend NPUs",
+                   "fake": "the fake backend, which moves no data (for tests and simulations)"}
+#: Devices a learner may name instead of a backend, and the backend that runs on them.
+_DEVICES = {"cpu": "gloo", "cuda": "nccl", "gpu": "nccl"}
+
 
 def backend_choice(answer: Any, world_size: int = 2) -> Feedback:
-    """Notebook 00: which backend does ``dtlib.spawn(backend="auto")`` pick for ``world_size`` ranks here?"""
+    """Notebook 00: which backend does ``dtlib.spawn(backend="auto")`` pick for ``world_size`` ranks here?
+
+    Any spelling of the name is taken ("gloo", " Gloo", ``dist.Backend.GLOO``). A device, "auto" itself, a
+    backend that "auto" never picks, or more than one name is refused with what it is.
+    """
     if answer is None:
         return Feedback(False, "No answer yet: set `answer` to 'gloo' or 'nccl'.")
-    if not isinstance(answer, str) or answer.lower() not in ("gloo", "nccl", "mpi"):
-        return Feedback(False, f"{answer!r} is not a backend name; the choices are 'gloo', 'nccl' and 'mpi'.")
-    expected = resolve_backend("auto", world_size)
-    if answer.lower() == expected:
+    if not isinstance(answer, str):
+        return Feedback(False, f"Answer with one backend's name as a string, 'gloo' or 'nccl', not "
+                               f"{type(answer).__name__} {answer!r}.")
+    name, expected = answer.strip().lower(), resolve_backend("auto", world_size)
+    if name == expected:
         why = "one GPU per rank is available" if expected == "nccl" else "there are not enough GPUs for NCCL"
         return Feedback(True, f"Right: {expected}, because {why} for {world_size} ranks.")
-    if answer.lower() == "nccl":
+    if name == "nccl":
         return Feedback(False, f"NCCL needs one CUDA GPU per rank; this machine cannot give {world_size} ranks "
                                "a GPU each (look at the GPU count above).")
-    if answer.lower() == "mpi":
-        return Feedback(False, "dtlib never picks MPI by itself; 'auto' chooses between NCCL and gloo.")
-    return Feedback(False, f"This machine has enough GPUs for {world_size} ranks, so 'auto' picks NCCL.")
+    if name == "gloo":
+        return Feedback(False, f"This machine has enough GPUs for {world_size} ranks, so 'auto' picks NCCL.")
+    if name == "auto":
+        return Feedback(False, "'auto' is what you ask dtlib.spawn for; the question is which backend it then "
+                               "picks on this machine: 'gloo' or 'nccl'.")
+    if name in _DEVICES:
+        return Feedback(False, f"{answer.strip()!r} is a device, not a backend: a backend is the library that moves "
+                               f"the bytes between ranks ({_DEVICES[name]} is the one for {name} tensors). Which "
+                               "backend does 'auto' pick here?")
+    if name in _OTHER_BACKENDS:
+        return Feedback(False, f"{answer.strip()!r} is {_OTHER_BACKENDS[name]}; 'auto' never picks it: it chooses "
+                               "between NCCL and gloo.")
+    if "gloo" in name and "nccl" in name:
+        return Feedback(False, "Pick one: 'auto' takes NCCL when every rank can have a GPU of its own and gloo "
+                               "otherwise, so on this machine only one of the two is right.")
+    return Feedback(False, f"{answer!r} is not a backend name; the choices are 'gloo' and 'nccl'.")
 
 
 #: Units an answer in bytes may have been given in by mistake: name, bytes per unit, and how to say it.
@@ -65,8 +95,13 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
     expected = memory.estimate(num_params, world_size, strategy, **fp32_adam)
     if answer is None:
         return Feedback(False, "No answer yet: set `answer` to a number of bytes.")
-    if not isinstance(answer, (int, float)) or isinstance(answer, bool):
+    if isinstance(answer, torch.Tensor) and answer.numel() == 1:
+        answer = answer.item()  # a number computed with torch
+    if not isinstance(answer, numbers.Real) or isinstance(answer, bool):
         return Feedback(False, f"Answer with a number of bytes, not {type(answer).__name__}.")
+    answer = float(answer)  # numpy's numbers too
+    if not math.isfinite(answer) or answer <= 0:
+        return Feedback(False, f"{answer:g} is not a number of bytes: the answer is a positive count.")
     if abs(answer - expected) <= 0.01 * expected:
         return Feedback(True, f"Right: {expected:,.0f} bytes per rank; the measured figure above is within 0.1% "
                               "(Adam's step counters are the difference).")

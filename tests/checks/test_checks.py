@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,19 +31,34 @@ def test_feedback_shows_a_mark_and_is_truthy_only_when_ok():
 # -- notebook 00: the backend "auto" picks ------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("answer", "ok", "fragment"),
-    [
-        (resolve_backend("auto", 2), True, "Right"),
-        (resolve_backend("auto", 2).upper(), True, "Right"),
-        (None, False, "No answer yet"),
-        (42, False, "not a backend name"),
-        ("tcp", False, "not a backend name"),
-        ("mpi", False, "never picks MPI"),
-    ],
-)
+_PICKED = resolve_backend("auto", 2)
+_NOT_PICKED = "nccl" if _PICKED == "gloo" else "gloo"
+BACKEND = [
+    (_PICKED, True, "Right"),
+    (_PICKED.upper(), True, "Right"),
+    (f"  {_PICKED.capitalize()}\n", True, "Right"),  # as typed, with spaces and a capital
+    (dist.Backend(_PICKED), True, "Right"),  # torch's own constant
+    (None, False, "No answer yet"),
+    (42, False, "not int 42"),
+    (["gloo"], False, "not list"),
+    ("tcp", False, "not a backend name"),
+    ("mpi", False, "'auto' never picks it"),
+    ("ucc", False, "experimental backend"),
+    ("auto", False, "the question is which backend it then picks"),
+    ("cpu", False, "is a device, not a backend"),
+    ("cuda", False, "(nccl is the one for cuda tensors)"),
+    ("gloo or nccl", False, "Pick one"),
+    (_NOT_PICKED, False, "GPU"),
+]
+
+
+@pytest.mark.parametrize(("answer", "ok", "fragment"), BACKEND)
 def test_backend_choice(answer, ok, fragment):
     _assert_verdict(checks.backend_choice(answer, world_size=2), ok, [fragment])
+
+
+def test_the_backend_bank_holds_many_kinds():
+    assert sum(ok for _, ok, _ in BACKEND) >= 3 and len({said for _, ok, said in BACKEND if not ok}) >= 8
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs a machine with fewer than 2 GPUs")
@@ -553,6 +569,12 @@ FULL_SHARD_BYTES = 16 * 28_064 / 4  # 112,256: 16 bytes per fp32 parameter with 
         (0.2, False, ["0.2 bytes is off by a factor of 1.78e-06"]),
         (None, False, ["No answer yet"]),
         ("112256", False, ["not str"]),
+        (np.int64(FULL_SHARD_BYTES), True, ["112,256 bytes per rank"]),  # computed with numpy
+        (torch.tensor(16 * 28_064) / 4, True, ["112,256 bytes per rank"]),  # or with torch
+        (4 * 28_064 / 4, False, ["counts the parameters only"]),
+        (12 * 28_064 / 4, False, ["misses the gradients"]),
+        (float("nan"), False, ["nan is not a number of bytes"]),
+        (-FULL_SHARD_BYTES, False, ["a positive count"]),
     ],
 )
 def test_fsdp_memory(answer, ok, fragments):
@@ -567,6 +589,28 @@ def _wrap_blocks_then_root(model, mesh):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def _wrap_by_type_and_keep_the_root_gathered(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlib.train.models import Block
+
+    for module in model.modules():  # right, written another way: units found by type
+        if isinstance(module, Block):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # backward needs the root's parameters first
+    return model
+
+
+def _wrap_blocks_with_a_policy(model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+    for index in reversed(range(len(model.blocks))):  # right: the order among blocks does not matter
+        fully_shard(model.blocks[index], **policy)
+    fully_shard(model, **policy)
+    return model
 
 
 def _wrap_root_only(model, mesh):
@@ -633,9 +677,10 @@ def _wrap_without_the_mesh(model, mesh):
 
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("wrap, ok, fragments", [
+WRAPS = [
     (_wrap_blocks_then_root, True, ["224,632 bytes of model state", "(16P/N = 224,512)"]),
+    (_wrap_by_type_and_keep_the_root_gathered, True, ["Each block is a unit and the root comes last"]),
+    (_wrap_blocks_with_a_policy, True, ["Each block is a unit and the root comes last"]),
     (lambda model, mesh: model, False, ["Nothing was sharded"]),
     (lambda model: model, False, ["my_wrap(model, mesh)"]),
     (_wrap_without_the_mesh, False, ["not over the mesh you were given", "pass mesh=mesh to every fully_shard"]),
@@ -647,9 +692,17 @@ def _wrap_without_the_mesh(model, mesh):
     ("fully_shard", False, ["Pass your function itself"]),
     (_wrap_blocks_as_one_group, False, ["Your 2 blocks are 1 unit", "groups its modules into one unit"]),
     (_wrap_every_linear, False, ["Your units are smaller than a block", "less than a unit per block would"]),
-])
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrap, ok, fragments", WRAPS)
 def test_fsdp_wrap(wrap, ok, fragments):
     _assert_verdict(checks.fsdp_wrap(wrap), ok, fragments)
+
+
+def test_the_wrap_bank_holds_many_kinds():
+    assert sum(ok for _, ok, _ in WRAPS) >= 3 and sum(not ok for _, ok, _ in WRAPS) >= 8
 
 
 # --- the skeleton every rank-function exercise shares ----------------------------------------------------------
