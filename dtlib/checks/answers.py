@@ -103,8 +103,12 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
     if not math.isfinite(answer) or answer <= 0:
         return Feedback(False, f"{answer:g} is not a number of bytes: the answer is a positive count.")
     if abs(answer - expected) <= 0.01 * expected:
+        alike = {4: "the fp32 weights of the whole model", 2: "the whole model's weights in 16 bits"}
+        coincidence = next((f" It is also {what}, {size} x {num_params:,}, which a rank does not hold: the same "
+                            f"number only because 16 bytes over {world_size} ranks is {size} bytes per parameter."
+                            for size, what in alike.items() if abs(size * num_params - expected) < 0.5), "")
         return Feedback(True, f"Right: {expected:,.0f} bytes per rank; the measured figure above is within 0.1% "
-                              "(Adam's step counters are the difference).")
+                              f"(Adam's step counters are the difference).{coincidence}")
     p, n = num_params, world_size
     known = {
         16 * p: "that is every rank holding everything, as DDP does: FULL_SHARD divides all three by world_size.",
@@ -433,8 +437,11 @@ def torchrun_command(command: Any, *, nnodes: int = 2, nproc_per_node: int = 4, 
             hint = "".join(f" ({var}={env[var]} in front does not set it: torchrun reads only its options and "
                            f"PET_{name.upper()}{f'; it sets {var} for its ranks' if var in _SET_FOR_RANKS else ''}.)"
                            for var in _NOT_READ[name] if var in env)
+            default = str(defaults[name])
+            if name == "nnodes" and default == "1:1":
+                default = "1 (its default, written 1:1: at least one node and at most one)"
             return Feedback(False, f"--{name} is missing: this job needs {job[name]}, and without it torchrun uses "
-                                   f"{defaults[name]}.{hint}")
+                                   f"{default}.{hint}")
         if wrong is not None:
             variable = f"PET_{name.upper()}"
             return Feedback(False, wrong if given[name] is not torchrun.NOT_GIVEN
