@@ -1,0 +1,150 @@
+"""The most bytes a rank's tensors hold at once, and what held them at that moment: a tracker of storages
+that, unlike torch's memory trackers, takes any number of forwards per step (a pipeline's micro-batches).
+
+Every storage an op creates is followed until it is freed; FSDP's resizing of a storage to 0 and back is
+read as it happens. At each new peak the tracker notes each live storage's category:
+
+- ``weights``: the parameters as the model holds them between steps (FSDP's shards), there when it starts;
+- ``activations``: what autograd saved for backward (``saved_tensors_hooks``), parameters left out;
+- ``optimizer``: what the optimizer's step created (Adam's moments);
+- ``gradients``: what a parameter's ``.grad`` holds once backward is done (read back at the end);
+- ``gathered and temporary``: the rest: FSDP's all-gathered weights and communication buffers, the outputs
+  and intermediates of ops not saved for backward.
+
+Bytes are the storages' sizes, without the CUDA caching allocator's rounding and fragmentation (the CPU and
+fake tensors have none), so a GPU's ``max_memory_allocated`` reads a few percent more.
+
+Example (inside a rank; the optimizer is optional)::
+
+    with PeakTracker(model, optimizer) as peak:
+        step()
+    peak.categories()    # {"weights": ..., "activations": ..., ...}, at the peak
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "gathered and temporary")
+
+
+def _storages(tensor: Any) -> list[Any]:
+    """The storages behind a tensor: a DTensor's local shard's, a plain tensor's own."""
+    if not isinstance(tensor, torch.Tensor):
+        return []
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    if is_traceable_wrapper_subclass(tensor):  # another wrapper subclass: its inner tensors
+        names, _ = tensor.__tensor_flatten__()
+        return [s for name in names for s in _storages(getattr(tensor, name))]
+    return [tensor.untyped_storage()]
+
+
+class PeakTracker(TorchDispatchMode):
+    """Follow every storage created inside the block; :attr:`peak` is the most bytes live at once (the
+    parameters' included), :meth:`categories` what held them then."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        self._refs: dict[int, tuple[weakref.ref, str]] = {}
+        self.peak = 0
+        self._at_peak: list[tuple[weakref.ref, str, int]] = []
+        self._stepping = False
+        self._hooks: list[Any] = []
+        self._gradients: set[int] = set()
+
+    # -- following storages -------------------------------------------------------------------------------
+
+    def _follow(self, storage: Any, category: str) -> None:
+        key = id(storage)
+        known = self._refs.get(key)
+        if known is not None and known[0]() is storage:
+            if category != "gathered and temporary" and known[1] == "gathered and temporary":
+                self._refs[key] = (known[0], category)  # a temporary saved for backward, say
+            return
+        self._refs[key] = (weakref.ref(storage, lambda _, key=key: self._refs.pop(key, None)), category)
+
+    def _total(self) -> int:
+        return sum(ref().nbytes() for ref, _ in list(self._refs.values()) if ref() is not None)
+
+    def _check_peak(self) -> None:
+        total = self._total()
+        if total > self.peak:
+            self.peak = total
+            self._at_peak = [(ref, category, ref().nbytes()) for ref, category in list(self._refs.values())
+                             if ref() is not None]
+
+    # -- the dispatch mode and the hooks ---------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        category = "optimizer" if self._stepping else "gathered and temporary"
+        for tensor in tree_leaves(out):
+            for storage in _storages(tensor):
+                self._follow(storage, category)
+        self._check_peak()
+        return out
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        weights = {id(s) for p in self.model.parameters() for s in _storages(p)}
+        for storage in _storages(tensor):
+            if id(storage) not in weights:
+                self._follow(storage, "activations")
+        return tensor
+
+    def __enter__(self) -> PeakTracker:
+        for parameter in self.model.parameters():
+            for storage in _storages(parameter):
+                self._follow(storage, "weights")
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    for storage in _storages(value):
+                        self._follow(storage, "optimizer")
+            self._hooks += [self.optimizer.register_step_pre_hook(lambda *_: self._begin_step()),
+                            self.optimizer.register_step_post_hook(lambda *_: setattr(self, "_stepping", False))]
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._saved.__enter__()
+        self._check_peak()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._saved.__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+
+    def _begin_step(self) -> None:
+        self.note_gradients()  # backward is done: the .grad s are there
+        self._stepping = True
+
+    def note_gradients(self) -> None:
+        """Call once backward is done and before ``zero_grad``: marks the storages the ``.grad`` s hold."""
+        self._gradients |= {id(s) for p in self.model.parameters() if p.grad is not None for s in _storages(p.grad)}
+
+    # -- the report ----------------------------------------------------------------------------------------
+
+    def categories(self) -> dict[str, int]:
+        """Bytes by category at the peak (they add up to :attr:`peak`). A storage still alive that now
+        holds a gradient or optimizer state is counted as such, whatever it was when it was created."""
+        self.note_gradients()
+        grads = self._gradients
+        state = set()
+        if self.optimizer is not None:
+            state = {id(s) for st in self.optimizer.state.values() for v in st.values() for s in _storages(v)}
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for ref, category, nbytes in self._at_peak:
+            storage = ref()
+            if storage is not None and id(storage) in grads:
+                category = "gradients"
+            elif storage is not None and id(storage) in state:
+                category = "optimizer"
+            totals[category] += nbytes
+        return totals

@@ -1,0 +1,117 @@
+"""Llama-shaped models to simulate: the shape presets (7B, 70B) and the module, built on any device.
+
+The block is the one of Llama 2: RMSNorm, attention with grouped-query heads and rotary positions left out
+(they add no parameters and few bytes), RMSNorm, a SwiGLU MLP. ``shape.params`` counts what the module holds.
+
+Example::
+
+    LLAMA["7B"].params / 1e9            # 6.74
+    with torch.device("meta"):
+        model = Llama(LLAMA["7B"])      # no memory: the simulator fills it with fake tensors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-shaped transformer: ``layers`` blocks of width ``hidden``, ``heads`` query heads sharing
+    ``kv_heads`` key/value heads, an MLP of width ``ffn`` and a vocabulary of ``vocab`` tokens."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 32_000
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden ({self.hidden}) must divide by heads ({self.heads}), and heads by kv_heads "
+                             f"({self.kv_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block: q and o (h x h), k and v (h x kv), gate, up and down (h x ffn), two norms."""
+        kv = self.kv_heads * self.head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter: the blocks, the embedding, the final norm and the output head (not tied)."""
+        return self.layers * self.block_params + 2 * self.vocab * self.hidden + self.hidden
+
+    def with_layers(self, layers: int) -> Shape:
+        """The same model, ``layers`` deep (the simulator runs a shallow copy and scales by depth)."""
+        return replace(self, layers=layers)
+
+
+#: The shapes of Llama 2 7B and 70B (Touvron et al., 2023), and a tiny one that live ranks can run.
+LLAMA = {
+    "7B": Shape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11_008),
+    "13B": Shape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13_824),
+    "70B": Shape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28_672),
+    "tiny": Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256),
+}
+
+
+class Block(nn.Module):
+    """One Llama block. Under tensor parallelism each rank holds ``heads / tp`` heads: the reshapes below
+    read the local width, so the same code runs whole and sharded."""
+
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        kv = shape.kv_heads * shape.head_dim
+        self.head_dim, self.checkpointing = shape.head_dim, False
+        self.attention_norm, self.mlp_norm = nn.RMSNorm(shape.hidden), nn.RMSNorm(shape.hidden)
+        self.q, self.k, self.v = (nn.Linear(shape.hidden, shape.hidden, bias=False),
+                                  nn.Linear(shape.hidden, kv, bias=False), nn.Linear(shape.hidden, kv, bias=False))
+        self.o = nn.Linear(shape.hidden, shape.hidden, bias=False)
+        self.gate = nn.Linear(shape.hidden, shape.ffn, bias=False)
+        self.up = nn.Linear(shape.hidden, shape.ffn, bias=False)
+        self.down = nn.Linear(shape.ffn, shape.hidden, bias=False)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        y = self.attention_norm(x)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (self.q(y), self.k(y), self.v(y)))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
+        y = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():  # keep the input only; backward recomputes the rest
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Llama(nn.Module):
+    """Embedding, ``shape.layers`` blocks, a final RMSNorm and the output head: (B, T) tokens -> (B, T, vocab)."""
+
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(shape.vocab, shape.hidden)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        self.norm, self.head = nn.RMSNorm(shape.hidden), nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

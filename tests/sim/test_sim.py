@@ -1,0 +1,54 @@
+"""dtlib.sim: the simulated step against live ranks (the oracle: the same code on real gloo ranks), the
+depth rule against a full-depth simulation, the presets against the published sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtlib.sim.live import on_live_ranks
+from dtlib.sim.llama import LLAMA, Llama, Shape
+from dtlib.sim.step import simulate
+from dtlib.sim.world import fake_world
+
+
+def test_the_presets_have_llama_2s_sizes():
+    """Touvron et al. (2023): 6.7B, 13.0B and 69.0B parameters; the module holds exactly what the shape counts."""
+    assert [round(LLAMA[name].params / 1e9, 1) for name in ("7B", "13B", "70B")] == [6.7, 13.0, 69.0]
+    with torch.device("meta"):
+        model = Llama(LLAMA["70B"])
+    assert sum(p.numel() for p in model.parameters()) == LLAMA["70B"].params
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "tp", "checkpointing"), [(2, 2, False), (4, 1, True), (4, 2, False)])
+def test_the_simulated_step_equals_the_same_step_on_live_ranks(dp, tp, checkpointing):
+    """Rank 0 on 4 and 8 live gloo ranks: the same collectives with the same bytes, the same peak by category."""
+    args = {"dp": dp, "tp": tp, "seq_len": 64, "micro_batch": 2, "checkpointing": checkpointing}
+    real = on_live_ranks(LLAMA["tiny"], **args)
+    fake = simulate(LLAMA["tiny"], depths=None, **args)
+    assert fake.traffic == real.traffic
+    assert fake.memory == real.memory
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_deep_model_simulated_at_two_depths_and_scaled_equals_every_layer_simulated(checkpointing):
+    shape = Shape(layers=9, hidden=256, heads=8, kv_heads=2, ffn=688, vocab=1000)
+    args = {"dp": 8, "tp": 2, "seq_len": 256, "micro_batch": 2, "checkpointing": checkpointing}
+    scaled, full = simulate(shape, **args), simulate(shape, depths=None, **args)
+    assert scaled.depths == (3, 4) and full.depths == (9,)
+    assert scaled.traffic == full.traffic
+    for name, value in full.memory.items():
+        assert scaled.memory[name] == pytest.approx(value, rel=0.001, abs=1024), name
+
+
+def test_the_fake_world_refuses_what_it_cannot_be():
+    with pytest.raises(ValueError, match="rank must be in 0..3"):
+        with fake_world(4, rank=4):
+            pass
+    with fake_world(2), pytest.raises(RuntimeError, match="already runs in this process"):
+        with fake_world(2):
+            pass
+    with pytest.raises(ValueError, match="tp=3 must divide the heads"):
+        simulate(LLAMA["tiny"], dp=1, tp=3, seq_len=8)
