@@ -106,12 +106,14 @@ def _size_of(group_name: str) -> int:
 @contextlib.contextmanager
 def traffic(groups: dict[str, Any]) -> Iterator[Traffic]:
     """Inside a rank: tabulate the bytes of every collective and transfer in the block by the group it ran on;
-    ``groups`` maps a label to a process group, and any other group is labelled "other".
+    ``groups`` maps a label to a process group, and any other group is labelled "other" (a group this rank is
+    not in, as ``new_group`` gives the others, is left out).
 
     It sees what torch dispatches (c10d ops: FSDP2's, DDP's from Python, a learner's; functional ones: DTensor's,
     tensor parallelism's; send and recv: a pipeline's), on this thread and in the backward it starts.
     """
     seen = Traffic()
+    groups = {label: group for label, group in groups.items() if isinstance(group, dist.ProcessGroup)}  # its own
     labels = {group.group_name: label for label, group in groups.items()}
     sizes = {group.group_name: group.size() for group in groups.values()}
 

@@ -1,0 +1,55 @@
+"""dtlib.measure.traffic against the ring formulas on live ranks, and dtlib.measure.peak against allocations
+whose sizes are known."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dtlib
+from dtlib.measure.peak import PeakTracker
+from dtlib.measure.traffic import Row, traffic
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _collectives(rank: int, world_size: int) -> list[Row]:
+    pair = dist.new_group([0, 1])
+    with traffic({"world": dist.group.WORLD, "pair": pair}) as seen:
+        dist.all_reduce(torch.ones(1000))  # 4,000 bytes: sends 2(n-1)/n of them
+        dist.all_gather_single(torch.empty(3 * 250), torch.ones(250))  # the output, 3,000 bytes: (n-1)/n
+        dist.reduce_scatter_single(torch.empty(100), torch.ones(300))  # the input, 1,200 bytes: (n-1)/n
+        if rank < 2:
+            dist.all_reduce(torch.ones(10, dtype=torch.bfloat16), group=pair)  # 20 bytes over 2 ranks
+    return seen.rows()
+
+
+@pytest.mark.timeout(120)
+def test_each_collective_is_tabulated_with_its_payload_and_the_bytes_a_ring_sends():
+    rows = dtlib.spawn(_collectives, 3, backend="gloo", output="none")[0]
+    assert rows == [Row("pair", "all_reduce", 1, 20, 20),
+                    Row("world", "all_gather_single", 1, 3000, 2000),
+                    Row("world", "all_reduce", 1, 4000, round(4000 * 4 / 3)),
+                    Row("world", "reduce_scatter_single", 1, 1200, 800)]
+
+
+def test_the_peak_is_the_most_bytes_live_at_once_and_says_what_held_them():
+    model = nn.Linear(256, 256, bias=False)  # 256 KiB of fp32 weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(64, 256)
+    with PeakTracker(model, optimizer) as peak:
+        big = torch.ones(1024, 1024)  # 4 MiB, freed before anything else is made
+        del big
+        y = model(x)  # saves x? no: x was made outside; it saves nothing new but y
+        y.square().sum().backward()
+        optimizer.step()
+    categories = peak.categories()
+    assert peak.peak == sum(categories.values())
+    assert categories["weights"] == 256 * 256 * 4
+    assert peak.peak >= 4 * 2**20 + categories["weights"]  # the 4 MiB tensor was the peak's
+    assert categories["gathered and temporary"] >= 4 * 2**20
