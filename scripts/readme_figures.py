@@ -27,6 +27,7 @@ MARKERS = {
     "11_fsdp_tp_2d": "A 2 x 2 mesh",
     "12_context_parallel": "each step's computing and waiting",
     "13_expert_parallel": "plots.dispatch(sent)",
+    "14_cluster_simulated": "3 simulations of a 7B step",
 }
 
 
