@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+import dtlib
 from dtlib import checks
 from dtlib.checks.experts import EXPERTS, TOKENS, moe_inputs
 
@@ -91,6 +92,14 @@ def gather_by_all_to_all(x, router, experts, top_k, group):
     everyone = funcol.all_to_all_single_autograd(x.repeat(p, 1), None, None, group)
     y = _these_experts(everyone, router, experts, top_k)
     return funcol.all_to_all_single_autograd(y, None, None, group).view(p, len(x), -1).sum(0)
+
+
+def gather_flattened(x, router, experts, top_k, group):
+    """The same all-gather with the tokens flattened to 1-D, as if the shape could hide them."""
+    p, n, d = dist.get_world_size(group), len(x), x.shape[1]
+    everyone = funcol.all_to_all_single_autograd(x.repeat(p, 1).flatten(), None, None, group).view(p * n, d)
+    y = _these_experts(everyone, router, experts, top_k)
+    return funcol.all_to_all_single_autograd(y.flatten(), None, None, group).view(p, n, d).sum(0)
 
 
 def _exchange_counts(flat, p, num_experts, group):
@@ -184,6 +193,7 @@ def test_each_wrong_layer_is_named(mistake, said):
 @pytest.mark.parametrize(("answer", "said"), [
     (gather_everything, "all_gather_into_tensor"),  # right numbers, every token on every rank
     (gather_by_all_to_all, "whatever the call is named"),  # the same, through equal-split all-to-alls
+    (gather_flattened, "whatever the call is named"),  # and with the tokens flattened
     (splits_from_unique, "a nonzero share"),  # splits that assume every pair of ranks exchanges tokens
     (lessons_layout, "divides by the ranks"),  # 8 counts all-to-all'd over 3 ranks without split sizes
 ])
@@ -223,6 +233,18 @@ def cheat_rebuild(x, router, experts, top_k, group):
 def test_rebuilding_other_ranks_experts_from_a_known_seed_is_refused():
     feedback = _feedback(cheat_rebuild)
     assert not feedback.ok, feedback.message
+
+
+def _seed_seen(rank, world_size):
+    from dtlib.checks.experts import _build
+
+    _build(world_size, "cpu", 1234)
+    return torch.initial_seed()
+
+
+def test_the_checks_seed_does_not_outlive_the_build():
+    """An answer could read torch.initial_seed() and rebuild every expert from it."""
+    assert 1234 not in dtlib.spawn(_seed_seen, 2, output="none")
 
 
 def test_a_value_that_is_not_the_output_is_named():
