@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
@@ -90,6 +91,27 @@ def _features_of(summand: torch.Tensor) -> tuple[int, int] | None:
     """The run of hidden features whose summand this is, (first, stop), or None."""
     return next(((first, stop) for first in range(HIDDEN) for stop in range(first + 1, HIDDEN + 1)
                  if _close(summand, _summand_of(first, stop))), None)
+
+
+def _features_in(summand: torch.Tensor) -> frozenset[int] | None:
+    """The hidden features (any set, not only a run) whose summand this is, read as (BATCH, FEATURES), flattened
+    or transposed; None if it is no such summand. Each feature j adds gelu(x @ up_j) down_j, so the set is the
+    0/1 solution of a least-squares fit of those HIDDEN terms."""
+    if summand.numel() != BATCH * FEATURES:
+        return None
+    x, up, down = mlp_inputs("cpu")
+    hidden, out = F.gelu(x @ up.T).double(), down.T.double()  # (BATCH, HIDDEN), (HIDDEN, FEATURES)
+    terms = torch.stack([torch.outer(hidden[:, j], out[j]).reshape(-1) for j in range(HIDDEN)], 1)
+    for target in (summand.reshape(BATCH, FEATURES), summand.reshape(FEATURES, BATCH).T):
+        target = target.reshape(-1).double()
+        mask = torch.linalg.lstsq(terms, target.unsqueeze(1)).solution.squeeze(1).round()
+        if bool(((mask == 0) | (mask == 1)).all()) and torch.allclose(terms @ mask, target, atol=1e-5, rtol=1e-5):
+            return frozenset(int(j) for j in torch.nonzero(mask).flatten())
+    return None
+
+
+#: Multiply-add flops of the whole MLP: x @ up.T and then @ down.T, two flops per multiply-add.
+MLP_FLOPS = 2 * 2 * BATCH * HIDDEN * FEATURES
 
 
 def _written_for(value: torch.Tensor, size: int) -> int | None:
@@ -269,9 +291,9 @@ def _what_moved(rank: int, world_size: int, fn: Callable[[int, int], Any]) -> di
         elif name in _MOVERS:
             moved.append(name.strip("_"))
 
-    with watching(see):
+    with FlopCounterMode(display=False) as flops, watching(see):
         fn(rank, world_size)
-    return {"moved": moved, "summands": summands, "scattered": scattered}
+    return {"moved": moved, "summands": summands, "scattered": scattered, "flops": flops.get_total_flops()}
 
 
 def _not_the_summand(size: int, rank: int, reduced: torch.Tensor, what: str) -> str:
@@ -295,6 +317,32 @@ def _not_the_summand(size: int, rank: int, reduced: torch.Tensor, what: str) -> 
             "parallelism at all).")
 
 
+def _too_much_computed(size: int, rank: int, report: dict[str, Any]) -> str | None:
+    """A rank that all-reduced its summand but multiplied more than its share (the whole MLP, say), or None."""
+    share = MLP_FLOPS / size
+    if report.get("flops", 0) <= 1.5 * share:
+        return None
+    return (f"Right values, but with {size} ranks rank {rank} multiplied {report['flops']:,} flops' worth of "
+            f"matrices, where its share of the MLP is {share:,.0f}: it computed with more than its own rows of "
+            "up and columns of down (the whole MLP, or part of it twice). Tensor parallelism's point is that each "
+            "rank computes only its slice; the all-reduce of the summands gives every rank the output.")
+
+
+def _unequal_shares(size: int, reports: Sequence[dict[str, Any]]) -> str | None:
+    """Ranks whose summands add up but whose shares of the hidden features differ, or None."""
+    features = [report.get("features") for report in reports]
+    if any(mine is None for mine in features) or len({len(mine) for mine in features}) == 1:
+        return None
+    for rank, mine in enumerate(features):
+        run = (min(mine), max(mine) + 1) if mine and len(mine) == max(mine) + 1 - min(mine) else (0, 0)
+        if run != _share(size, rank) and any(_fixed_share(world, rank) == run for world in range(2, HIDDEN + 1)
+                                             if world != size):  # a slice written for another world size
+            return _not_the_summand(size, rank, _summand_of(*run).double(), "all-reduced another summand")
+    return (f"Right values, but with {size} ranks the ranks computed {[len(mine) for mine in features]} hidden "
+            f"features: give each rank an equal share ({HIDDEN // size}), or the others wait for the rank with the "
+            "most at every all-reduce.")
+
+
 def _judge_moves(size: int, rank: int, report: dict[str, Any]) -> str | None:
     """What is wrong with what rank ``rank`` moved, or None where it all-reduced its summand, at once or as a
     reduce-scatter and an all-gather."""
@@ -303,15 +351,19 @@ def _judge_moves(size: int, rank: int, report: dict[str, Any]) -> str | None:
     if scattered and not summands and len(scattered) == 1 and len(moved) == 1 and "gather" in moved[0]:
         flat, numbers = scattered[0], expected.reshape(-1)
         head = flat[:numbers.numel()]
-        if (flat.numel() >= numbers.numel() and _close(head, numbers)
-                and not flat[numbers.numel():].abs().gt(0).any()):  # the summand, then any padding of zeros
-            return None
+        if (flat.numel() >= numbers.numel() and _features_in(head) is not None
+                and not flat[numbers.numel():].abs().gt(0).any()):  # a summand, then any padding of zeros
+            report["features"] = _features_in(head)
+            return _too_much_computed(size, rank, report)
         return _not_the_summand(size, rank, head.reshape(BATCH, FEATURES) if head.numel() == expected.numel()
                                 else head, "reduce-scattered a tensor that is not its summand")
     if moved:
         return (f"Right values, but with {size} ranks rank {rank} also moved data "
                 f"({', '.join(sorted(set(moved)))}): every rank already holds mlp_inputs, so it takes its slices "
                 "locally, and the only communication the MLP needs is one all_reduce of the summands.")
+    if len(summands) == 1 and _features_in(summands[0]) is not None:
+        report["features"] = _features_in(summands[0])  # its own features: any that add up over the ranks
+        return _too_much_computed(size, rank, report)
     if len(summands) != 1 or not _close(summands[0], expected):
         what = (f"{len(summands)} all-reduces" if len(summands) != 1 else
                 f"a tensor of shape {tuple(summands[0].shape)}" if summands[0].shape != expected.shape else
@@ -347,6 +399,9 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
             if wrong is not None:
                 return Feedback(False, wrong)
             in_two_steps = in_two_steps or bool(report["scattered"])
+        unequal = _unequal_shares(size, reports)
+        if unequal is not None:
+            return Feedback(False, unequal)
     if in_two_steps:
         return Feedback(True, f"Every rank holds the MLP's output, with {world_size} ranks and with {world_size + 1}: "
                               "column parallel (rows of up) then row parallel (columns of down), the split Megatron-LM "

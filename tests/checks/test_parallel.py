@@ -305,9 +305,61 @@ def chunks_for_two_ranks(rank, world_size):
     return y
 
 
+def interleaved_features(rank, world_size):  # right: any equal partition of the hidden features works
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up[rank::world_size].T) @ down[:, rank::world_size].T
+    dist.all_reduce(y)
+    return y
+
+
+def slices_in_reverse(rank, world_size):  # right: which rank takes which slice is free
+    x, up, down = mlp_inputs()
+    mine = world_size - 1 - rank
+    y = F.gelu(x @ up.chunk(world_size, 0)[mine].T) @ down.chunk(world_size, 1)[mine].T
+    dist.all_reduce(y)
+    return y
+
+
+def flattened_all_reduce(rank, world_size):  # right: the summand all-reduced flat, then shaped back
+    x, up, down = mlp_inputs()
+    flat = (F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T).reshape(-1).clone()
+    dist.all_reduce(flat)
+    return flat.view(x.shape[0], -1)
+
+
+def transposed_all_reduce(rank, world_size):  # right: computed as (features, batch), transposed at the end
+    x, up, down = mlp_inputs()
+    y_t = down.chunk(world_size, 1)[rank] @ F.gelu(up.chunk(world_size, 0)[rank] @ x.T)
+    dist.all_reduce(y_t)
+    return y_t.T
+
+
+def whole_mlp_after_a_summand(rank, world_size):  # wrong: the summand all-reduced, then thrown away
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return F.gelu(x @ up.T) @ down.T
+
+
+def uneven_shares(rank, world_size):  # wrong, though the sum is right: rank 0 takes half again as many features
+    x, up, down = mlp_inputs()
+    bounds = [0, 7, 12] if world_size == 2 else [0, 5, 9, 12]
+    mine = slice(bounds[rank], bounds[rank + 1])
+    y = F.gelu(x @ up[mine].T) @ down[:, mine].T
+    dist.all_reduce(y)
+    return y
+
+
 @pytest.mark.parametrize("fn, ok, fragments", [
     (broadcast_from_rank_0, False, ["also moved data (broadcast)"]),
-    (whole_mlp_averaged, False, ["all-reduced a tensor that is not its summand"]),
+    (interleaved_features, True, []),
+    (slices_in_reverse, True, []),
+    (flattened_all_reduce, True, []),
+    (transposed_all_reduce, True, []),
+    (whole_mlp_after_a_summand, False, ["flops' worth of matrices, where its share of the MLP is",
+                                        "computed with more than its own rows of up"]),
+    (uneven_shares, False, ["the ranks computed [7, 5] hidden features", "an equal share (6)"]),
+    (whole_mlp_averaged, False, ["multiplied 1,536 flops' worth of matrices, where its share of the MLP is 768"]),
     (batch_split, False, ["all-reduced a tensor that is not its summand"]),
     (hidden_all_reduced, False, ["all-reduced a tensor of shape (4, 12)"]),
     (written_for_two_ranks, False, ["with 3 ranks rank 0 all-reduced the summand of hidden features 0 to 5",
