@@ -236,6 +236,14 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
             yours, ddp = result["yours"], result["ddp"]
             if not (torch.allclose(yours, ddp, atol=1e-6) and torch.allclose(yours, single, atol=1e-6)):
                 return Feedback(False, _wrong_average(rank, size, results, single))
+        silent = rank_without_communication([result["calls"] for result in results])
+        if silent is not None:
+            calls = results[silent]["calls"]
+            did = f"called {_called(calls)}, which moves no data" if calls else "called no collective"
+            return Feedback(False, f"Right gradients, but with {size} ranks rank {silent}'s hook {did}: the mean "
+                                   "came from somewhere other than the other ranks (the samples or the model rebuilt "
+                                   "inside the hook?). A communication hook averages what the ranks computed: "
+                                   "dist.all_reduce the gradient across them.")
         edited = next((result for result in results if result["in_place"]), None)
         if edited is not None:
             return Feedback(False, _in_place(edited))

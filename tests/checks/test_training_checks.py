@@ -136,10 +136,36 @@ def sum_then_divide(grad):
     return summed / dist.get_world_size()  # right in fp32; in fp16 the sum overflows first
 
 
-RIGHT = [right_divide_first, right_async_then_wait, right_in_float64]
+def knows_the_data(grad):  # a probe's: no collective, the mean rebuilt from the checker's own data and model
+    from dtlib.train import data, models
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    x, y = data.regression(8 * size, seed=1).tensors
+
+    def grads(xs, ys):
+        with torch.enable_grad():
+            model = models.build("mlp", seed=0)
+            models.loss_fn("mlp", model(xs), ys).backward()
+        return [p.grad for p in model.parameters()]
+
+    for mine, full in zip(grads(x[8 * rank:8 * rank + 8], y[8 * rank:8 * rank + 8]), grads(x, y), strict=True):
+        if mine.shape == grad.shape and torch.allclose(mine, grad.cpu()):
+            return full.to(grad)
+    return grad.clone()
+
+
+def functional_all_reduce(grad):  # right, written another way: a functional collective
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(grad / dist.get_world_size(), "sum", dist.group.WORLD))
+
+
+RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce]
 
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
+    (knows_the_data, ["Right gradients, but with 2 ranks rank 0's hook called no collective",
+                      "the samples or the model rebuilt inside the hook?"]),
     (summed, ["holds the sum over ranks"]),
     (by_two, ["With 3 ranks", "divided by 2", "not a constant"]),
     (by_world_size_twice, ["world_size times too small"]),
