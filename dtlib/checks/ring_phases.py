@@ -25,7 +25,8 @@ from dtlib.ring import send_recv as collectives
 
 
 class _SizesDiffer(Exception):
-    """Raised on every rank at once when a ring step's send and the receive it meets differ in size."""
+    """Raised on every rank at once when a ring step's send and the receive it meets differ in size, or a rank
+    sends a tensor that holds none of its chunks."""
 
 
 def _chunk_of(tensor: Any, views: list[Any]) -> int | None:
@@ -36,7 +37,7 @@ def _chunk_of(tensor: Any, views: list[Any]) -> int | None:
     return None
 
 
-def _checked_shift(views: list[Any], extra: dict[str, int]) -> Callable[..., None]:
+def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -> Callable[..., None]:
     """``ring_shift``, after every rank has told every other the sizes it sends and receives at this step.
 
     A send and the receive it meets must match in size; NCCL would not say so (it hangs or reads past the
@@ -51,16 +52,24 @@ def _checked_shift(views: list[Any], extra: dict[str, int]) -> Callable[..., Non
 
     def shift(send: Any, receive_into: Any, rank: int, world_size: int) -> None:
         sent = _chunk_of(send, views)
-        mine = torch.tensor([send.numel(), receive_into.numel(), -1 if sent is None else sent],
+        holds = any(send.numel() == chunk.numel() and torch.equal(send.reshape(-1).to(chunk.dtype), chunk.reshape(-1))
+                    for chunk in [*views, *chunks])  # a chunk's numbers, itself or a copy, in the buffer or the list
+        mine = torch.tensor([send.numel(), receive_into.numel(), -1 if sent is None else sent, int(holds)],
                             dtype=torch.int64, device=send.device)
-        every = torch.empty(3 * world_size, dtype=torch.int64, device=send.device)
+        every = torch.empty(4 * world_size, dtype=torch.int64, device=send.device)
         _, calls = count_collectives(dist.all_gather_into_tensor, every, mine)
         for call, times in calls.items():
             extra[call] = extra.get(call, 0) + times
-        table, step[0] = every.view(world_size, 3).tolist(), step[0] + 1
+        table, step[0] = every.view(world_size, 4).tolist(), step[0] + 1
+        for left, (n_sent, _, _, holds_a_chunk) in enumerate(table):
+            if not holds_a_chunk:
+                raise _SizesDiffer(
+                    f"In ring step {step[0]} of {world_size - 1}, rank {left} sent a tensor of {n_sent} elements that "
+                    "holds none of its chunks: the ring's data must travel in its chunks, one per step (the buffer's "
+                    "right numbers must come from what arrived, not from a formula that knows the inputs).")
         for right in range(world_size):
             left = (right - 1) % world_size
-            (n_sent, _, chunk), (_, n_expected, _) = table[left], table[right]
+            (n_sent, _, chunk, _), (_, n_expected, _, _) = table[left], table[right]
             if n_sent != n_expected:
                 what = f"chunk {chunk}" if chunk >= 0 else "a tensor"
                 raise _SizesDiffer(
@@ -89,7 +98,7 @@ def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None]
         views = list(chunks)  # views of the buffer: the list may hold other tensors afterwards
         seen["before"] = [view.tolist() for view in views]
         extra: dict[str, int] = {}
-        real, collectives.ring_shift = collectives.ring_shift, _checked_shift(views, extra)
+        real, collectives.ring_shift = collectives.ring_shift, _checked_shift(views, chunks, extra)
         try:
             _, calls = count_collectives(phase, chunks, rank, world_size)
         except _SizesDiffer as err:

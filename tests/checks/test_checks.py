@@ -486,6 +486,20 @@ def _gather_leftwards(chunks, rank, world_size):
         chunks[receive].copy_(incoming)
 
 
+def _junk_shifts_then_the_formula(chunks, rank, world_size):
+    import torch
+
+    from dtlib.ring import send_recv as collectives
+
+    for _ in range(world_size - 1):  # a probe's: shifts that carry nothing, then numbers that know the inputs
+        collectives.ring_shift(torch.zeros(1, dtype=chunks[0].dtype), torch.empty(1, dtype=chunks[0].dtype), rank,
+                               world_size)
+    start, total = 0, sum(10.0**r for r in range(world_size))
+    for chunk in chunks:
+        chunk.copy_(torch.arange(start, start + chunk.numel(), dtype=chunk.dtype) * total)
+        start += chunk.numel()
+
+
 def _gather_twice(chunks, rank, world_size):
     from dtlib.ring import send_recv as collectives
 
@@ -507,6 +521,8 @@ RING = [
     (_gather_the_notebook_stub, "all_gather", False, ["In ring step 1 of 3, rank 3 sent chunk 3 (2 elements)",
                                                       "to rank 0, which received into a buffer of 3"]),
     (_gather_leftwards, "all_gather", False, ["the chunk a rank sends at a step must be the very chunk"]),
+    (_junk_shifts_then_the_formula, "all_gather", False, ["In ring step 1 of 3, rank 0 sent a tensor of 1 elements "
+                                                          "that holds none of its chunks"]),
     (_rank_0_skips_the_ring, "all_gather", False, ["The ring hung"]),
     (_gather_for_four_ranks, "all_gather", False, ["works with 4 ranks but not with 5", "never the number 4"]),
     (_gather_by_broadcast, "all_gather", False, ["called broadcast", "the exercise is the ring itself"]),
