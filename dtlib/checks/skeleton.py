@@ -29,7 +29,14 @@ from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
-from dtlib.measure.counting import CALL_NAMES, count_collectives, rank_without_communication, spawn_counting, watching
+from dtlib.measure.counting import (
+    CALL_NAMES,
+    FUNCTIONAL_CALLS,
+    count_collectives,
+    rank_without_communication,
+    spawn_counting,
+    watching,
+)
 
 UNREADABLE = object()  # what ``read`` returns for an answer it cannot compare (a string, a wrong shape)
 
@@ -175,6 +182,9 @@ def _recorded(rank: int, world_size: int, fn: Callable[..., Any], inputs: Sequen
 
     def see(namespace: str, name: str, args: tuple) -> None:
         settle(False)
+        if namespace == "_c10d_functional" and name in FUNCTIONAL_CALLS:  # what it receives is its return value
+            carried.append(Carried(name, _flat(args[0]), torch.zeros(0, dtype=torch.float64)))
+            return
         if namespace != "c10d" or name not in CALL_NAMES or name == "barrier":
             return
         sends, writes = _SENDS.get(name, 1), _WRITES.get(name, 0)

@@ -138,7 +138,20 @@ def _every_rank_waits_to_receive(rank, world_size, loss):
     return loss.item()
 
 
-RIGHT = [_mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering]
+def _mean_loss_with_a_count(rank, world_size, loss):  # right: the loss and a count summed together
+    both = torch.stack([loss, torch.ones_like(loss)])
+    dist.all_reduce(both)
+    return (both[0] / both[1]).item()
+
+
+def _mean_loss_functional(rank, world_size, loss):  # right: a functional all-reduce
+    from torch.distributed import _functional_collectives as funcol
+
+    return (funcol.wait_tensor(funcol.all_reduce(loss, "sum", dist.group.WORLD)) / world_size).item()
+
+
+RIGHT = [_mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering, _mean_loss_with_a_count,
+         _mean_loss_functional]
 
 #: (wrong answer, what the message must say): one of each kind
 WRONG = [
@@ -213,5 +226,5 @@ def test_a_stand_in_that_equals_one_ranks_rounded_loss_is_not_called_rounding():
                       calls=[{"all_reduce": 1}] * 2, inputs=[torch.tensor(x) for x in losses], carried=carried)
 
     assert not _rounded_everywhere(answer([1.0, 2.0], [1.42, 3.71]))  # rank + 1: rank 0's only by chance
-    assert _rounded_everywhere(answer([1.0, 4.0], [1.42, 3.71]))
+    assert not _rounded_everywhere(answer([1.0, 2.0], [1.42, 1.71]))  # every rank's by chance: a scalar can't tell
     assert not _rounded_everywhere(answer([2.0, 4.0], [2.0, 4.0]))  # whole already: nothing was rounded
