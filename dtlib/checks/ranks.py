@@ -12,6 +12,7 @@ Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size, x: x)`` says the a
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -363,8 +364,15 @@ def _hang_message(err: WorkerTimeout, function_name: str) -> str:
 
 
 def _loss(value: Any) -> Any:
-    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-    return float(number) if isinstance(number, (int, float)) and not isinstance(number, bool) else UNREADABLE
+    """One number, however it is held: a float, a one-number tensor, numpy array or list (``[mean]``)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if hasattr(value, "item"):  # a tensor or a numpy number or array
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # several numbers
+            return UNREADABLE
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else UNREADABLE
 
 
 def _failed(err: WorkerError) -> str:
@@ -384,8 +392,9 @@ FIXED_BARRIER = RankExercise(
     inputs=_losses,
     hints=[
         (lambda a: a.value is UNREADABLE,
-         lambda a: f"Rank {a.rank} returned {_shape_of(a.returned)}: return the mean loss as a number on every rank "
-                   "(loss.item()), not only on rank 0."),
+         lambda a: (f"Rank {a.rank} returned None: return the mean loss on every rank, not only on rank 0."
+                    if a.returned is None else f"Rank {a.rank} returned {_shape_of(a.returned)}: return the mean "
+                    "loss as one number (loss.item()).")),
         (lambda a: _stand_in(a) is not None,
          _stand_in_said("loss", "Call dist.all_reduce(loss) on every rank, then divide by world_size.")),
         (lambda a: a.called("reduce") and not a.called("all_reduce"), reduce_hint),

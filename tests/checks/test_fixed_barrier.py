@@ -150,8 +150,13 @@ def _mean_loss_functional(rank, world_size, loss):  # right: a functional all-re
     return (funcol.wait_tensor(funcol.all_reduce(loss, "sum", dist.group.WORLD)) / world_size).item()
 
 
-RIGHT = [_mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering, _mean_loss_with_a_count,
-         _mean_loss_functional]
+def _mean_loss_as_numpy(rank, world_size, loss):  # right: a numpy float32
+    dist.all_reduce(loss)
+    return (loss / world_size).cpu().numpy()
+
+
+RIGHT = [_mean_loss_as_numpy, _mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering,
+         _mean_loss_with_a_count, _mean_loss_functional]
 
 #: (wrong answer, what the message must say): one of each kind
 WRONG = [
@@ -164,7 +169,7 @@ WRONG = [
     (lambda rank, world_size, loss: loss.item(), ["Rank 0 returned its own loss"]),
     (_mean_of_rounded_losses, ["called dist.all_reduce, but on [", "not on its own loss"]),
     (lambda rank, world_size, loss: None, ["returned None"]),
-    (lambda rank, world_size, loss: "1.5", ["return the mean loss as a number"]),
+    (lambda rank, world_size, loss: "1.5", ["returned '1.5': return the mean loss as one number"]),
     (_raises, ["rank 0 raised KeyError"]),
     ("mean_loss", ["Pass your function itself"]),
 ]
