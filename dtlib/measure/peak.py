@@ -74,6 +74,11 @@ class PeakTracker(TorchDispatchMode):
     def _total(self) -> int:
         return sum(ref().nbytes() for ref, _ in list(self._refs.values()) if ref() is not None)
 
+    def live(self) -> int:
+        """Bytes live now in the storages followed: the model's, and those created inside the block, C++'s
+        included (DDP's gradient buckets, say)."""
+        return self._total()
+
     def _check_peak(self) -> None:
         total = self._total()
         if total > self.peak:
