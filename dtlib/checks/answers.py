@@ -137,14 +137,15 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
                            f"over {world_size} ranks.")
 
 
-def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1) -> Feedback:
+def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1,
+                    **job: Any) -> Feedback:
     """Notebook 06's exercise: is ``answer`` (one of :data:`dtlib.train.guide.CHOICES`) what
     :func:`dtlib.train.guide.recommend` picks?
 
     A wrong answer gets the reason it fails (it does not fit its budget, or HSDP on one node), or, where it
     would work, the simpler choice that works too. Example: ``strategy_choice("HSDP", 20e9, 80, 8)`` says one node.
     """
-    advice = guide.recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes)
+    advice = guide.recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes, **job)
     if answer not in guide.CHOICES:
         return Feedback(False, f"Answer with one of: {', '.join(repr(choice) for choice in guide.CHOICES)}.")
     if answer == advice.choice:
@@ -152,6 +153,9 @@ def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gp
     why = guide.why_not(str(answer), advice, gpu_memory_gb, nodes)
     if why:
         return Feedback(False, why)
+    if answer.endswith(guide.CHECKPOINTING) and not advice.choice.endswith(guide.CHECKPOINTING):
+        return Feedback(False, f"{answer} would fit, but {advice.choice} fits without recomputing every block's "
+                               f"forward: {advice}")
     return Feedback(False, f"{answer} would fit, but a simpler strategy fits too: {advice}")
 
 

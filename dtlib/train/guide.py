@@ -4,22 +4,30 @@ Model state per GPU (GB = 1e9 bytes), as PyTorch's DDP and FSDP2 hold it with mi
 fp32 weights, fp32 gradients and Adam's two fp32 moments, 16 bytes per parameter, with bf16 compute
 (P parameters, N GPUs in all, g GPUs per node)::
 
-    DDP                              16P                 a full replica on every GPU
+    DDP                              20P                 a full replica, and its gradient buckets (16P with
+                                                         gradient_as_bucket_view=True: notebook 05 measures both)
     FSDP, no reshard after forward   2P + 16P/N          fp32 shards, bf16 weights gathered fwd to bwd
     HSDP                             16P/g               full sharding within each node, replicas across
     FSDP full sharding               16P/N               everything sharded over all GPUs
     full sharding + CPU offload      host: 16P in all    weights, gradients and the optimizer step in host RAM
 
-The rules, in order: the simplest strategy whose model state fits the GPU's budget: the GPU minus 30% for
-activations (10% with activation checkpointing, for DDP and for full sharding), or, given the
-``activation_gb`` you measured for the batch you want, minus 10% and minus those. CPU offload fits when the
-node's RAM (minus 20%) holds the offloaded state. On several nodes linked more slowly than 12.5 GB/s
-(100 Gbit/s) per GPU, HSDP comes first wherever it fits: it keeps the all-gathers and reduce-scatters inside
-each node. Beyond offload, nothing fits these GPUs: tensor and pipeline parallelism divide the same 16 bytes
-per parameter over the same GPUs, never below full sharding's 16P/N, so the way out is more GPUs, fewer
-bytes per parameter, or a node with more RAM. Tensor and pipeline parallelism pay off elsewhere: when one
-layer's activations do not fit, or when so many GPUs share the batch that data parallelism alone runs out
-of samples or of bandwidth.
+Activations come on top, the same on every GPU whatever the strategy (each GPU runs the whole model on its
+own tokens; notebook 14 shows that sharding does not cut them). Given the model's ``shape`` and the tokens per
+GPU, they are :func:`dtlib.measure.memory.activation_bytes` (checked against the simulator of notebook 14),
+with and without activation checkpointing; given ``activation_gb``, the figure you measured; given neither,
+a rule of thumb keeps 30% of the GPU for them (10% with checkpointing).
+
+The rules, in order: the simplest strategy that fits the GPU (90% of it: buffers and fragmentation take the
+rest) with its activations, trying first those that recompute nothing (DDP, FSDP without resharding, HSDP,
+full sharding), then those with activation checkpointing, which run every block's forward twice; then CPU
+offload, which moves model state, never activations, to host RAM (the node's RAM minus 20% must hold it). On
+several nodes linked more slowly than 12.5 GB/s (100 Gbit/s) per GPU, HSDP comes first wherever it fits: it
+keeps the all-gathers and reduce-scatters inside each node. Every choice says its seconds of communication per
+step if none of it overlapped compute (``network_s``). Beyond that nothing fits these GPUs: tensor and pipeline
+parallelism divide the same 16 bytes per parameter over the same GPUs, never below full sharding's 16P/N, so
+the way out is more GPUs, fewer bytes per parameter, or a node with more RAM; where the activations alone do not
+fit even with checkpointing, the way out is fewer tokens per GPU or splitting them (context or tensor
+parallelism with sequence parallelism), since data parallelism of any kind leaves them whole.
 
 Example::
 
@@ -38,6 +46,8 @@ ACTIVATION_RESERVE = 0.3  # share of each GPU kept for activations, buffers and 
 CHECKPOINTING_RESERVE = 0.1  # what is left with activation checkpointing; the buffers' share with activation_gb
 HOST_RESERVE = 0.2  # share of each node's RAM kept for the OS, data-loader workers and the ranks' processes
 SLOW_LINK_GB_PER_S = 12.5  # 100 Gbit/s per GPU between nodes: below it, keep the big collectives inside nodes
+INTRA_NODE_GB_PER_S = 450.0  # NVLink 4 (H100 SXM), each way, per GPU: nominal, for the seconds of communication
+BUCKET_BYTES = 4  # DDP's gradient buckets: a second fp32 copy of the gradients unless gradient_as_bucket_view
 
 CHECKPOINTING = " + activation checkpointing"
 CHOICES = ("DDP", "DDP" + CHECKPOINTING, "FSDP, no reshard after forward", "HSDP", "FSDP full sharding",
@@ -61,6 +71,8 @@ class Recommendation:
     host_budget_gb: float = 0.0  # the node's RAM minus HOST_RESERVE
     activation_room_gb: dict[str, float] = field(default_factory=dict)  # 90% of the GPU minus the model state
     cross_node_gb: dict[str, float] = field(default_factory=dict)  # sent across nodes per GPU and step
+    activation_gb: dict[str, float] = field(default_factory=dict)  # per GPU, without and with checkpointing
+    network_s: dict[str, float] = field(default_factory=dict)  # communication per step, nothing overlapped
 
     def __str__(self) -> str:
         return f"{self.choice}: {self.reason}"
@@ -81,8 +93,9 @@ def bytes_per_param(mixed_precision: bool = True, optimizer: str = "adamw") -> d
 
 
 def model_state_gb(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_precision: bool = True,
-                   optimizer: str = "adamw") -> dict[str, float]:
+                   optimizer: str = "adamw", gradient_as_bucket_view: bool = False) -> dict[str, float]:
     """GB of model state per GPU under each of :data:`ON_GPU`, and the host GB per node under CPU offload.
+    DDP's includes its gradient buckets (4 bytes per parameter) unless ``gradient_as_bucket_view``.
 
     Example: ``model_state_gb(13e9, 8)["FSDP full sharding"] == 26.0`` (16 x 13 / 8).
     """
@@ -95,8 +108,9 @@ def model_state_gb(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_pr
                                     moment_bytes=moments) / 1e9
 
     return {
-        "DDP": memory.estimate(num_params, num_gpus, "ddp", param_bytes=4, grad_bytes=4,
-                               optim_bytes_per_param=moments) / 1e9,
+        "DDP": (memory.estimate(num_params, num_gpus, "ddp", param_bytes=4, grad_bytes=4,
+                                optim_bytes_per_param=moments)
+                + (0 if gradient_as_bucket_view else BUCKET_BYTES * num_params)) / 1e9,
         "FSDP, no reshard after forward": fsdp(num_gpus, reshard=False),
         "HSDP": fsdp(per_node),
         "FSDP full sharding": fsdp(num_gpus),
@@ -157,55 +171,110 @@ def _inputs(num_params: object, gpu_memory_gb: object, num_gpus: object, nodes: 
     return num_params, gpu_memory_gb, num_gpus, nodes, host, activations, link
 
 
+def network_seconds(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_precision: bool = True,
+                    inter_node_gb_per_s: float = 50.0, intra_node_gb_per_s: float = INTRA_NODE_GB_PER_S
+                    ) -> dict[str, float]:
+    """Seconds each GPU spends communicating per step under each strategy, if none of it overlapped compute:
+    its ring bytes (notebook 03) over the links they cross, :func:`cross_node_gb` between nodes and the rest
+    inside the node. Per GPU: DDP all-reduces the fp32 gradients, 2(N-1)/N x 4P; FSDP all-gathers in the compute
+    dtype c and reduce-scatters fp32 gradients, (N-1)/N x (2c + 4)P (c + 4 without resharding); HSDP does that
+    within a node of g and all-reduces its gradient shard across the r nodes, 2(r-1)/r x 4P/g.
+
+    Example: ``network_seconds(7e9, 8)["DDP"]`` is 2 x 7/8 x 28 GB over 450 GB/s, about 0.11 s.
+    """
+    compute = bytes_per_param(mixed_precision)["compute_bytes"]
+    per_node = num_gpus // nodes
+    spread = (num_gpus - 1) / num_gpus
+    ring = {"DDP": 2 * spread * 4 * num_params / 1e9,
+            "FSDP, no reshard after forward": spread * (compute + 4) * num_params / 1e9,
+            "HSDP": ((per_node - 1) / per_node * (2 * compute + 4) * num_params
+                     + (2 * (nodes - 1) / nodes * 4 * num_params / per_node if nodes > 1 else 0)) / 1e9,
+            "FSDP full sharding": spread * (2 * compute + 4) * num_params / 1e9}
+    ring["DDP" + CHECKPOINTING] = ring["DDP"]
+    ring["FSDP full sharding" + CHECKPOINTING] = ring[OFFLOAD] = ring["FSDP full sharding"]
+    across = cross_node_gb(num_params, num_gpus, nodes, mixed_precision=mixed_precision)
+    return {name: across[name] / inter_node_gb_per_s + (volume - across[name]) / intra_node_gb_per_s
+            for name, volume in ring.items()}
+
+
+def _activations(shape: object, tokens_per_gpu: object, activation_gb: float | None, gpu_memory_gb: float
+                 ) -> tuple[float, float | None, bool]:
+    """GB of activations per GPU without and with checkpointing (None: not known), and whether they were
+    counted (False: the rule of thumb, 30% of the GPU without checkpointing and 10% with, buffers included)."""
+    if shape is not None:
+        if tokens_per_gpu is None:
+            raise ValueError("give tokens_per_gpu (sequence length x micro-batch) with shape")
+        sizes = [getattr(shape, name) for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")]
+        tokens = whole("tokens_per_gpu", tokens_per_gpu)
+        return (memory.activation_bytes(*sizes, tokens) / 1e9,
+                memory.activation_bytes(*sizes, tokens, checkpointing=True) / 1e9, True)
+    if activation_gb is not None:
+        return activation_gb, None, True
+    extra = ACTIVATION_RESERVE - CHECKPOINTING_RESERVE
+    return gpu_memory_gb * extra, 0.0, False
+
+
 def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: int = 1,
               mixed_precision: bool = True, optimizer: str = "adamw", host_memory_gb: float = 1000.0,
-              activation_gb: float | None = None, inter_node_gb_per_s: float = 50.0) -> Recommendation:
-    """The simplest strategy whose model state fits, with the numbers that decided it.
+              activation_gb: float | None = None, inter_node_gb_per_s: float = 50.0, shape: object = None,
+              tokens_per_gpu: int | None = None, gradient_as_bucket_view: bool = False) -> Recommendation:
+    """The simplest strategy that fits with its activations, with the numbers that decided it.
 
     ``num_gpus`` counts all GPUs; ``nodes`` of them share it equally, each node with ``host_memory_gb`` of
-    RAM. ``activation_gb``: the activation memory per GPU of the batch you want (measure it on one GPU:
-    the step's peak minus the model state); a larger batch needs more, and sharding frees the room for it.
-    Given, it replaces the 30% reserve, and the guide no longer assumes activation checkpointing (measure
-    ``activation_gb`` with checkpointing on if you use it).
-    ``inter_node_gb_per_s``: bandwidth per GPU between nodes (50 for 400 Gbit/s InfiniBand per GPU).
-    Example: ``recommend(1e9, 80, 8)`` is DDP (16 GB of model state per GPU fits 80 GB).
+    RAM. The activations per GPU: from ``shape`` (a Llama-like shape with ``layers``, ``hidden``, ``heads``,
+    ``kv_heads``, ``ffn`` and ``vocab``, ``dtlib.sim.llama.LLAMA["70B"]`` say) and ``tokens_per_gpu`` (sequence
+    length x micro-batch), with and without checkpointing; or ``activation_gb``, the figure you measured for the
+    batch you want (then checkpointing is not considered: measure with it on if you use it); or, given neither,
+    the 30% rule of thumb. ``inter_node_gb_per_s``: bandwidth per GPU between nodes (50 for 400 Gbit/s
+    InfiniBand per GPU). ``gradient_as_bucket_view``: DDP without its second copy of the gradients.
+    Example: ``recommend(1e9, 80, 8)`` is DDP (20 GB of model state per GPU fits 80 GB).
     """
     num_params, gpu_memory_gb, num_gpus, nodes, host_memory_gb, activation_gb, link = _inputs(
         num_params, gpu_memory_gb, num_gpus, nodes, host_memory_gb, activation_gb, inter_node_gb_per_s)
-    states = model_state_gb(num_params, num_gpus, nodes, mixed_precision=mixed_precision, optimizer=optimizer)
+    states = model_state_gb(num_params, num_gpus, nodes, mixed_precision=mixed_precision, optimizer=optimizer,
+                            gradient_as_bucket_view=gradient_as_bucket_view)
     gb = {name: states[name] for name in ON_GPU}
     usable = gpu_memory_gb * (1 - CHECKPOINTING_RESERVE)  # buffers and fragmentation take the rest
-    budget = gpu_memory_gb * (1 - ACTIVATION_RESERVE) if activation_gb is None else usable - activation_gb
+    full, checkpointed, counted = _activations(shape, tokens_per_gpu, activation_gb, gpu_memory_gb)
+    budget = usable - full
+    tight = usable - checkpointed if checkpointed is not None else budget
     host_budget = host_memory_gb * (1 - HOST_RESERVE)
     across = cross_node_gb(num_params, num_gpus, nodes, mixed_precision=mixed_precision)
+    seconds = network_seconds(num_params, num_gpus, nodes, mixed_precision=mixed_precision,
+                              inter_node_gb_per_s=link)
     per_node = num_gpus // nodes
+    activations = ({"without checkpointing": full} | ({} if checkpointed is None else
+                                                      {"with checkpointing": checkpointed})) if counted else {}
 
     def make(choice: str, reason: str) -> Recommendation:
-        return Recommendation(choice, reason, gb, budget, usable if activation_gb is None else budget,
-                              states[OFFLOAD], host_budget,
-                              {name: usable - value for name, value in gb.items()}, across)
+        talk = f"; {seconds[choice]:.2g} s of communication per step if none of it overlaps compute" \
+            if choice in seconds else ""
+        return Recommendation(choice, reason + talk, gb, budget, tight, states[OFFLOAD], host_budget,
+                              {name: usable - value for name, value in gb.items()}, across, activations, seconds)
 
     def room(name: str) -> str:
+        if counted:
+            return f"; with {full:.1f} GB of activations it uses {gb[name] + full:.1f} of the {usable:.1f} GB usable"
         return f"; it leaves {usable - gb[name]:.1f} GB per GPU for activations"
 
     if nodes > 1 and link < SLOW_LINK_GB_PER_S and gb["HSDP"] <= budget:
         usual = recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes, mixed_precision=mixed_precision,
-                          optimizer=optimizer, host_memory_gb=host_memory_gb, activation_gb=activation_gb).choice
-        if usual != "HSDP":  # what a fast link would get sends more across nodes: HSDP's saving decides
+                          optimizer=optimizer, host_memory_gb=host_memory_gb, activation_gb=activation_gb,
+                          shape=shape, tokens_per_gpu=tokens_per_gpu,
+                          gradient_as_bucket_view=gradient_as_bucket_view).choice
+        if usual != "HSDP" and usual in across:  # what a fast link would get sends more across nodes
             return make("HSDP", f"{nodes} nodes linked at {link:g} GB/s per GPU: {usual} would send "
                         f"{across[usual]:.1f} GB per GPU across nodes each step ({across[usual] / link:.1f} s), "
                         f"HSDP {across['HSDP']:.1f} GB ({across['HSDP'] / link:.1f} s), sharding within each node "
                         f"({gb['HSDP']:.1f} GB per GPU)" + room("HSDP"))
+    buckets = "" if gradient_as_bucket_view else ", its gradient buckets included"
     if gb["DDP"] <= budget:
-        return make("DDP", f"a full replica's model state ({gb['DDP']:.1f} GB) fits the {budget:.1f} GB budget; "
-                           "DDP is the simplest and fastest" + room("DDP"))
-    if activation_gb is None and gb["DDP"] <= usable:
-        return make("DDP + activation checkpointing", f"a replica ({gb['DDP']:.1f} GB) fits only if activations "
-                    f"stay under {gpu_memory_gb - gb['DDP']:.1f} GB: recompute them in backward")
+        return make("DDP", f"a full replica's model state ({gb['DDP']:.1f} GB{buckets}) fits the {budget:.1f} GB "
+                           "budget; DDP is the simplest and fastest" + room("DDP"))
     name = "FSDP, no reshard after forward"
     if gb[name] <= budget:
         return make(name, f"sharding over {num_gpus} GPUs, with the weights gathered from forward to backward, "
-                    f"peaks at {gb[name]:.1f} GB per GPU, gathering once per step (DDP's bytes at equal precision)"
+                    f"peaks at {gb[name]:.1f} GB per GPU, gathering once per step and recomputing nothing"
                     + room(name))
     if nodes > 1 and gb["HSDP"] <= budget:
         return make("HSDP", f"full sharding within one node ({per_node} GPUs) needs {gb['HSDP']:.1f} GB; "
@@ -214,19 +283,31 @@ def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: 
     if gb[name] <= budget:
         return make(name, f"only sharding the parameters too fits: {gb[name]:.1f} GB per GPU over {num_gpus} GPUs, "
                     "gathering twice per step (1.5x DDP's bytes at equal precision)" + room(name))
-    if activation_gb is None and gb[name] <= usable:
-        return make(name + CHECKPOINTING, f"fully sharded, the model state ({gb[name]:.1f} GB per GPU) fits only if "
-                    f"activations stay under {gpu_memory_gb - gb[name]:.1f} GB: recompute them in backward "
-                    "(checkpoint each block before fully_shard wraps it)")
+    for name in ("DDP", "FSDP full sharding"):
+        if checkpointed is not None and gb[name] <= tight:
+            why = (f"the activations ({full:.1f} GB per GPU) do not fit beside {name}'s {gb[name]:.1f} GB of model "
+                   f"state; checkpointed, each block keeps only its input and they are {checkpointed:.1f} GB"
+                   if counted else f"{name}'s model state ({gb[name]:.1f} GB per GPU) fits only if activations "
+                   f"stay under {gpu_memory_gb - gb[name]:.1f} GB")
+            return make(name + CHECKPOINTING, f"{why}: recompute them in backward (every block's forward runs "
+                        "twice; checkpoint each block before fully_shard wraps it)")
+    least = checkpointed if checkpointed is not None else full
+    if least > usable:
+        return make(BEYOND, f"the activations alone need {least:.1f} GB per GPU"
+                    f"{' even with checkpointing' if checkpointed is not None else ''}, over the {usable:.1f} GB "
+                    "usable: no data-parallel strategy and no offload cuts them, since each GPU runs the whole "
+                    "model on its own tokens. Use fewer tokens per GPU, or split them: sequence and tensor "
+                    "parallelism, or context parallelism (notebooks 09 and 12)")
     if states[OFFLOAD] <= host_budget:
-        return make(OFFLOAD, f"even full sharding needs {gb['FSDP full sharding']:.1f} GB per GPU; offloaded, "
-                    f"weights, gradients and the optimizer step live in host RAM, {states[OFFLOAD]:.0f} GB per "
-                    f"node of {host_budget:.0f} GB usable, and the GPUs hold only the layers being computed "
-                    "(slower: host transfers every step)")
+        return make(OFFLOAD, f"even full sharding needs {gb['FSDP full sharding']:.1f} GB per GPU beside the "
+                    f"activations; offloaded, weights, gradients and the optimizer step live in host RAM, "
+                    f"{states[OFFLOAD]:.0f} GB per node of {host_budget:.0f} GB usable, and the GPUs keep the "
+                    "activations and the layers being computed (slower: host transfers every step)")
     total = gb["FSDP full sharding"] * num_gpus
-    gpus_needed = math.ceil(total / usable - 1e-9)
+    room_per_gpu = usable - least
+    gpus_needed = math.ceil(total / room_per_gpu - 1e-9)
     return make(BEYOND, f"the model state is {total:.0f} GB in all: full sharding needs "
-                f"{gb['FSDP full sharding']:.1f} GB per GPU, over the {usable:.1f} GB even checkpointing "
+                f"{gb['FSDP full sharding']:.1f} GB per GPU, over the {room_per_gpu:.1f} GB even checkpointing "
                 f"leaves, and offloading needs {states[OFFLOAD]:.0f} GB of host RAM per node, over the "
                 f"{host_budget:.0f} GB usable. "
                 "Tensor and pipeline parallelism divide the same bytes over the same GPUs, so they cannot fit it "
@@ -247,7 +328,7 @@ def largest_model(choice: str, gpu_memory_gb: float = 80, num_gpus: int = 8, *, 
                   mixed_precision: bool = True, optimizer: str = "adamw") -> float:
     """The most parameters whose model state fits the budget (the GPU minus 30%) under ``choice``, one of
     :data:`ON_GPU`. Model state grows linearly with the parameters, so one parameter's bytes decide.
-    Example: ``largest_model("DDP") / 1e9`` is 3.5 (billion)."""
+    Example: ``largest_model("DDP") / 1e9`` is 2.8 (billion: 20 bytes each, gradient buckets included)."""
     if choice not in ON_GPU:
         raise ValueError(f"choice must be one of {', '.join(ON_GPU)}, got {choice!r}")
     if finite("gpu_memory_gb", gpu_memory_gb) <= 0:
@@ -282,11 +363,20 @@ def why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: in
                 f"GPUs), more than the {budget} GB usable (the node's RAM minus {HOST_RESERVE:.0%}).")
     checkpointing = answer.endswith(CHECKPOINTING)
     needed = advice.gb_per_gpu[answer.removesuffix(CHECKPOINTING)]
-    reserve = CHECKPOINTING_RESERVE if checkpointing else ACTIVATION_RESERVE
-    budget = gpu_memory_gb * (1 - reserve)
+    if checkpointing and "without checkpointing" in advice.activation_gb and \
+            "with checkpointing" not in advice.activation_gb:
+        return (f"{answer}: the activations you measured ({advice.activation_gb['without checkpointing']:.1f} GB) "
+                "are without checkpointing, so the guide cannot tell what checkpointing leaves; measure with it on.")
+    budget = advice.checkpointing_budget_gb if checkpointing else advice.budget_gb
     if needed <= budget:
         return None
     shown_needed, shown_budget = _two_gb(needed, budget)
-    activations = "activations: checkpointing keeps few, recomputing the rest" if checkpointing else "activations"
-    return (f"{answer} needs {shown_needed} GB of model state per GPU, more than the {shown_budget} GB budget "
-            f"(the GPU minus {reserve:.0%} for {activations}).")
+    key = "with checkpointing" if checkpointing else "without checkpointing"
+    if key in advice.activation_gb:
+        why = (f"90% of the GPU minus {advice.activation_gb[key]:.1f} GB of activations"
+               f"{', checkpointed' if checkpointing else ''}")
+    else:
+        reserve = CHECKPOINTING_RESERVE if checkpointing else ACTIVATION_RESERVE
+        activations = "activations: checkpointing keeps few, recomputing the rest" if checkpointing else "activations"
+        why = f"the GPU minus {reserve:.0%} for {activations}"
+    return f"{answer} needs {shown_needed} GB of model state per GPU, more than the {shown_budget} GB budget ({why})."

@@ -188,6 +188,13 @@ def _records(nnodes: int, nproc_per_node: int) -> list[dict[str, object]]:  # as
              "MASTER_PORT": "29500"} for node in range(nnodes) for local in range(nproc_per_node)]
 
 
+def _simulated() -> dict:
+    from dtlib.sim.llama import LLAMA
+    from dtlib.sim.step import simulate
+
+    return {f"{n} ranks": simulate(LLAMA["tiny"], dp=n, seq_len=64, depths=None) for n in (2, 4)}
+
+
 # {function name: {case: the call's arguments}}: what the notebooks pass, shrunk where that is cheaper.
 INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "machine": {"laptop": lambda: call(_machine(0, 2)), "8 GPUs": lambda: call(_machine(8, 32))},
@@ -227,6 +234,8 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "comm_bars": {"2 ranks, ring": lambda: call(_strategies(2), _sent(_strategies(2))),
                   "4 ranks": lambda: call(_strategies(4))},
     "zero_stages": {"7.5B on 64": lambda: call(7.5e9, 64), "1B on 8": lambda: call(1e9, 8)},
+    "cluster_memory": {"notebook 14": lambda: call(_simulated(), gpu_gib=79),
+                       "no GPU line": lambda: call(_simulated())},
     "guide_bars": {"7B on 8": lambda: call(guide.recommend(7e9, 80, 8)),
                    "70B on 2 nodes": lambda: call(guide.recommend(70e9, 80, 16, nodes=2))},
     "guide_grid": {"notebook 06": lambda: call(guide.table(sizes_b=(0.5, 1, 3, 7, 13, 30, 70), gpu_memory_gb=(40, 80))),
