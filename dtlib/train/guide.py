@@ -52,9 +52,10 @@ BUCKET_BYTES = 4  # DDP's gradient buckets: a second fp32 copy of the gradients 
 CHECKPOINTING = " + activation checkpointing"
 CHOICES = ("DDP", "DDP" + CHECKPOINTING, "FSDP, no reshard after forward", "HSDP", "FSDP full sharding",
            "FSDP full sharding" + CHECKPOINTING, "FSDP full sharding + CPU offload",
-           "more GPUs or fewer bytes per parameter")
+           "more GPUs or fewer bytes per parameter", "fewer tokens per GPU, or split them")
 OFFLOAD = "FSDP full sharding + CPU offload"
 BEYOND = "more GPUs or fewer bytes per parameter"  # nothing fits: no split of the model over these GPUs does
+TOKENS = "fewer tokens per GPU, or split them"  # the activations alone do not fit, even checkpointed
 ON_GPU = ("DDP", "FSDP, no reshard after forward", "HSDP", "FSDP full sharding")  # what gb_per_gpu holds
 
 
@@ -293,7 +294,7 @@ def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: 
                         "twice; checkpoint each block before fully_shard wraps it)")
     least = checkpointed if checkpointed is not None else full
     if least > usable:
-        return make(BEYOND, f"the activations alone need {least:.1f} GB per GPU"
+        return make(TOKENS, f"the activations alone need {least:.1f} GB per GPU"
                     f"{' even with checkpointing' if checkpointed is not None else ''}, over the {usable:.1f} GB "
                     "usable: no data-parallel strategy and no offload cuts them, since each GPU runs the whole "
                     "model on its own tokens. Use fewer tokens per GPU, or split them: sequence and tensor "
@@ -350,9 +351,16 @@ def why_not(answer: str, advice: Recommendation, gpu_memory_gb: float, nodes: in
     if answer == "HSDP" and nodes == 1:
         return ("HSDP shards the model within each node and replicates it across nodes; this job has one node, "
                 "so there is nothing to replicate across (on one node HSDP is just full sharding).")
-    if answer == BEYOND:
-        if advice.choice == BEYOND:
+    if answer == TOKENS:
+        if advice.choice == TOKENS:
             return None
+        return (f"this job's activations fit a GPU ({advice.choice} fits), so its tokens need not be cut or split; "
+                "data parallelism leaves each GPU its own tokens whole, and here that is enough.")
+    if answer == BEYOND:
+        if advice.choice in (BEYOND, TOKENS):
+            return None if advice.choice == BEYOND else (
+                "more GPUs do not help here: the activations alone do not fit one GPU, and data parallelism gives "
+                "every GPU the whole model's activations for its own tokens. Cut or split the tokens.")
         return (f"these GPUs can hold this model: {advice.choice} fits, so more GPUs or fewer bytes per parameter "
                 "are not needed to make it fit.")
     if answer == OFFLOAD:

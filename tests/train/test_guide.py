@@ -316,9 +316,15 @@ def test_activations_larger_than_the_gpu_are_never_offered_offload():
 
     advice = guide.recommend(LLAMA["7B"].params, MEM, 8, shape=LLAMA["7B"], tokens_per_gpu=131_072,
                              host_memory_gb=100_000)
-    assert advice.choice == guide.BEYOND and advice.activation_gb["with checkpointing"] > MEM
+    assert advice.choice == guide.TOKENS and advice.activation_gb["with checkpointing"] > MEM
     assert "no data-parallel strategy and no offload cuts them" in advice.reason
     assert "context parallelism" in advice.reason
+    job = {"shape": LLAMA["7B"], "tokens_per_gpu": 131_072}
+    assert checks.strategy_choice(guide.TOKENS, LLAMA["7B"].params, MEM, 8, **job).ok
+    more = checks.strategy_choice(guide.BEYOND, LLAMA["7B"].params, MEM, 8, **job)
+    assert not more.ok and "more GPUs do not help here" in more.message
+    fewer = checks.strategy_choice(guide.TOKENS, LLAMA["7B"].params, MEM, 8, shape=LLAMA["7B"], tokens_per_gpu=4096)
+    assert not fewer.ok and "need not be cut or split" in fewer.message
 
 
 def test_measured_activations_without_checkpointing_rule_checkpointing_out_and_say_so():
