@@ -137,16 +137,18 @@ def guide_bars(advice: Any, title: str = "") -> Figure:
     colors = ["#55A868" if name == chosen else ("#4C72B0" if v <= advice.budget_gb else "#BBBBBB")
               for name, v in zip(names, values, strict=True)]
     ax.barh(names, values, color=colors)
-    ax.axvline(advice.budget_gb, color="#C44E52", ls="--",
-               label=f"budget {advice.budget_gb:.0f} GB (after activations)")
-    if advice.checkpointing_budget_gb > advice.budget_gb:
+    if advice.budget_gb > 0:  # activations that fill the GPU leave no budget to draw on a log axis
+        ax.axvline(advice.budget_gb, color="#C44E52", ls="--",
+                   label=f"budget {advice.budget_gb:.0f} GB (after activations)")
+    if advice.checkpointing_budget_gb > max(advice.budget_gb, 0):
         ax.axvline(advice.checkpointing_budget_gb, color="#C44E52", ls=":",
                    label=f"{advice.checkpointing_budget_gb:.0f} GB with activation checkpointing")
     for i, value in enumerate(values):
         ax.text(value, i, f" {value:.1f} GB", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlim(min(values + [advice.budget_gb]) / 2, max(values + [advice.budget_gb]) * 4)
+    shown = [v for v in values + [advice.budget_gb, advice.checkpointing_budget_gb] if v > 0]
+    ax.set_xlim(min(shown) / 2, max(shown) * 4)
     ax.set_xlabel("model state per GPU (GB, log scale)")
     ax.set_title(title or f"Recommended: {advice.choice}")
     ax.legend(fontsize=8, loc="lower right")
@@ -179,18 +181,31 @@ def guide_grid(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
 
 def guide_calculator() -> object:
     """An ipywidgets calculator: sliders for model size, GPU memory, GPU count, nodes, host RAM and the link
-    between nodes; the callback draws :func:`dtlib.plots.guide_bars`. Show it as a notebook cell's value."""
+    between nodes; the optimizer, the precision, and the activations (the 30% rule of thumb, or a Llama 2 shape
+    with the tokens per GPU, which then also sets the size); the callback draws :func:`dtlib.plots.guide_bars`.
+    Show it as a notebook cell's value."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
+    from dtlib.sim.llama import LLAMA
+
     def draw(params_b: float, gpu_memory_gb: int, num_gpus: int, nodes: int, host_memory_gb: int,
-             inter_node_gb_per_s: float) -> None:
+             inter_node_gb_per_s: float, optimizer: str, precision: str, activations: str, tokens_per_gpu: int
+             ) -> None:
         if num_gpus % nodes:
             num_gpus = max(nodes, num_gpus // nodes * nodes)  # keep GPUs evenly split over nodes
+        shape = LLAMA.get(activations.removeprefix("Llama 2 "))
+        if shape is not None:
+            params_b = shape.params / 1e9
         advice = recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes, host_memory_gb=host_memory_gb,
-                           inter_node_gb_per_s=inter_node_gb_per_s)
-        title = (f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on {nodes} node(s)\n"
-                 f"{host_memory_gb} GB host RAM per node, {inter_node_gb_per_s:g} GB/s between nodes")
+                           inter_node_gb_per_s=inter_node_gb_per_s, optimizer=optimizer,
+                           mixed_precision=precision == "bf16 compute", shape=shape,
+                           tokens_per_gpu=tokens_per_gpu if shape is not None else None)
+        counted = (f", activations {advice.activation_gb['without checkpointing']:.0f} GB per GPU "
+                   f"({advice.activation_gb['with checkpointing']:.0f} checkpointed)" if advice.activation_gb else "")
+        title = (f"{params_b:.3g}B parameters, {num_gpus} x {gpu_memory_gb} GB GPUs on {nodes} node(s), {optimizer}, "
+                 f"{precision}\n{host_memory_gb} GB host RAM per node, {inter_node_gb_per_s:g} GB/s between nodes"
+                 f"{counted}")
         guide_bars(advice, title=title)
         plt.show()
 
@@ -205,4 +220,10 @@ def guide_calculator() -> object:
                                                description="host GB"),
         inter_node_gb_per_s=widgets.SelectionSlider(options=[1.5, 6.25, 12.5, 25, 50], value=50,
                                                     description="link GB/s"),
+        optimizer=widgets.Dropdown(options=["adamw", "sgd"], value="adamw", description="optimizer"),
+        precision=widgets.Dropdown(options=["bf16 compute", "fp32"], value="bf16 compute", description="precision"),
+        activations=widgets.Dropdown(options=["30% rule of thumb", "Llama 2 7B", "Llama 2 13B", "Llama 2 70B"],
+                                     value="30% rule of thumb", description="activations"),
+        tokens_per_gpu=widgets.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384, 32768, 65536], value=4096,
+                                               description="tokens/GPU"),
     )

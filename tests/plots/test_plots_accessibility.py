@@ -195,6 +195,12 @@ def _simulated() -> dict:
     return {f"{n} ranks": simulate(LLAMA["tiny"], dp=n, seq_len=64, depths=None) for n in (2, 4)}
 
 
+def _tokens_beyond() -> object:
+    from dtlib.sim.llama import LLAMA
+
+    return guide.recommend(LLAMA["7B"].params, 80, 8, shape=LLAMA["7B"], tokens_per_gpu=131_072)
+
+
 # {function name: {case: the call's arguments}}: what the notebooks pass, shrunk where that is cheaper.
 INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "machine": {"laptop": lambda: call(_machine(0, 2)), "8 GPUs": lambda: call(_machine(8, 32))},
@@ -237,7 +243,8 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "cluster_memory": {"notebook 14": lambda: call(_simulated(), gpu_gib=79),
                        "no GPU line": lambda: call(_simulated())},
     "guide_bars": {"7B on 8": lambda: call(guide.recommend(7e9, 80, 8)),
-                   "70B on 2 nodes": lambda: call(guide.recommend(70e9, 80, 16, nodes=2))},
+                   "70B on 2 nodes": lambda: call(guide.recommend(70e9, 80, 16, nodes=2)),
+                   "activations over the GPU": lambda: call(_tokens_beyond())},
     "guide_grid": {"notebook 06": lambda: call(guide.table(sizes_b=(0.5, 1, 3, 7, 13, 30, 70), gpu_memory_gb=(40, 80))),
                    "three memories": lambda: call(guide.table(sizes_b=(1, 7), gpu_memory_gb=(24, 40, 80)))},
     "loss_curves": {"with reference": lambda: call(_train_results(2, 8), reference=_reference(8)),
