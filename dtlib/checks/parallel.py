@@ -429,8 +429,11 @@ def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, ba
     """
     if not 0 < target < 1:
         raise ValueError(f"target is the bubble's share, between 0 and 1 (0.1 for 10%), got {target!r}")
-    if isinstance(answer, torch.Tensor) and answer.numel() == 1 and not answer.is_floating_point():
-        answer = answer.item()
+    if hasattr(answer, "item") and getattr(answer, "size", None) not in (None, 0) and not isinstance(answer, bool):
+        try:  # a one-number tensor or numpy array, whatever its dtype: 32, 32.0, torch.tensor(32.)
+            answer = answer.item()
+        except (ValueError, RuntimeError):
+            pass
     if (isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer)
             or answer != int(answer)):
         return Feedback(False, f"Answer with a whole number of micro-batches, got {answer!r}.")
@@ -644,6 +647,12 @@ def softmax_merge(fn: Callable[..., Any]) -> Feedback:
             return Feedback(False, f"With {what}, the merged lse should be a tensor of shape "
                                    f"{tuple(blocks[0][1].shape)}, like each block's (one number per query row), got "
                                    f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}.")
+        low = next((f"{name} as {str(t.dtype).removeprefix('torch.')}" for name, t in (("output", out), ("lse", lse))
+                    if not t.is_floating_point() or torch.finfo(t.dtype).bits < 32), None)
+        if low is not None:
+            return Feedback(False, f"With {what}, you returned the merged {low}: the blocks come in float32 and their "
+                                   "merge is exact in it; return float32 (or float64), or the rounding, not the "
+                                   "merge, decides what the next merge sees.")
         largest = max(float(block_lse.abs().max()) for _, block_lse in blocks)
         out = out.detach().to(torch.float64)  # any float dtype the learner computed in
         if not torch.isfinite(out).all():

@@ -128,6 +128,8 @@ def test_pipeline_micro_batches_takes_numpy_integers_and_other_settings():
     import numpy as np
 
     assert checks.pipeline_micro_batches(np.int64(32)).ok and checks.pipeline_micro_batches(torch.tensor(32)).ok
+    assert checks.pipeline_micro_batches(torch.tensor(32.0)).ok and checks.pipeline_micro_batches(np.array(32)).ok
+    assert not checks.pipeline_micro_batches(torch.tensor([32, 16])).ok
     assert "m >= 21" in checks.pipeline_micro_batches(21, target=0.13, batch=84).message  # rounded up: 20.08
     too_few = checks.pipeline_micro_batches(3, stages=4, target=0.5, batch=48)
     assert "at least one micro-batch per stage" in too_few.message
@@ -498,6 +500,8 @@ MERGES = [
     (lambda *args: (_right_merge(*args)[0].numpy(), _right_merge(*args)[1]), False, ["a torch tensor, got ndarray"]),
     (lambda *args: (_right_merge(*args)[0], _right_merge(*args)[1].squeeze(-1)), False, ["merged lse should be"]),
     ("merge", False, ["Pass your function itself"]),
+    (lambda *args: (_right_merge(*args)[0].half(), _right_merge(*args)[1]), False, ["merged output as float16"]),
+    (lambda *args: (_right_merge(*args)[0], _right_merge(*args)[1].long()), False, ["merged lse as int64"]),
 ]
 
 
