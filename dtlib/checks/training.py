@@ -251,7 +251,14 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
         halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none", **ON_GLOO)
     except (WorkerError, WorkerTimeout) as err:
         return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err.failures[0].headline()}")
-    if not all(torch.isfinite(half).all() for half in halves):
+    if not all(torch.isfinite(half["grad"]).all() for half in halves):
+        # GPU run must confirm: NCCL runs a floating-point AVG as a pre-multiplied sum (each input times 1/N)
+        if all(half["avg"] for half in halves):  # gloo sums, then divides; NCCL's AVG never holds the sum
+            return Feedback(True, f"With {sizes[0]} ranks and with {sizes[1]}, your gradients equal "
+                                  "DistributedDataParallel's and those of one process. ReduceOp.AVG averages as "
+                                  "NCCL runs it, dividing as it sums, so fp16 does not overflow there; gloo sums "
+                                  "first (80000 is past fp16's 65504), which is why DDP divides each gradient by "
+                                  "the world size before a SUM: that works on every backend.")
         return Feedback(False, "Right in fp32, but in fp16 two gradients of 40000 summed make 80000, past fp16's "
                                "largest number (65504), so your average is inf. DDP divides each gradient by the "
                                "world size first, then sums: do the same.")
@@ -263,15 +270,27 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:
     """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
     import torch
+    import torch.distributed as dist
 
     grad = torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())
-    returned = hook(grad)
+    ops: list[Any] = []
+    all_reduce = dist.all_reduce
+
+    def noting(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
+        ops.append(op)
+        return all_reduce(tensor, op, *args, **kwargs)
+
+    dist.all_reduce = noting  # which reduce op the hook asks for: NCCL's AVG divides as it sums, gloo's after
+    try:
+        returned = hook(grad)
+    finally:
+        dist.all_reduce = all_reduce
     if returned is None:
         returned = grad  # as autograd does: None means the hook changed the gradient in place, or not at all
     if not isinstance(returned, torch.Tensor):
         raise TypeError(f"your hook returned a {type(returned).__name__}: return the gradient tensor (or None "
                         "after changing it in place)")
-    return returned.float().cpu()
+    return {"grad": returned.float().cpu(), "avg": any(op == dist.ReduceOp.AVG for op in ops)}
 
 
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it

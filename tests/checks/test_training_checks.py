@@ -39,6 +39,12 @@ def right_in_float64(grad):
     return (wide / dist.get_world_size()).to(grad.dtype)
 
 
+def right_by_avg(grad):  # right: NCCL averages as it sums (gloo's sum-then-divide would overflow fp16)
+    averaged = grad.clone()
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    return averaged
+
+
 # -- wrong answers, one kind each -------------------------------------------------------------------
 
 
@@ -160,7 +166,7 @@ def functional_all_reduce(grad):  # right, written another way: a functional col
     return funcol.wait_tensor(funcol.all_reduce(grad / dist.get_world_size(), "sum", dist.group.WORLD))
 
 
-RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce]
+RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce, right_by_avg]
 
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
