@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 
 from dtlib.measure import memory
 from dtlib.plots._style import tick_names
+from dtlib.sim.llama import LLAMA
 from dtlib.train.guide import CHECKPOINTING, CHOICES, recommend
 
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
@@ -186,8 +187,6 @@ def guide_calculator() -> object:
     Show it as a notebook cell's value."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-
-    from dtlib.sim.llama import LLAMA
 
     def draw(params_b: float, gpu_memory_gb: int, num_gpus: int, nodes: int, host_memory_gb: int,
              inter_node_gb_per_s: float, optimizer: str, precision: str, activations: str, tokens_per_gpu: int
