@@ -86,6 +86,13 @@ class Simulated:
     def model_state(self) -> int:
         return self.memory["weights"] + self.memory["gradients"] + self.memory["optimizer"]
 
+    def sent(self) -> dict[str, int]:
+        """Bytes rank 0 sends per step along each mesh dimension ("dp", "tp")."""
+        totals: dict[str, int] = {}
+        for row in self.traffic:
+            totals[row.group] = totals.get(row.group, 0) + row.sent
+        return totals
+
 
 def check_layout(shape: Shape, dp: int, tp: int, seq_len: int, micro_batch: int) -> tuple[int, int, int, int]:
     dp, tp = whole("dp", dp), whole("tp", tp)
