@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from dtlib.measure import memory
 from dtlib.plots._style import tick_names
-from dtlib.sim.llama import LLAMA
+from dtlib.sim.llama import LLAMA, llama_like
 from dtlib.train.guide import CHECKPOINTING, CHOICES, recommend
 
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
@@ -180,10 +180,14 @@ def guide_grid(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
     return fig
 
 
+LIKE = "a Llama-like shape of this size"  # the calculator's activations by default: see dtlib.sim.llama.llama_like
+
+
 def guide_calculator() -> object:
     """An ipywidgets calculator: sliders for model size, GPU memory, GPU count, nodes, host RAM and the link
-    between nodes; the optimizer, the precision, and the activations (the 30% rule of thumb, or a Llama 2 shape
-    with the tokens per GPU, which then also sets the size); the callback draws :func:`dtlib.plots.guide_bars`.
+    between nodes; the optimizer, the precision, and the activations for the tokens per GPU (of a Llama-like shape of
+    the chosen size, of a Llama 2 shape, which then sets the size, or the 30% rule of thumb); the callback draws
+    :func:`dtlib.plots.guide_bars`.
     Show it as a notebook cell's value."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
@@ -196,6 +200,8 @@ def guide_calculator() -> object:
         shape = LLAMA.get(activations.removeprefix("Llama 2 "))
         if shape is not None:
             params_b = shape.params / 1e9
+        elif activations == LIKE:
+            shape = llama_like(params_b * 1e9)
         advice = recommend(params_b * 1e9, gpu_memory_gb, num_gpus, nodes=nodes, host_memory_gb=host_memory_gb,
                            inter_node_gb_per_s=inter_node_gb_per_s, optimizer=optimizer,
                            mixed_precision=precision == "bf16 compute", shape=shape,
@@ -221,8 +227,8 @@ def guide_calculator() -> object:
                                                     description="link GB/s"),
         optimizer=widgets.Dropdown(options=["adamw", "sgd"], value="adamw", description="optimizer"),
         precision=widgets.Dropdown(options=["bf16 compute", "fp32"], value="bf16 compute", description="precision"),
-        activations=widgets.Dropdown(options=["30% rule of thumb", "Llama 2 7B", "Llama 2 13B", "Llama 2 70B"],
-                                     value="30% rule of thumb", description="activations"),
+        activations=widgets.Dropdown(options=[LIKE, "30% rule of thumb", "Llama 2 7B", "Llama 2 13B", "Llama 2 70B"],
+                                     value=LIKE, description="activations"),
         tokens_per_gpu=widgets.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384, 32768, 65536], value=4096,
                                                description="tokens/GPU"),
     )

@@ -115,3 +115,19 @@ class Llama(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def llama_like(num_params: float, vocab: int = 32_000) -> Shape:
+    """A shape of about ``num_params`` parameters in Llama 2's proportions: 128 of width per layer of depth
+    (7B is 4096 wide and 32 deep), heads of 128, an MLP 2.6875 times as wide (rounded to 256), one key/value head
+    per query head. For a calculator that knows only the size; pass the real shape where you know it.
+
+    Example: ``llama_like(6.74e9)`` is Llama 2 7B's shape.
+    """
+    if not num_params > 0:
+        raise ValueError(f"num_params must be > 0, got {num_params!r}")
+    hidden = max(128, 128 * round((128 * num_params / 12.06) ** (1 / 3) / 128))
+    ffn = max(256, 256 * round(2.6875 * hidden / 256))
+    one = Shape(layers=1, hidden=hidden, heads=hidden // 128, kv_heads=hidden // 128, ffn=ffn, vocab=vocab)
+    layers = max(1, round((num_params - 2 * vocab * hidden - hidden) / one.block_params))
+    return one.with_layers(layers)

@@ -12,6 +12,14 @@ from dtlib.sim.step import simulate
 from dtlib.sim.world import fake_world
 
 
+def test_a_llama_like_shape_of_a_size_is_llama_2s_where_llama_2_has_one():
+    from dtlib.sim.llama import llama_like
+
+    assert llama_like(LLAMA["7B"].params) == LLAMA["7B"] and llama_like(LLAMA["13B"].params) == LLAMA["13B"]
+    for size in (1e8, 1.3e9, 3e10, 1e12):
+        assert llama_like(size).params == pytest.approx(size, rel=0.15)
+
+
 def test_the_presets_have_llama_2s_sizes():
     """Touvron et al. (2023): 6.7B, 13.0B and 69.0B parameters; the module holds exactly what the shape counts."""
     assert [round(LLAMA[name].params / 1e9, 1) for name in ("7B", "13B", "70B")] == [6.7, 13.0, 69.0]

@@ -334,7 +334,7 @@ def test_measured_activations_without_checkpointing_rule_checkpointing_out_and_s
     assert not said.ok and "measure with it on" in said.message
 
 
-@pytest.mark.parametrize("activations", ["30% rule of thumb", "Llama 2 70B"])
+@pytest.mark.parametrize("activations", ["a Llama-like shape of this size", "30% rule of thumb", "Llama 2 70B"])
 def test_the_calculator_takes_the_optimizer_the_precision_and_the_activations(activations, monkeypatch):
     import matplotlib.pyplot as plt
 
@@ -347,4 +347,9 @@ def test_the_calculator_takes_the_optimizer_the_precision_and_the_activations(ac
                  optimizer="sgd", precision="fp32", activations=activations, tokens_per_gpu=4096)
     plt.close("all")
     assert "sgd, fp32" in shown[-1]  # the first drawing is the defaults
-    assert ("activations" in shown[-1] and "69B parameters" in shown[-1]) == (activations != "30% rule of thumb")
+    assert ("activations" in shown[-1]) == (activations != "30% rule of thumb")
+    assert ("69B parameters" in shown[-1]) == (activations == "Llama 2 70B")
+    calculator.f(params_b=7, gpu_memory_gb=80, num_gpus=64, nodes=8, host_memory_gb=1000, inter_node_gb_per_s=1.5,
+                 optimizer="sgd", precision="fp32", activations=activations, tokens_per_gpu=8192)
+    plt.close("all")
+    assert (shown[-1] != shown[-2]) == (activations != "30% rule of thumb")  # the tokens move the figure
