@@ -152,7 +152,8 @@ def guide_bars(advice: Any, title: str = "") -> Figure:
     ax.set_xlim(min(shown) / 2, max(shown) * 4)
     ax.set_xlabel("model state per GPU (GB, log scale)")
     ax.set_title(title or f"Recommended: {advice.choice}")
-    ax.legend(fontsize=8, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # no line where the activations leave no budget
+        ax.legend(fontsize=8, loc="lower right")
     fits = "fits" if advice.host_gb_per_node <= advice.host_budget_gb else "does not fit"
     fig.text(0.01, 0.01, f"Chosen: {advice.choice}. CPU offload needs {advice.host_gb_per_node:.0f} GB of host RAM "
              f"per node: it {fits} the {advice.host_budget_gb:.0f} GB usable.", fontsize=8)
