@@ -158,6 +158,13 @@ def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = N
     return out
 
 
+def llama_block_params(hidden: int, heads: int, kv_heads: int, ffn: int) -> int:
+    """Parameters of one Llama block: q and o (h x h), k and v (h x h kv_heads/heads), gate, up and down
+    (h x ffn), two norms. Example: ``llama_block_params(4096, 32, 32, 11008)`` is 202,383,360 (Llama 2 7B's)."""
+    kv = hidden * kv_heads // heads
+    return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+
+
 def activation_bytes(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, tokens: int, *,
                      checkpointing: bool = False) -> float:
     """Bytes a rank holds at its step's peak beyond model state, for a Llama-shaped model (bf16 compute, fp32
@@ -186,7 +193,7 @@ def activation_bytes(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
                         ("ffn", ffn), ("vocab", vocab), ("tokens", tokens)):
         whole(name, value)
     per_block = 24 * hidden + 4 * hidden * kv_heads / heads + 8 * ffn
-    block = (2 + 2 * kv_heads / heads) * hidden * hidden + 3 * hidden * ffn + 2 * hidden
+    block = llama_block_params(hidden, heads, kv_heads, ffn)
     logits = 14 * vocab
     if checkpointing:
         return tokens * (layers * 2 * hidden + max(logits, 2 * per_block)) + 10 * block

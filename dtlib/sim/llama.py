@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtlib.measure.memory import llama_block_params
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -47,9 +49,8 @@ class Shape:
 
     @property
     def block_params(self) -> int:
-        """Parameters of one block: q and o (h x h), k and v (h x kv), gate, up and down (h x ffn), two norms."""
-        kv = self.kv_heads * self.head_dim
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
+        """Parameters of one block (:func:`dtlib.measure.memory.llama_block_params`)."""
+        return llama_block_params(self.hidden, self.heads, self.kv_heads, self.ffn)
 
     @property
     def params(self) -> int:
