@@ -24,7 +24,7 @@ from dtlib.ring import chunk_bounds
 from dtlib.ring import send_recv as collectives
 
 
-class _SizesDiffer(Exception):
+class _StepRefused(Exception):
     """Raised on every rank at once when a ring step's send and the receive it meets differ in size, or a rank
     sends a tensor that holds none of its chunks."""
 
@@ -42,7 +42,7 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
 
     A send and the receive it meets must match in size; NCCL would not say so (it hangs or reads past the
     end) and gloo aborts the process. So every rank learns of a mismatch at once and raises
-    :class:`_SizesDiffer` with the same words. The exchange's own collectives go into ``extra``, which the
+    :class:`_StepRefused` with the same words. The exchange's own collectives go into ``extra``, which the
     caller takes off the learner's count.
     """
     import torch
@@ -63,7 +63,7 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
         table, step[0] = every.view(world_size, 4).tolist(), step[0] + 1
         for left, (n_sent, _, _, holds_a_chunk) in enumerate(table):
             if not holds_a_chunk:
-                raise _SizesDiffer(
+                raise _StepRefused(
                     f"In ring step {step[0]} of {world_size - 1}, rank {left} sent a tensor of {n_sent} elements that "
                     "holds none of its chunks: the ring's data must travel in its chunks, one per step (the buffer's "
                     "right numbers must come from what arrived, not from a formula that knows the inputs).")
@@ -72,7 +72,7 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
             (n_sent, _, chunk, _), (_, n_expected, _, _) = table[left], table[right]
             if n_sent != n_expected:
                 what = f"chunk {chunk}" if chunk >= 0 else "a tensor"
-                raise _SizesDiffer(
+                raise _StepRefused(
                     f"In ring step {step[0]} of {world_size - 1}, rank {left} sent {what} ({n_sent} elements) to "
                     f"rank {right}, which received into a buffer of {n_expected}: with uneven chunks, the chunk a "
                     "rank sends at a step must be the very chunk its right-hand neighbour receives at that step "
@@ -101,7 +101,7 @@ def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None]
         real, collectives.ring_shift = collectives.ring_shift, _checked_shift(views, chunks, extra)
         try:
             _, calls = count_collectives(phase, chunks, rank, world_size)
-        except _SizesDiffer as err:
+        except _StepRefused as err:
             seen["sizes_differ"], calls = str(err), {}
         finally:
             collectives.ring_shift = real

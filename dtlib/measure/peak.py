@@ -71,16 +71,13 @@ class PeakTracker(TorchDispatchMode):
             return
         self._refs[key] = (weakref.ref(storage, lambda _, key=key: self._refs.pop(key, None)), category)
 
-    def _total(self) -> int:
-        return sum(ref().nbytes() for ref, _ in list(self._refs.values()) if ref() is not None)
-
     def live(self) -> int:
         """Bytes live now in the storages followed: the model's, and those created inside the block, C++'s
         included (DDP's gradient buckets, say)."""
-        return self._total()
+        return sum(ref().nbytes() for ref, _ in list(self._refs.values()) if ref() is not None)
 
     def _check_peak(self) -> None:
-        total = self._total()
+        total = self.live()
         if total > self.peak:
             self.peak = total
             self._at_peak = [(ref, category, ref().nbytes()) for ref, category in list(self._refs.values())

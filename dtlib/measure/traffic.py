@@ -70,12 +70,13 @@ class Traffic:
         return [Row(group, call, int(calls), int(payload), round(sent))
                 for (group, call), (calls, payload, sent) in sorted(self.seen.items())]
 
-    def sent_by_group(self) -> dict[str, int]:
-        """Bytes this rank sent, per group."""
-        totals: dict[str, int] = {}
-        for row in self.rows():
-            totals[row.group] = totals.get(row.group, 0) + row.sent
-        return totals
+
+def sent_by_group(rows: list[Row]) -> dict[str, int]:
+    """Bytes a rank sent, per group, from its table (:meth:`Traffic.rows`)."""
+    totals: dict[str, int] = {}
+    for row in rows:
+        totals[row.group] = totals.get(row.group, 0) + row.sent
+    return totals
 
 
 def _nbytes(value: Any) -> int:

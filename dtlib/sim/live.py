@@ -58,4 +58,4 @@ def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, mic
                     timeout=timeout, output="none")
     memory, rows = results[0]
     return Simulated(shape, dp, tp, seq_len, micro_batch, checkpointing, memory, rows, (shape.layers,),
-                     time.perf_counter() - started, ["live ranks"])
+                     time.perf_counter() - started)

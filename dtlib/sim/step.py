@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from dtlib.arguments import whole
 from dtlib.measure.peak import CATEGORIES, PeakTracker
-from dtlib.measure.traffic import Row, traffic
+from dtlib.measure.traffic import Row, sent_by_group, traffic
 from dtlib.sim.llama import Llama, Shape
 from dtlib.sim.world import fake_world
 
@@ -73,7 +73,6 @@ class Simulated:
     traffic: list[Row]
     depths: tuple[int, ...] = ()  # the depths simulated: two, scaled to shape.layers, or the real one
     seconds: float = 0.0  # how long the simulation took here
-    notes: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -88,10 +87,7 @@ class Simulated:
 
     def sent(self) -> dict[str, int]:
         """Bytes rank 0 sends per step along each mesh dimension ("dp", "tp")."""
-        totals: dict[str, int] = {}
-        for row in self.traffic:
-            totals[row.group] = totals.get(row.group, 0) + row.sent
-        return totals
+        return sent_by_group(self.traffic)
 
 
 def check_layout(shape: Shape, dp: int, tp: int, seq_len: int, micro_batch: int) -> tuple[int, int, int, int]:
