@@ -20,7 +20,17 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import constant_factor
-from dtlib.checks.skeleton import UNREADABLE, Answer, Carried, RankExercise, judge, reduce_hint, same_collectives_hang
+from dtlib.checks.skeleton import (
+    UNREADABLE,
+    Answer,
+    Carried,
+    RankExercise,
+    dropped_functional,
+    dropped_functional_hint,
+    judge,
+    reduce_hint,
+    same_collectives_hang,
+)
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.feedback import Feedback
 
@@ -211,6 +221,7 @@ SUM_OF_RANKS = RankExercise(
         (_kept_largest, lambda a: _sum_said(
             a, "it holds the largest value of each slot: ReduceOp.MAX keeps the largest; add with ReduceOp.SUM "
                "(all_reduce's default).")),
+        (lambda a: dropped_functional(a, a.own), dropped_functional_hint),
         (lambda a: _close(a.value, a.own), lambda a: _sum_said(
             a, "it returned its own x: was dist.all_reduce called on x before returning?")),
         (lambda a: _low_precision(a), lambda a: _sum_said(
@@ -280,6 +291,7 @@ AVERAGE_OF_RANKS = RankExercise(
         (_kept_largest, lambda a: _mean_said(
             a, "holds the largest values, not the mean: ReduceOp.MAX keeps the largest; sum with ReduceOp.SUM, then "
                "divide by world_size.")),
+        (lambda a: dropped_functional(a, a.own) or dropped_functional(a, a.own / a.size), dropped_functional_hint),
         (lambda a: a.called("all_reduce") and _is_factor(a, a.own, 1 / a.size),
          lambda a: _mean_said(a, "holds its own values divided by world_size: the all-reduce had not finished when "
                                  "you divided. With async_op=True, call .wait() on the work it returns first.")),

@@ -49,6 +49,7 @@ class Carried:
     call: str  # the torch.distributed name: "all_reduce", "reduce", "all_gather", ...
     sent: torch.Tensor
     received: torch.Tensor
+    functional: bool = False  # a functional collective (funcol.all_reduce, ...): it returns its result, x stays
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,25 @@ def reduce_hint(answer: Answer) -> str:
             "Use dist.all_reduce, which leaves it on every rank.")
 
 
+def dropped_functional(answer: Answer, left: torch.Tensor) -> bool:
+    """Whether the rank called a functional collective and returned ``left`` (what its input makes without
+    one: itself, divided by world_size, ...): the collective's result, a new tensor, went unused."""
+    try:
+        value = torch.as_tensor(answer.value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    functional = answer.carried and any(entry.functional for entry in answer.carried[answer.rank])
+    return bool(functional) and value.shape == left.shape and torch.allclose(value, left, rtol=1e-5, atol=1e-5)
+
+
+def dropped_functional_hint(answer: Answer) -> str:
+    """What to say when a functional collective's result went unused (:func:`dropped_functional`)."""
+    name = next(entry.call for entry in answer.carried[answer.rank] if entry.functional)
+    return (f"Rank {answer.rank} called the functional {name}, but returned numbers made from its own input "
+            f"alone: a functional collective leaves its input as it was and returns a new tensor with the result. "
+            f"Use what it returns (y = funcol.{name}(x, ...)), or call dist.{name}(x), which works in place.")
+
+
 def _holds_undefined(answer: Answer) -> bool:
     """Whether the rank's value holds NaN where the right one has none: what strict mode writes into a tensor
     that NCCL leaves undefined (dtlib.launch.strict)."""
@@ -172,6 +192,8 @@ def _recorded(rank: int, world_size: int, fn: Callable[..., Any], inputs: Sequen
     be unfinished: read it as a hint, not a proof."""
     device = rank_device()
     given = inputs[rank].to(device) if isinstance(inputs[rank], torch.Tensor) else inputs[rank]
+    if isinstance(inputs, list):  # the other ranks' inputs leave this process's reach (frames fn could walk to)
+        inputs.clear()
     going: list[tuple[str, torch.Tensor, Any, bool]] = []  # (call, sent, the tensors it writes, async)
     carried: list[Carried] = []  # in the order the calls were made, each once its result is read
 
@@ -183,7 +205,7 @@ def _recorded(rank: int, world_size: int, fn: Callable[..., Any], inputs: Sequen
     def see(namespace: str, name: str, args: tuple) -> None:
         settle(False)
         if namespace == "_c10d_functional" and name in FUNCTIONAL_CALLS:  # what it receives is its return value
-            carried.append(Carried(name, _flat(args[0]), torch.zeros(0, dtype=torch.float64)))
+            carried.append(Carried(name, _flat(args[0]), torch.zeros(0, dtype=torch.float64), functional=True))
             return
         if namespace != "c10d" or name not in CALL_NAMES or name == "barrier":
             return

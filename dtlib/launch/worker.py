@@ -152,14 +152,19 @@ def _error_details(exc: BaseException) -> dict[str, str]:
 
 
 def dumps_result(value: Any) -> bytes:
-    """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA, and a tensor
-    computed with autograd (``model.weight[0]``, a loss) travels detached: its graph cannot leave the rank."""
+    """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA, a tensor computed
+    with autograd (``model.weight[0]``, a loss) travels detached: its graph cannot leave the rank, and a
+    functional collective's result is waited for, as its first use in the rank would."""
     import cloudpickle
 
     torch = sys.modules.get("torch")
+    # a functional collective's unwaited result: torch waits for it on first use, and so does sending it back
+    unwaited = getattr(sys.modules.get("torch.distributed._functional_collectives"), "AsyncCollectiveTensor", None)
 
     class ResultPickler(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
+            if unwaited is not None and isinstance(obj, unwaited):
+                return _identity, (obj.wait(),)
             if torch is not None and isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
                                                                          or obj.grad_fn is not None):
                 return _identity, (obj.detach().cpu(),)

@@ -181,13 +181,40 @@ def _sum_right_in_halves(rank, world_size, x):  # right: the all-reduce in two c
     return torch.cat([first, second])
 
 
+def _sum_right_by_an_unwaited_functional_call(rank, world_size, x):  # right: torch waits for it on first use
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+def _sum_functional_result_unused(rank, world_size, x):
+    from torch.distributed import _functional_collectives as funcol
+
+    funcol.all_reduce(x, "sum", dist.group.WORLD)
+    return x
+
+
+def _sum_reading_the_checkers_frames(rank, world_size, x):  # a hostile answer: every rank's input, found by walking
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("inputs")
+        if isinstance(found, list) and len(found) == world_size:
+            return sum(found)
+        frame = frame.f_back
+    return x
+
+
 SUM_RIGHT = [_sum_right, _sum_right_as_a_list, _sum_right_by_gathering, _sum_right_by_reduce_and_broadcast,
-             _sum_right_in_halves]
+             _sum_right_in_halves, _sum_right_by_an_unwaited_functional_call]
 
 #: (wrong answer, what the message must say): one of each kind
 SUM_WRONG = [
     (_sum_throwaway_collective_then_closed_form, ["called dist.all_reduce, but on [0], not on its own x"]),
     (lambda rank, world_size, x: x, ["it returned its own x: was dist.all_reduce called"]),
+    (_sum_functional_result_unused, ["called the functional all_reduce", "Use what it returns"]),
+    (_sum_reading_the_checkers_frames, ["it returned its own x"]),  # the other ranks' inputs are out of reach
     (_sum_by_reduce, ["does not hold the result: dist.reduce leaves it on one rank only"]),
     (_sum_async_without_wait, ["call .wait()"]),
     (_sum_hard_coded_world_size, ["With 4 ranks", "it holds 3/4 of the sum: a fixed 3"]),
