@@ -356,10 +356,10 @@ EXPERT_PARALLEL_MOE = RankExercise(
         f"{(a.value['y'] - a.expected[a.rank]['y']).abs().max().item():.3g}. Check the three steps: each token goes "
         "to the ranks of its top-k experts (expert e on rank e % p), each arriving token meets its own expert "
         "there, and each output comes home to its token's row, weighted by its gate."),
-    no_collective=lambda rank, expected: (
+    no_collective=lambda rank, expected, calls: (
         f"Rank {rank} has the right outputs but communicated nothing: it cannot hold every expert. Send the tokens "
         "to the experts' ranks with an all-to-all."),
-    right=lambda first, second: (
+    right=lambda first, second, values: (
         f"With {first} ranks and with {second}, every rank's outputs and gradients equal one process's: tokens "
         "dispatched to their experts' ranks and brought back by all-to-alls that carry gradients, with experts "
         "spread round-robin, however unevenly they divide."),

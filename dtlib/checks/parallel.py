@@ -245,10 +245,10 @@ TENSOR_PARALLEL_MLP = RankExercise(
                          f"{(a.value - a.expected).abs().max().item():.3g}: each rank pairs its rows of up (dim 0) "
                          "with the columns of down (dim 1) of the same hidden features, applies gelu between the "
                          "two layers, and all-reduces the product with SUM."),
-    no_collective=lambda rank, expected: (
+    no_collective=lambda rank, expected, calls: (
         f"Rank {rank} has the right output but communicated nothing: it computed the whole MLP with every weight. "
         "Each rank must use only its slice of up and of down; an all-reduce then adds the partial outputs."),
-    right=lambda first, second: (
+    right=lambda first, second, values: (
         f"Every rank holds the MLP's output, with {first} ranks and with {second}, after one all-reduce: column "
         "parallel (rows of up) then row parallel (columns of down), the split Megatron-LM uses for every MLP and "
         "attention block, and what ColwiseParallel and RowwiseParallel do."),

@@ -242,9 +242,9 @@ SUM_OF_RANKS = RankExercise(
     ],
     otherwise=lambda a: _sum_said(a, f"it returned {_short(a.value)}: call dist.all_reduce(x) (ReduceOp.SUM) once on "
                                      "every rank and return x."),
-    no_collective=lambda rank, expected: (
+    no_collective=lambda rank, expected, calls: (
         f"Rank {rank} returned the sum, but no collective was called. Use dist.all_reduce to add up the ranks' x."),
-    right=lambda first, second: (f"Every rank returned the sum of every rank's x, with {first} ranks and with "
+    right=lambda first, second, values: (f"Every rank returned the sum of every rank's x, with {first} ranks and with "
                                  f"{second}, on new random numbers each time: only a collective could have added "
                                  "them up."),
     hang=lambda err, name: f"Your function hung: does every rank call the same collective? Details:\n{err}",
@@ -322,10 +322,10 @@ AVERAGE_OF_RANKS = RankExercise(
     ],
     otherwise=lambda a: _mean_said(a, f"returned {_short(a.value)}, expected the mean {_short(a.expected)}: "
                                       "dist.all_reduce(values) (SUM), then divide by world_size."),
-    no_collective=lambda rank, expected: (
+    no_collective=lambda rank, expected, calls: (
         f"Rank {rank} holds the mean, but no collective was called. Use dist.all_reduce on the rank's values, then "
         "divide by world_size."),
-    right=lambda first, second: (
+    right=lambda first, second, values: (
         f"Every rank holds the mean, with {first} ranks and with {second}, on new random values each time. "
         "all_reduce(SUM) / world_size works on every backend and torch version; DDP averages gradients with the "
         "same sum and division, dividing first so that fp16 sums cannot overflow (notebook 04)."),
@@ -427,10 +427,10 @@ FIXED_BARRIER = RankExercise(
     otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {a.value:.4g}, expected the mean of the ranks' "
                          f"losses, {a.expected:.4g}: all_reduce (SUM) the loss once on every rank, then divide by "
                          "world_size once."),
-    no_collective=lambda rank, expected: (
+    no_collective=lambda rank, expected, calls: (
         f"Rank {rank} returned the mean, but no collective was called. Call dist.all_reduce on the loss on every "
         "rank, then divide by world_size."),
-    right=lambda first, second: (
+    right=lambda first, second, values: (
         f"Every rank returned the mean of the ranks' losses, with {first} ranks and with {second}: every rank "
         "called the same collective, so none waited for ever."),
     hang=lambda err, name: _hang_message(err, name),

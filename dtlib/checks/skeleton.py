@@ -92,8 +92,10 @@ class RankExercise:
     same: Callable[[Any, Any], bool]  # (a rank's value, the expected one)
     hints: Sequence[tuple[Callable[[Answer], bool], Callable[[Answer], str]]]  # the first that holds explains
     otherwise: Callable[[Answer], str]  # when no hint holds (also for UNREADABLE, unless a hint takes it)
-    no_collective: Callable[[int, Any], str]  # (the rank, the expected value): right, but nothing communicated
-    right: Callable[[int, int], str]  # (the two world sizes): the message of a right answer
+    # (the rank, the expected value, the rank's {collective: times}): right, but nothing communicated
+    no_collective: Callable[[int, Any, dict[str, int]], str]
+    # (the two world sizes, every rank's value in the second run): the message of a right answer
+    right: Callable[[int, int, Sequence[Any]], str]
     hang: Callable[[WorkerTimeout, str], str]  # (the timeout, fn's name)
     failure: Callable[[WorkerError], str]  # a rank raised or died
     # every rank's collectives, {name: times}, once every value is right: what to say if they were more than
@@ -106,6 +108,14 @@ class RankExercise:
     # not carry the ranks' own data (a stand-in went through them), or None
     moved: Callable[[Sequence[Any], Sequence[Sequence[Carried]]], str | None] = field(
         default=lambda inputs, carried: None)
+    # a rank function that also runs a reference beside the answer (torch's DDP, which communicates too) counts
+    # the answer's collectives itself: what a rank returned -> {name: times}. None: the whole function is counted.
+    calls_in: Callable[[Any], dict[str, int]] | None = None
+    # once every value is right: (every rank's value, the world size) -> what else is wrong (a hook that changed
+    # its argument, a ring that took extra steps), or None
+    also: Callable[[Sequence[Any], int], str | None] = lambda values, size: None
+    # (the first world size, the second, what is wrong): the message of an answer right on the first size only
+    only_first: Callable[[int, int, str], str] = lambda first, second, wrong: wrong
 
 
 #: How every checker launches ranks: gloo, held to NCCL's contract (dtlib.launch.strict), on any machine. The
@@ -242,19 +252,29 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
             return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
             return Feedback(False, exercise.failure(err))
+        if exercise.calls_in is not None:
+            calls = [exercise.calls_in(result) for result in results]
         values = [exercise.read(value) for value in results]
-        for rank, value in enumerate(values):
-            if value is not UNREADABLE and exercise.same(value, expected):
-                continue
-            answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried)
-            hints = [*exercise.hints, (_holds_undefined, undefined_hint)]  # the exercise's own come first
-            say = next((say for holds, say in hints if holds(answer)), exercise.otherwise)
-            return Feedback(False, say(answer))
-        silent = rank_without_communication(calls)  # right values, but did they travel?
-        if silent is not None:
-            return Feedback(False, exercise.no_collective(silent, expected))
-        stand_in = exercise.moved(inputs, carried) if exercise.inputs is not None else None
-        too_much = stand_in or exercise.excess(calls)
-        if too_much:
-            return Feedback(False, too_much)
-    return Feedback(True, exercise.right(*sizes))
+        wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried)
+        if wrong is not None:
+            return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
+    return Feedback(True, exercise.right(*sizes, values))
+
+
+def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,
+           calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]]) -> str | None:
+    """What is wrong with one run's answers, in the learner's terms, or None: the first wrong rank's value
+    explained by the first hint that holds, or, every value right, what no collective, a stand-in, more
+    collectives than needed or the exercise's own last checks (``also``) say."""
+    for rank, value in enumerate(values):
+        if value is not UNREADABLE and exercise.same(value, expected):
+            continue
+        answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried)
+        hints = [*exercise.hints, (_holds_undefined, undefined_hint)]  # the exercise's own come first
+        say = next((say for holds, say in hints if holds(answer)), exercise.otherwise)
+        return say(answer)
+    silent = rank_without_communication(calls)  # right values, but did they travel?
+    if silent is not None:
+        return exercise.no_collective(silent, expected, calls[silent])
+    stand_in = exercise.moved(inputs, carried) if exercise.inputs is not None else None
+    return stand_in or exercise.excess(calls) or exercise.also(values, size)

@@ -9,12 +9,13 @@ Example: ``dtlib.checks.gradient_hook(lambda grad: grad)`` says the gradients we
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dtlib.checks._numbers import constant_divisor
-from dtlib.checks.skeleton import ON_GLOO
+from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
@@ -65,7 +66,7 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
     return watched
 
 
-def _your_hook_against_ddp(rank: int, world_size: int, hook: Callable[[Any], Any]) -> dict[str, Any]:
+def _your_hook_against_ddp(hook: Callable[[Any], Any], rank: int, world_size: int) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -101,12 +102,12 @@ def _called(calls: dict[str, int]) -> str:
     return ", ".join(sorted(calls)) or "no collective"
 
 
-def _one_ranks_gradient(results: list[dict[str, Any]], size: int) -> tuple[int, int] | None:
+def _one_ranks_gradient(a: Answer) -> tuple[int, int] | None:
     """(k, c) where every rank holds rank k's own gradient divided by c: one rank's gradient handed to all."""
-    for source in range(size):
-        divisor = constant_divisor(results[0]["yours"], results[source]["local"])
-        if divisor is not None and all(constant_divisor(r["yours"], results[source]["local"]) == divisor
-                                       for r in results):
+    for source in range(a.size):
+        divisor = constant_divisor(a.values[0]["yours"], a.values[source]["local"])
+        if divisor is not None and all(constant_divisor(r["yours"], a.values[source]["local"]) == divisor
+                                       for r in a.values):
             return source, divisor
     return None
 
@@ -133,65 +134,76 @@ def _rounded(yours: Any, exact: Any, dtypes: set[str]) -> str | None:
     return f"your average was rounded on the way ({off}): part of it went through a lower precision than float32"
 
 
-def _wrong_average(rank: int, size: int, results: list[dict[str, Any]], single: Any) -> str:
-    """What rank ``rank``'s wrong gradients are, in the learner's terms, and what to change."""
+def _one_ranks_said(a: Answer) -> str:
+    source, divisor = _one_ranks_gradient(a) or (0, 1)
+    divided = f", divided by {divisor}" if divisor != 1 else ""
+    calls = a.calls[a.rank]
+    did = (f"your hook broadcast rank {source}'s gradient to every rank{divided}" if calls.get("broadcast")
+           else f"every rank holds rank {source}'s gradient{divided} (your hook called {_called(calls)})")
+    return (f"With {a.size} ranks, {did}: that is one rank's gradient, not the mean of all ranks'. dist.all_reduce "
+            "(SUM) adds every rank's gradient into each rank's tensor; divide by dist.get_world_size().")
+
+
+def _largest(a: Answer) -> bool:
     import torch
 
-    result = results[rank]
-    yours, local, calls = result["yours"], result["local"], result["calls"]
-    if calls.get("reduce") and not calls.get("all_reduce"):
-        return (f"Rank {rank}'s gradients were not averaged: dist.reduce leaves the sum on one rank only (dst), and "
-                "the others' tensors are undefined (NCCL promises them nothing; the checker fills them with NaN). "
-                "Use dist.all_reduce.")
-    if yours.isnan().any():
-        if calls:
-            return (f"Rank {rank}'s gradients hold NaN: your hook used a tensor that its {_called(calls)} had not "
-                    "finished writing. With async_op=True, call .wait() on the work it returns before dividing or "
-                    "returning the tensor: NCCL writes it later, on its own stream (the checker marks such numbers "
-                    "NaN until wait()).")
-        return f"Rank {rank}'s gradients hold NaN: return the gradient averaged over the ranks."
-    one = _one_ranks_gradient(results, size)
-    if one is not None:
-        source, divisor = one
-        divided = f", divided by {divisor}" if divisor != 1 else ""
-        did = (f"your hook broadcast rank {source}'s gradient to every rank{divided}" if calls.get("broadcast")
-               else f"every rank holds rank {source}'s gradient{divided} (your hook called {_called(calls)})")
-        return (f"With {size} ranks, {did}: that is one rank's gradient, not the mean of all "
-                "ranks'. dist.all_reduce (SUM) adds every rank's gradient into each rank's tensor; divide by "
-                "dist.get_world_size().")
-    if torch.allclose(yours, torch.stack([r["local"] for r in results]).max(0).values, atol=1e-6):
-        return (f"Rank {rank} holds the largest gradient of the ranks, not their mean: ReduceOp.MAX keeps the "
-                "largest; sum with ReduceOp.SUM and divide.")
-    own = constant_divisor(yours, local)
-    if own is not None:
-        divided = f", divided by {own}," if own != 1 else ""
-        if rank_without_communication([calls]) is not None:
-            moved = (f"your hook's {_called(calls)} moves no data" if calls else "your hook called no collective")
-            return (f"Rank {rank} kept its own gradients{divided.rstrip(',')}: {moved}. Call dist.all_reduce(grad) in "
-                    "the hook.")
-        return (f"Rank {rank} kept its own gradients{divided} although your hook called {_called(calls)}: the sum "
-                "went into another tensor than the one your hook returned. dist.all_reduce writes the sum in place, "
-                "into the tensor you pass it: return that tensor (divided by the world size).")
-    divisor = constant_divisor(yours, single * size)  # the sum over ranks divided by what?
-    if divisor == 1:
-        return f"Rank {rank} holds the sum over ranks: divide by dist.get_world_size()."
-    if divisor == size * size:
-        return f"Rank {rank}'s gradients are world_size times too small: divide once."
-    if divisor is not None:
-        return (f"With {size} ranks, rank {rank}'s gradients are the sum over ranks divided by {divisor}: divide by "
-                "dist.get_world_size(), not a constant.")
-    rounded = _rounded(yours, single, result["dtypes"])
-    if rounded is not None:
-        return (f"With {size} ranks, {rounded}. DDP's average is exact in the gradient's dtype: all-reduce the "
-                "float32 gradient itself (casting to half precision is gradient compression, like torch's "
-                "fp16_compress_hook, not DDP's average).")
-    return (f"With {size} ranks, rank {rank}'s gradients differ from DDP's by up to "
-            f"{(yours - result['ddp']).abs().max().item():.3g}: return the gradient divided by the world size and "
-            "all-reduced with SUM.")
+    return torch.allclose(a.value["yours"], torch.stack([r["local"] for r in a.values]).max(0).values, atol=1e-6)
 
 
-def _in_place(result: dict[str, Any]) -> str:
-    """What to say to a hook that wrote into its argument."""
+def _kept_own_said(a: Answer) -> str:
+    own, calls = constant_divisor(a.value["yours"], a.value["local"]), a.calls[a.rank]
+    divided = f", divided by {own}," if own != 1 else ""
+    if rank_without_communication([calls]) is not None:
+        moved = f"your hook's {_called(calls)} moves no data" if calls else "your hook called no collective"
+        return (f"Rank {a.rank} kept its own gradients{divided.rstrip(',')}: {moved}. Call dist.all_reduce(grad) in "
+                "the hook.")
+    return (f"Rank {a.rank} kept its own gradients{divided} although your hook called {_called(calls)}: the sum went "
+            "into another tensor than the one your hook returned. dist.all_reduce writes the sum in place, into the "
+            "tensor you pass it: return that tensor (divided by the world size).")
+
+
+def _sum_divisor(a: Answer) -> int | None:
+    return constant_divisor(a.value["yours"], a.expected * a.size)  # the sum over ranks divided by what?
+
+
+def _rounded_said(a: Answer) -> str:
+    return (f"With {a.size} ranks, {_rounded(a.value['yours'], a.expected, a.value['dtypes'])}. DDP's average is "
+            "exact in the gradient's dtype: all-reduce the float32 gradient itself (casting to half precision is "
+            "gradient compression, like torch's fp16_compress_hook, not DDP's average).")
+
+
+#: What each kind of wrong average did, in the learner's terms: the first that holds explains.
+HOOK_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
+    (lambda a: a.called("reduce") and not a.called("all_reduce"), lambda a: (
+        f"Rank {a.rank}'s gradients were not averaged: dist.reduce leaves the sum on one rank only (dst), and the "
+        "others' tensors are undefined (NCCL promises them nothing; the checker fills them with NaN). Use "
+        "dist.all_reduce.")),
+    (lambda a: bool(a.value["yours"].isnan().any()) and bool(a.calls[a.rank]), lambda a: (
+        f"Rank {a.rank}'s gradients hold NaN: your hook used a tensor that its {_called(a.calls[a.rank])} had not "
+        "finished writing. With async_op=True, call .wait() on the work it returns before dividing or returning "
+        "the tensor: NCCL writes it later, on its own stream (the checker marks such numbers NaN until wait()).")),
+    (lambda a: bool(a.value["yours"].isnan().any()), lambda a: (
+        f"Rank {a.rank}'s gradients hold NaN: return the gradient averaged over the ranks.")),
+    (lambda a: _one_ranks_gradient(a) is not None, _one_ranks_said),
+    (_largest, lambda a: (f"Rank {a.rank} holds the largest gradient of the ranks, not their mean: ReduceOp.MAX "
+                          "keeps the largest; sum with ReduceOp.SUM and divide.")),
+    (lambda a: constant_divisor(a.value["yours"], a.value["local"]) is not None, _kept_own_said),
+    (lambda a: _sum_divisor(a) == 1, lambda a: f"Rank {a.rank} holds the sum over ranks: divide by "
+                                                "dist.get_world_size()."),
+    (lambda a: _sum_divisor(a) == a.size * a.size,
+     lambda a: f"Rank {a.rank}'s gradients are world_size times too small: divide once."),
+    (lambda a: _sum_divisor(a) is not None, lambda a: (
+        f"With {a.size} ranks, rank {a.rank}'s gradients are the sum over ranks divided by {_sum_divisor(a)}: divide "
+        "by dist.get_world_size(), not a constant.")),
+    (lambda a: _rounded(a.value["yours"], a.expected, a.value["dtypes"]) is not None, _rounded_said),
+]
+
+
+def _in_place(values: Sequence[dict[str, Any]], size: int) -> str | None:
+    """What to say to a hook that wrote into its argument (None: no rank's did)."""
+    result = next((result for result in values if result["in_place"]), None)
+    if result is None:
+        return None
     writers = set(result["writers"])
     if writers & {"fill_", "copy_"} and result["calls"]:  # strict mode's async collective writes on wait()
         writers -= {"fill_", "copy_"}
@@ -205,11 +217,51 @@ def _in_place(result: dict[str, Any]) -> str:
             "grad = grad / dist.get_world_size(), then dist.all_reduce(grad), and return it.")
 
 
+def _hook_failed(err: WorkerError) -> str:
+    raised = [failure for failure in err.failures if failure.exc_type is not None]
+    if raised and "gloo" not in raised[0].message:
+        return f"Your hook raised on a rank:\n{raised[0].headline()}"
+    return ("A rank died waiting for an all-reduce that another rank never made: every rank must all-reduce every "
+            f"gradient, in the same order.\n{err.failures[0].headline()}")
+
+
+def _close_to_ddp(result: dict[str, Any], single: Any) -> bool:
+    import torch
+
+    yours = result["yours"]
+    return torch.allclose(yours, result["ddp"], atol=1e-6) and torch.allclose(yours, single, atol=1e-6)
+
+
+GRADIENT_HOOK = RankExercise(
+    expected=_one_process_gradient,
+    read=lambda result: result,
+    same=_close_to_ddp,
+    hints=HOOK_HINTS,
+    otherwise=lambda a: (
+        f"With {a.size} ranks, rank {a.rank}'s gradients differ from DDP's by up to "
+        f"{(a.value['yours'] - a.value['ddp']).abs().max().item():.3g}: return the gradient divided by the world "
+        "size and all-reduced with SUM."),
+    no_collective=lambda rank, expected, calls: (
+        f"Right gradients, but rank {rank}'s hook "
+        f"{f'called {_called(calls)}, which moves no data' if calls else 'called no collective'}: the mean came "
+        "from somewhere other than the other ranks (the samples or the model rebuilt inside the hook?). A "
+        "communication hook averages what the ranks computed: dist.all_reduce the gradient across them."),
+    right=lambda first, second, values: (
+        f"With {first} ranks and with {second}, your gradients equal DistributedDataParallel's and those of one "
+        "process training on every rank's samples"),
+    hang=lambda err, name: "Your hook hung: every rank must all-reduce every gradient, in the same order.",
+    failure=_hook_failed,
+    calls_in=lambda result: result["calls"],  # the hook's own: DDP's reference all-reduces are not the answer's
+    also=_in_place,
+)
+
+
 def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
     """Notebook 04: ``hook(grad)`` is registered on every parameter (``param.register_hook``) and must
     return the gradient averaged over the ranks, as DDP makes it, without changing its argument (torch's
     contract for tensor hooks). It runs with ``world_size`` ranks and with one more; the gradients must equal
     torch's ``DistributedDataParallel``'s and those of one process training on all ranks' samples at once.
+    Then it runs on an fp16 gradient whose sum over ranks overflows.
 
     Example: ``gradient_hook(lambda grad: grad)`` says the gradients were never all-reduced.
     """
@@ -217,36 +269,10 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 
     if not callable(hook):
         return Feedback(False, f"Pass your hook function itself, not {type(hook).__name__}.")
-    sizes = (world_size, world_size + 1)  # a second size refuses a hard-coded world size
-    for size in sizes:
-        try:
-            results = spawn(_your_hook_against_ddp, size, args=(hook,), timeout=timeout, output="none",
-                            **ON_GLOO)
-        except WorkerTimeout:
-            return Feedback(False, "Your hook hung: every rank must all-reduce every gradient, in the same order.")
-        except WorkerError as err:
-            raised = [failure for failure in err.failures if failure.exc_type is not None]
-            if raised and "gloo" not in raised[0].message:
-                return Feedback(False, f"Your hook raised on a rank:\n{raised[0].headline()}")
-            return Feedback(False, "A rank died waiting for an all-reduce that another rank never made: every "
-                                   "rank must all-reduce every gradient, in the same order.\n"
-                                   f"{err.failures[0].headline()}")
-        single = _one_process_gradient(size)
-        for rank, result in enumerate(results):
-            yours, ddp = result["yours"], result["ddp"]
-            if not (torch.allclose(yours, ddp, atol=1e-6) and torch.allclose(yours, single, atol=1e-6)):
-                return Feedback(False, _wrong_average(rank, size, results, single))
-        silent = rank_without_communication([result["calls"] for result in results])
-        if silent is not None:
-            calls = results[silent]["calls"]
-            did = f"called {_called(calls)}, which moves no data" if calls else "called no collective"
-            return Feedback(False, f"Right gradients, but with {size} ranks rank {silent}'s hook {did}: the mean "
-                                   "came from somewhere other than the other ranks (the samples or the model rebuilt "
-                                   "inside the hook?). A communication hook averages what the ranks computed: "
-                                   "dist.all_reduce the gradient across them.")
-        edited = next((result for result in results if result["in_place"]), None)
-        if edited is not None:
-            return Feedback(False, _in_place(edited))
+    verdict = judge(functools.partial(_your_hook_against_ddp, hook), GRADIENT_HOOK, world_size, timeout)
+    if not verdict.ok:
+        return verdict
+    equal = verdict.message
     try:
         halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none", **ON_GLOO)
     except (WorkerError, WorkerTimeout) as err:
@@ -254,17 +280,14 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
     if not all(torch.isfinite(half["grad"]).all() for half in halves):
         # GPU run must confirm: NCCL runs a floating-point AVG as a pre-multiplied sum (each input times 1/N)
         if all(half["avg"] for half in halves):  # gloo sums, then divides; NCCL's AVG never holds the sum
-            return Feedback(True, f"With {sizes[0]} ranks and with {sizes[1]}, your gradients equal "
-                                  "DistributedDataParallel's and those of one process. ReduceOp.AVG averages as "
-                                  "NCCL runs it, dividing as it sums, so fp16 does not overflow there; gloo sums "
-                                  "first (80000 is past fp16's 65504), which is why DDP divides each gradient by "
-                                  "the world size before a SUM: that works on every backend.")
+            return Feedback(True, f"{equal}. ReduceOp.AVG averages as NCCL runs it, dividing as it sums, so fp16 does "
+                                  "not overflow there; gloo sums first (80000 is past fp16's 65504), which is why DDP "
+                                  "divides each gradient by the world size before a SUM: that works on every backend.")
         return Feedback(False, "Right in fp32, but in fp16 two gradients of 40000 summed make 80000, past fp16's "
                                "largest number (65504), so your average is inf. DDP divides each gradient by the "
                                "world size first, then sums: do the same.")
-    return Feedback(True, f"With {sizes[0]} ranks and with {sizes[1]}, your gradients equal DistributedDataParallel's "
-                          "and those of one process training on every rank's samples, and fp16 does not overflow: "
-                          "divide by world_size, then all-reduce (SUM), is what DDP does, bucket by bucket.")
+    return Feedback(True, f"{equal}, and fp16 does not overflow: divide by world_size, then all-reduce (SUM), is what "
+                          "DDP does, bucket by bucket.")
 
 
 def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:

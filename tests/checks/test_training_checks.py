@@ -170,7 +170,7 @@ RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional
 
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
-    (knows_the_data, ["Right gradients, but with 2 ranks rank 0's hook called no collective",
+    (knows_the_data, ["Right gradients, but rank 0's hook called no collective",
                       "the samples or the model rebuilt inside the hook?"]),
     (summed, ["holds the sum over ranks"]),
     (by_two, ["With 3 ranks", "divided by 2", "not a constant"]),
