@@ -94,7 +94,7 @@ class RankExercise:
     otherwise: Callable[[Answer], str]  # when no hint holds (also for UNREADABLE, unless a hint takes it)
     # (the rank, the expected value, the rank's {collective: times}): right, but nothing communicated
     no_collective: Callable[[int, Any, dict[str, int]], str]
-    # (the two world sizes, every rank's value in the second run): the message of a right answer
+    # (the two world sizes, every rank's value in the first run, the size asked for): the message of a right answer
     right: Callable[[int, int, Sequence[Any]], str]
     hang: Callable[[WorkerTimeout, str], str]  # (the timeout, fn's name)
     failure: Callable[[WorkerError], str]  # a rank raised or died
@@ -236,6 +236,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
     sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size; one is odd
     generator = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
+    first: list[Any] = []  # every rank's value in the first run, for the message of a right answer
     for size in sizes:
         inputs: list[Any] = []
         carried: list[list[Carried]] = []
@@ -258,7 +259,8 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
         wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried)
         if wrong is not None:
             return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
-    return Feedback(True, exercise.right(*sizes, values))
+        first = first or values
+    return Feedback(True, exercise.right(*sizes, first))
 
 
 def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,

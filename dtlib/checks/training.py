@@ -319,7 +319,7 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it
 
 
-def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any, Any], Any], steps: int) -> dict[str, Any]:
+def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -330,15 +330,24 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any, Any]
     device = rank_device()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=WRAP_MESH_DIMS)
     model = models.build("transformer", seed=0).to(device)
+    calls: dict[str, int] = {}  # the collectives of your wrap and your model's steps (DDP's are not counted)
+
+    def counted(fn: Callable[..., Any], *args: Any) -> Any:
+        value, made = count_collectives(fn, *args)
+        for call, times in made.items():
+            calls[call] = calls.get(call, 0) + times
+        return value
+
     try:
-        returned = wrap(model, mesh)
+        returned = counted(wrap, model, mesh)
         error = None
     except Exception as exc:  # noqa: BLE001 - reported to the learner, with what was sharded before it
         returned, error = None, f"{type(exc).__name__}: {exc}"
+
     def unit(module: Any) -> int | None:  # which FSDP unit a module is (modules sharded together share one)
         return id(module._get_fsdp_state()) if isinstance(module, FSDPModule) else None
 
-    report: dict[str, Any] = {"root": isinstance(model, FSDPModule), "error": error,
+    report: dict[str, Any] = {"root": isinstance(model, FSDPModule), "error": error, "calls": calls,
                               "blocks": [isinstance(block, FSDPModule) for block in model.blocks],
                               "block_units": len({unit(block) for block in model.blocks} - {None}),
                               "finer": any(isinstance(inner, FSDPModule) for block in model.blocks
@@ -346,7 +355,7 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any, Any]
                               "returned_other": returned is not None and returned is not model,
                               "other_mesh": sorted({str(p.device_mesh) for p in model.parameters()
                                                     if isinstance(p, DTensor) and p.device_mesh != mesh}),
-                              "mesh": str(mesh)}
+                              "mesh": str(mesh), "full_bytes": 4 * sum(p.numel() for p in model.parameters())}
     if error or report["returned_other"] or report["other_mesh"]:
         return report
     peak = [0]  # parameter bytes this rank holds while a layer runs its forward
@@ -362,30 +371,118 @@ def _your_wrap_against_ddp(rank: int, world_size: int, wrap: Callable[[Any, Any]
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
     batches = data.batches(data.tokens(64), world_size, rank, batch_size=4)
     losses: dict[str, list[float]] = {"yours": [], "ddp": []}
+
+    def step(net: Any, optimizer: Any, x: Any, y: Any) -> float:
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
     for _ in range(steps):
         x, y = (t.to(device) for t in next(batches))  # (B, T)
-        for name, net, optimizer in zip(("yours", "ddp"), (model, reference), optimizers, strict=True):
-            loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            optimizer.step()
-            if name == "yours":
-                report["at_rest"] = sum(memory.measured(model, optimizer).values())
+        losses["yours"].append(counted(step, model, optimizers[0], x, y))
+        report["at_rest"] = sum(memory.measured(model, optimizers[0]).values())
+        losses["ddp"].append(step(reference, optimizers[1], x, y))
+        for optimizer in optimizers:
             optimizer.zero_grad()
-            losses[name].append(loss.item())
     return {**report, "peak_parameters": peak[0], **losses}
+
+
+def _gap(report: dict[str, Any]) -> float:
+    """How far the learner's losses drifted from DDP's, at most."""
+    return max(abs(a - b) for a, b in zip(report["yours"], report["ddp"], strict=True))
+
+
+def _units(report: dict[str, Any]) -> int:
+    return sum(report["blocks"])
+
+
+def _wrapped_right(report: dict[str, Any], expected: Any) -> bool:
+    """Every block a unit of its own, the root sharded last, over the mesh given, training as DDP does."""
+    return (not report["error"] and not report["returned_other"] and not report["other_mesh"] and report["root"]
+            and _units(report) == len(report["blocks"]) == report["block_units"] and _gap(report) <= 1e-5)
+
+
+def _gathered(report: dict[str, Any]) -> str:
+    return (f"forward holds {report['peak_parameters']:,} bytes of parameters at once (the whole model is "
+            f"{report['full_bytes']:,})")
+
+
+#: What each kind of wrong wrap did, read from how it left the model: the first that holds explains.
+WRAP_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
+    (lambda a: bool(a.value["error"]) and a.value["root"] and _units(a.value) < len(a.value["blocks"]), lambda a: (
+        "fully_shard(model) came before the blocks: the root's call already took every parameter, blocks included, "
+        f"so a block cannot become a unit afterwards ({a.value['error'][:120]}). Shard each block first, the root "
+        "last.")),
+    (lambda a: bool(a.value["error"]), lambda a: f"Your wrap raised on rank {a.rank}: {a.value['error'][:300]}"),
+    (lambda a: a.value["returned_other"],
+     lambda a: "Return the model you were given: fully_shard changes it in place (and returns it)."),
+    (lambda a: bool(a.value["other_mesh"]), lambda a: (
+        f"Some parameters are sharded over {a.value['other_mesh'][0]}, not over the mesh you were given "
+        f"({a.value['mesh']}): pass mesh=mesh to every fully_shard. Without it, fully_shard builds a mesh on the "
+        "machine's accelerator, whatever device the ranks compute on (cuda:0 for every rank of a one-GPU machine "
+        "running gloo).")),
+    (lambda a: not a.value["root"] and not _units(a.value), lambda a: (
+        "Nothing was sharded: every rank still holds the whole model. Call fully_shard on each block, then on the "
+        "model.")),
+    (lambda a: not a.value["root"], lambda a: (
+        "The blocks are units but the root is not: the embedding, positions, final norm and head stay whole on "
+        "every rank, and their gradients are never averaged over ranks (your losses drift from DDP's by up to "
+        f"{_gap(a.value):.2g}). Call fully_shard(model) last.")),
+    (lambda a: a.value["finer"] and not _units(a.value), lambda a: (
+        f"Your units are smaller than a block (a unit per layer, say): {_gathered(a.value)}, less than a unit per "
+        "block would, for more and smaller all-gathers, each paying its own latency. That works; the exercise asks "
+        "for the usual balance: fully_shard(block) for every block, then the root.")),
+    (lambda a: _units(a.value) == len(a.value["blocks"]) and a.value["block_units"] < _units(a.value), lambda a: (
+        f"Your {_units(a.value)} blocks are {a.value['block_units']} unit{'s' if a.value['block_units'] > 1 else ''}: "
+        f"fully_shard given a list groups its modules into one unit, gathered and freed together, so "
+        f"{_gathered(a.value)}. Call fully_shard(block) once per block, then on the root.")),
+    (lambda a: _units(a.value) < len(a.value["blocks"]), lambda a: (
+        f"Only {'the root is a unit' if not _units(a.value) else 'some blocks are units'}: forward gathers "
+        f"{a.value['peak_parameters']:,} bytes of parameters at once on each rank (the whole model is "
+        f"{a.value['full_bytes']:,}), so sharding saves nothing at the peak. Call fully_shard(block) for every "
+        "block before the root.")),
+]
+
+
+def _wrap_right(first: int, second: int, values: Sequence[dict[str, Any]]) -> str:
+    report = values[0]
+    at_rest_formula = 16 * report["full_bytes"] / 4 / first  # fp32 weights and gradients, Adam's two moments
+    kept = (" Forward kept every unit gathered (reshard_after_forward=False): ZeRO-2's peak, for one all-gather "
+            "less per block." if report["peak_parameters"] >= report["full_bytes"] else "")
+    return (f"Each block is a unit and the root comes last, with {first} ranks and with {second}. With {first}, a "
+            f"rank holds {report['at_rest']:,} bytes of model state after a step (16P/N = {at_rest_formula:,.0f}) "
+            f"and at most {report['peak_parameters']:,} bytes of parameters during forward (the whole model: "
+            f"{report['full_bytes']:,}); the losses equal DDP's.{kept}")
+
+
+FSDP_WRAP = RankExercise(
+    expected=lambda size: None,  # no value: the report says how the model was sharded, and DDP's losses are beside
+    read=lambda report: report,
+    same=_wrapped_right,
+    hints=WRAP_HINTS,
+    otherwise=lambda a: (f"Every unit is in place, but your losses differ from DDP's by up to {_gap(a.value):.2g}: "
+                         "shard the model as it is, with fully_shard's defaults."),
+    no_collective=lambda rank, expected, calls: (
+        f"Rank {rank}'s sharded model trained without communicating: FSDP all-gathers each unit's parameters and "
+        "reduce-scatters its gradients. Shard with fully_shard over the mesh given."),
+    right=_wrap_right,
+    hang=lambda err, name: "Your wrap hung: every rank must shard the same modules in the same order.",
+    failure=lambda err: f"Training your sharded model failed on a rank:\n{err.failures[0].headline()}",
+    calls_in=lambda report: report["calls"],
+)
 
 
 def fsdp_wrap(wrap: Callable[[Any, Any], Any], world_size: int = 2, steps: int = 3, timeout: float = 60.0) -> Feedback:
     """Notebook 05: ``wrap(model, mesh)`` shards ``dtlib.train.models.build("transformer")`` with ``fully_shard``
     over ``mesh`` (the ranks, on the device they compute on); every block must be a unit of its own and the
-    root sharded last.
+    root sharded last. It runs with ``world_size`` ranks and with one more.
 
     Each rank measures the parameter bytes it holds while forward runs and its model state after a
     step, and trains ``steps`` steps beside ``DistributedDataParallel`` on the same samples.
     Example: ``fsdp_wrap(lambda model, mesh: fully_shard(model, mesh=mesh))`` says the whole model is gathered
     at once.
     """
-
     if not callable(wrap):
         return Feedback(False, f"Pass your function itself, not {type(wrap).__name__}.")
     try:
@@ -395,62 +492,4 @@ def fsdp_wrap(wrap: Callable[[Any, Any], Any], world_size: int = 2, steps: int =
                                "every fully_shard takes it as mesh=mesh.")
     except ValueError:  # no signature to read (a builtin): let the call say
         pass
-    num_params = sum(p.numel() for p in models.build("transformer").parameters())
-    full_bytes, at_rest_formula = 4 * num_params, 16 * num_params / world_size  # fp32 weights; fp32 Adam
-    try:
-        reports = spawn(_your_wrap_against_ddp, world_size, args=(wrap, steps), timeout=timeout, output="none",
-                        **ON_GLOO)
-    except WorkerTimeout:
-        return Feedback(False, "Your wrap hung: every rank must shard the same modules in the same order.")
-    except WorkerError as err:
-        return Feedback(False, f"Training your sharded model failed on a rank:\n{err.failures[0].headline()}")
-    report = reports[0]
-    blocks = sum(report["blocks"])
-    if report["error"]:
-        if report["root"] and blocks < len(report["blocks"]):
-            return Feedback(False, "fully_shard(model) came before the blocks: the root's call already took every "
-                                   "parameter, blocks included, so a block cannot become a unit afterwards "
-                                   f"({report['error'][:120]}). Shard each block first, the root last.")
-        return Feedback(False, f"Your wrap raised on rank 0: {report['error'][:300]}")
-    if report["returned_other"]:
-        return Feedback(False, "Return the model you were given: fully_shard changes it in place (and returns it).")
-    if report["other_mesh"]:
-        return Feedback(False, f"Some parameters are sharded over {report['other_mesh'][0]}, not over the mesh you "
-                               f"were given ({report['mesh']}): pass mesh=mesh to every fully_shard. Without it, "
-                               "fully_shard builds a mesh on the machine's accelerator, whatever device the ranks "
-                               "compute on (cuda:0 for every rank of a one-GPU machine running gloo).")
-    if not report["root"] and not blocks:
-        return Feedback(False, "Nothing was sharded: every rank still holds the whole model. Call fully_shard on "
-                               "each block, then on the model.")
-    if not report["root"]:
-        gap = max(abs(a - b) for a, b in zip(report["yours"], report["ddp"], strict=True))
-        return Feedback(False, "The blocks are units but the root is not: the embedding, positions, final norm and "
-                               "head stay whole on every rank, and their gradients are never averaged over ranks "
-                               f"(your losses drift from DDP's by up to {gap:.2g}). Call fully_shard(model) last.")
-    if report["finer"] and not blocks:
-        return Feedback(False, f"Your units are smaller than a block (a unit per layer, say): forward holds at most "
-                               f"{report['peak_parameters']:,} bytes of parameters at once (the whole model is "
-                               f"{full_bytes:,}), less than a unit per block would, for more and smaller "
-                               "all-gathers, each paying its own latency. That works; the exercise asks for the usual "
-                               "balance: fully_shard(block) for every block, then the root.")
-    if blocks == len(report["blocks"]) and report["block_units"] < blocks:
-        return Feedback(False, f"Your {blocks} blocks are {report['block_units']} unit"
-                               f"{'s' if report['block_units'] > 1 else ''}: fully_shard given a list groups its "
-                               "modules into one unit, gathered and freed together, so forward holds "
-                               f"{report['peak_parameters']:,} bytes of parameters at once (the whole model is "
-                               f"{full_bytes:,}). Call fully_shard(block) once per block, then on the root.")
-    if blocks < len(report["blocks"]):
-        return Feedback(False, f"Only {'the root is a unit' if not blocks else 'some blocks are units'}: forward "
-                               f"gathers {report['peak_parameters']:,} bytes of parameters at once on each rank "
-                               f"(the whole model is {full_bytes:,}), so sharding saves nothing at the peak. "
-                               "Call fully_shard(block) for every block before the root.")
-    gap = max(abs(a - b) for a, b in zip(report["yours"], report["ddp"], strict=True))
-    if gap > 1e-5:
-        return Feedback(False, f"Every unit is in place, but your losses differ from DDP's by up to {gap:.2g}: "
-                               "shard the model as it is, with fully_shard's defaults.")
-    kept = (" Forward kept every unit gathered (reshard_after_forward=False): ZeRO-2's peak, for one all-gather "
-            "less per block." if report["peak_parameters"] >= full_bytes else "")
-    return Feedback(True, f"Each block is a unit and the root comes last. A rank holds {report['at_rest']:,} bytes "
-                          f"of model state after a step (16P/N = {at_rest_formula:,.0f}) and at most "
-                          f"{report['peak_parameters']:,} bytes of parameters during forward (the whole model: "
-                          f"{full_bytes:,}); the losses equal DDP's.{kept}")
+    return judge(functools.partial(_your_wrap_against_ddp, wrap, steps), FSDP_WRAP, world_size, timeout)
