@@ -11,14 +11,12 @@ Example: ``dtlib.checks.ring_phase(dtlib.ring.send_recv.ring_all_gather_phase)``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from dtlib.checks.skeleton import ON_GLOO
-from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.checks.skeleton import Answer, RankExercise, judge
 from dtlib.feedback import Feedback
-from dtlib.launch.entry import rank_device
-from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import count_collectives
 from dtlib.ring import chunk_bounds
 from dtlib.ring import send_recv as collectives
@@ -83,14 +81,10 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
     return shift
 
 
-def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None], which: str,
-                          length: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    data = torch.arange(length, dtype=torch.float64, device=rank_device()) * 10.0**rank  # rank r: 10^r x [0, 1, ...]
-    expected = data.clone()
-    dist.all_reduce(expected)
+def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, world_size: int,
+                          data: Any) -> dict[str, Any]:
+    """In a rank: ``ring_all_reduce`` of this rank's ``data`` (the checker's), with the learner's phase for
+    ``which`` and dtlib's for the other; what the phase did to the chunks, and its own collectives."""
     ours = data.clone()
     seen: dict[str, Any] = {}
 
@@ -111,19 +105,41 @@ def _ring_with_your_phase(rank: int, world_size: int, phase: Callable[..., None]
         seen["replaced"] = [i for i, (view, now) in enumerate(zip(views, chunks, strict=False)) if view is not now]
 
     collectives.ring_all_reduce(ours, **{which: watched})
-    return {"ours": ours.tolist(), "expected": expected.tolist(), "input": data.tolist(), **seen}
+    return {"ours": ours.tolist(), "calls": {}, **seen}
 
 
-def _ring_diagnosis(reports: list[dict[str, Any]], which: str, where: str) -> str | None:
+def _inputs(length: int) -> Callable[[int, Any], list[Any]]:
+    """Every rank's buffer: whole numbers from 1 to 99 in float64, new on each call, so that sums in any order
+    are exact and a phase cannot know them."""
+    import torch
+
+    def draw(world_size: int, generator: Any) -> list[Any]:
+        return [torch.randint(1, 100, (length,), generator=generator).double() for _ in range(world_size)]
+
+    return draw
+
+
+def _first_wrong_chunk(a: Answer) -> tuple[str, list[float], list[float]]:
+    """(where, what it holds, what it should) for the first chunk of this rank's buffer that is wrong."""
+    expected = a.expected.tolist()
+    for chunk, (start, stop) in enumerate(chunk_bounds(len(expected), a.size)):
+        got, want = a.value["ours"][start:stop], expected[start:stop]
+        if got != want:
+            return f"On rank {a.rank}, chunk {chunk} holds {got} but should hold {want}", got, want
+    return f"On rank {a.rank}, the buffer holds {a.value['ours']} but should hold {expected}", [], []
+
+
+def _ring_diagnosis(a: Answer, which: str) -> str | None:
     """What the learner's phase did wrong, read from how it changed the chunks (None: no telling)."""
+    where = _first_wrong_chunk(a)[0]
     name, write = which.replace("_", "-"), ("chunks[receive].copy_(incoming)" if which == "all_gather"
                                             else "chunks[receive] += incoming")
-    for rank, report in enumerate(reports):
+    for rank, report in enumerate(a.values):
         shifts = report["calls"].get("send", 0)
         if not shifts and not report["calls"].get("recv", 0):
             return (f"{where}: some ranks' contributions never reached it, because your {name} phase never "
-                    f"called ring_shift on rank {rank}. Each of the {len(reports) - 1} steps sends one chunk to "
-                    "the right and receives one from the left.")
+                    f"called ring_shift on rank {rank}. Each of the {a.size - 1} steps sends one chunk to the right "
+                    "and receives one from the left.")
         if report["replaced"] and report["before"] == report["after"]:
             return (f"{where}: on rank {rank} your {name} phase put new tensors into the list (chunks[i] = ...), "
                     "so what arrived never landed in the buffer: the chunks are views of it, and assignment "
@@ -136,14 +152,88 @@ def _ring_diagnosis(reports: list[dict[str, Any]], which: str, where: str) -> st
     return None
 
 
+def _sizes_differ(a: Answer) -> str | None:
+    return next((report["sizes_differ"] for report in a.values if "sizes_differ" in report), None)
+
+
+def _not_a_ring(values: Sequence[dict[str, Any]], size: int, which: str) -> str | None:
+    """A right buffer reached some other way than N-1 ring_shift calls on every rank (None: it was the ring)."""
+    name = which.replace("_", "-")
+    for rank, report in enumerate(values):
+        calls = report["calls"]
+        others = sorted(call for call in calls if call not in ("send", "recv", "barrier"))  # a barrier moves no data
+        if others:
+            return (f"The buffer is right, but on rank {rank} your {name} phase called {', '.join(others)}: the "
+                    f"exercise is the ring itself, in which each rank passes one chunk per step with ring_shift, "
+                    f"{size - 1} steps for {size} ranks.")
+        if calls.get("send", 0) != size - 1 or calls.get("recv", 0) != size - 1:
+            return (f"The buffer is right, but rank {rank} sent {calls.get('send', 0)} chunks and received "
+                    f"{calls.get('recv', 0)}: the ring takes {size - 1} steps for {size} ranks, one ring_shift each; "
+                    "every extra one moves bytes that no rank needs.")
+    return None
+
+
+def _exercise(which: str, length: int) -> RankExercise:
+    """The ring exercise for one phase, ``which``, on buffers of ``length`` numbers."""
+    name = which.replace("_", "-")
+
+    def more(a: Answer) -> bool:  # every input is at least 1, so too much or too little is telling
+        _, got, want = _first_wrong_chunk(a)
+        return bool(got) and all(g >= w for g, w in zip(got, want, strict=True))
+
+    def less(a: Answer) -> bool:
+        _, got, want = _first_wrong_chunk(a)
+        return bool(got) and all(g <= w for g, w in zip(got, want, strict=True))
+
+    return RankExercise(
+        expected=_summed,
+        read=lambda report: report,
+        same=lambda report, expected: "sizes_differ" not in report and report["ours"] == expected.tolist(),
+        inputs=_inputs(length),
+        hints=[
+            (lambda a: _sizes_differ(a) is not None, lambda a: _sizes_differ(a) or ""),
+            (lambda a: _ring_diagnosis(a, which) is not None, lambda a: _ring_diagnosis(a, which) or ""),
+            (more, lambda a: (f"{_first_wrong_chunk(a)[0]}: more than the sum, so some contribution was added twice. "
+                              "Reduce-scatter adds the incoming chunk; all-gather copies it (copy_).")),
+            (less, lambda a: (f"{_first_wrong_chunk(a)[0]}: less than the sum, so some ranks' contributions never "
+                              "reached it. Check which chunk you send and which you receive at each step "
+                              "(dtlib.ring.simulate_all_reduce shows them).")),
+        ],
+        otherwise=lambda a: (f"{_first_wrong_chunk(a)[0]}. Step through dtlib.ring.simulate_all_reduce on a small "
+                             "input to see which chunk should move at each step."),
+        no_collective=lambda rank, expected, calls: (
+            f"The buffer is right, but rank {rank}'s {name} phase moved nothing: the ring passes one chunk per step "
+            "with ring_shift."),
+        right=lambda first, second, values: (
+            f"Equal to the sum of every rank's buffer, with {first} ranks (uneven chunks) and with {second}, on new "
+            f"numbers each time, one ring_shift per step: your {name} phase works."),
+        hang=lambda err, fn_name: (
+            "The ring hung: on every step each rank must call ring_shift exactly once, sending one chunk and "
+            "receiving one, and all ranks must take the same number of steps (world_size - 1)."),
+        failure=lambda err: f"Your phase raised on a rank:\n{err.failures[0].headline()}",
+        calls_in=lambda report: report["calls"],  # the phase's own: the size exchange's are taken off
+        also=lambda values, size: _not_a_ring(values, size, which),
+        only_first=lambda first, second, wrong: (
+            f"Your phase works with {first} ranks but not with {second}: use world_size everywhere, never the number "
+            f"{first}. With {second} ranks: {wrong}"),
+    )
+
+
+def _summed(inputs: Sequence[Any]) -> Any:
+    """The oracle: every rank's buffer added in one process."""
+    import torch
+
+    return torch.stack(list(inputs)).sum(0)
+
+
 def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size: int = 4,
                length: int = 10, timeout: float = 30.0) -> Feedback:
     """Notebook 03: your ``phase(chunks, rank, world_size)`` inside ``ring_all_reduce``.
 
     ``which`` is "all_gather" or "reduce_scatter": the phase you wrote; dtlib's own
-    implementation does the other one. The buffer (``length`` elements, uneven chunks
-    on 4 ranks) must come out equal to ``dist.all_reduce``'s, with ``world_size`` ranks
-    and with one more (which refuses a phase written for one world size), and each rank
+    implementation does the other one. Each rank's buffer (``length`` new numbers per call, uneven chunks
+    on 4 ranks) must come out equal to the sum of every rank's, computed in one process, with ``world_size``
+    ranks and with one more (which refuses a phase written for one world size), and each rank
     must pass its chunks with ``ring_shift``, N-1 times.
 
     Example: ``ring_phase(dtlib.ring.send_recv.ring_all_gather_phase)`` is ✓.
@@ -152,67 +242,5 @@ def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size
         return Feedback(False, f"which must be 'all_gather' or 'reduce_scatter', not {which!r}.")
     if not callable(phase):
         return Feedback(False, f"Pass your function itself, not {type(phase).__name__}.")
-    sizes = (world_size, world_size + 1)
-    for size in sizes:
-        wrong = _wrong_with(phase, which, size, length, timeout)
-        if wrong and size != world_size:
-            return Feedback(False, f"Your phase works with {world_size} ranks but not with {size}: use world_size "
-                                   f"everywhere, never the number {world_size}. With {size} ranks: {wrong}")
-        if wrong:
-            return Feedback(False, wrong)
-    return Feedback(True, f"Equal to dist.all_reduce with {sizes[0]} ranks (uneven chunks) and with {sizes[1]}, "
-                          f"one ring_shift per step: your {which.replace('_', '-')} phase works.")
-
-
-def _wrong_with(phase: Callable[..., None], which: str, world_size: int, length: int, timeout: float) -> str | None:
-    """What is wrong with ``phase`` on ``world_size`` ranks (None: nothing)."""
-    try:
-        reports = spawn(_ring_with_your_phase, world_size, args=(phase, which, length), timeout=timeout,
-                        output="none", **ON_GLOO)
-    except WorkerTimeout:
-        return ("The ring hung: on every step each rank must call ring_shift exactly once, sending one chunk and "
-                f"receiving one, and all ranks must take the same number of steps ({world_size - 1}).")
-    except WorkerError as err:
-        headlines = [failure.headline() for failure in err.failures]
-        return f"Your phase raised on a rank:\n{headlines[0]}"
-
-    differ = [report["sizes_differ"] for report in reports if "sizes_differ" in report]
-    if differ:
-        return differ[0]
-    for rank, report in enumerate(reports):
-        for chunk, (start, stop) in enumerate(chunk_bounds(length, world_size)):
-            got, want = report["ours"][start:stop], report["expected"][start:stop]
-            if got == want:
-                continue
-            where = f"On rank {rank}, chunk {chunk} holds {got} but should hold {want}"
-            diagnosis = _ring_diagnosis(reports, which, where)
-            if diagnosis:
-                return diagnosis
-            # Every input is >= 0 (rank r holds 10^r x [0, 1, ...]), so too much or too little is telling.
-            if all(g >= w for g, w in zip(got, want, strict=True)):
-                return (f"{where}: more than the sum, so some contribution was added twice. "
-                        "Reduce-scatter adds the incoming chunk; all-gather copies it (copy_).")
-            if all(g <= w for g, w in zip(got, want, strict=True)):
-                return (f"{where}: less than the sum, so some ranks' contributions never reached it. Check which "
-                        "chunk you send and which you receive at each step (dtlib.ring.simulate_all_reduce shows "
-                        "them).")
-            return (f"{where}. Step through dtlib.ring.simulate_all_reduce on a small input to see which chunk "
-                    "should move at each step.")
-    return _not_a_ring(reports, which, world_size)
-
-
-def _not_a_ring(reports: list[dict[str, Any]], which: str, world_size: int) -> str | None:
-    """A right buffer reached some other way than N-1 ring_shift calls on every rank (None: it was the ring)."""
-    name = which.replace("_", "-")
-    for rank, report in enumerate(reports):
-        calls = report["calls"]
-        others = sorted(call for call in calls if call not in ("send", "recv", "barrier"))  # a barrier moves no data
-        if others:
-            return (f"The buffer is right, but on rank {rank} your {name} phase called {', '.join(others)}: the "
-                    f"exercise is the ring itself, in which each rank passes one chunk per step with ring_shift, "
-                    f"{world_size - 1} steps for {world_size} ranks.")
-        if calls.get("send", 0) != world_size - 1 or calls.get("recv", 0) != world_size - 1:
-            return (f"The buffer is right, but rank {rank} sent {calls.get('send', 0)} chunks and received "
-                    f"{calls.get('recv', 0)}: the ring takes {world_size - 1} steps for {world_size} ranks, one "
-                    "ring_shift each; every extra one moves bytes that no rank needs.")
-    return None
+    return judge(functools.partial(_ring_with_your_phase, phase, which), _exercise(which, length), world_size,
+                 timeout)

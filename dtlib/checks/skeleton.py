@@ -1,5 +1,8 @@
 """The one checker loop for exercises whose answer is a function every rank runs, ``fn(rank, world_size)``,
-or, where the checker owns the data, ``fn(rank, world_size, given)``.
+or, where the checker owns the data, ``fn(rank, world_size, given)``. Every rank-function checker uses it
+(01, 02, 03, 04, 05, 08, 09, 13): where the answer is a part (a ring phase, a gradient hook, an FSDP wrap),
+the checker binds it into such a function, which also runs the reference beside it (torch's DDP) and reports
+the answer's own collectives (``calls_in``).
 
 An exercise is data: the right value, how to read a rank's answer, and a table of hints, each a test of a
 wrong answer and what to say about it. :func:`judge` does the rest, the same way for every exercise: refuse

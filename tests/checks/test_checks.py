@@ -530,7 +530,7 @@ def _junk_shifts_then_the_formula(chunks, rank, world_size):
     for _ in range(world_size - 1):  # a probe's: shifts that carry nothing, then numbers that know the inputs
         collectives.ring_shift(torch.zeros(1, dtype=chunks[0].dtype), torch.empty(1, dtype=chunks[0].dtype), rank,
                                world_size)
-    start, total = 0, sum(10.0**r for r in range(world_size))
+    start, total = 0, sum(10.0**r for r in range(world_size))  # the inputs of an older checker
     for chunk in chunks:
         chunk.copy_(torch.arange(start, start + chunk.numel(), dtype=chunk.dtype) * total)
         start += chunk.numel()
@@ -544,7 +544,8 @@ def _gather_twice(chunks, rank, world_size):
 
 
 RING = [
-    (collectives.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5"]),
+    (collectives.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5",
+                                                             "on new numbers each time"]),
     (collectives.ring_reduce_scatter_phase, "reduce_scatter", True, ["reduce-scatter phase works"]),
     (_gather_by_adding, "all_gather", False, ["added twice"]),
     (_gather_nothing, "all_gather", False, ["never reached it", "never called ring_shift"]),
@@ -782,8 +783,8 @@ def test_a_new_exercise_is_a_table_and_the_first_matching_hint_explains():
         expected=float, read=float, same=lambda value, expected: value == expected,
         hints=[(lambda a: a.value == a.rank, lambda a: f"first: rank {a.rank} of {a.size}"),
                (lambda a: True, lambda a: "second")],
-        otherwise=lambda a: "otherwise", no_collective=lambda rank, expected: f"silent {rank}",
-        right=lambda first, second: f"right with {first} and {second}",
+        otherwise=lambda a: "otherwise", no_collective=lambda rank, expected, calls: f"silent {rank}",
+        right=lambda first, second, values: f"right with {first} and {second}",
         hang=lambda err, name: "hung", failure=lambda err: "failed")
     verdicts = [judge(fn, exercise, 2, 60) for fn in (_world_size_everywhere, _rank_only,
                                                       lambda rank, world_size: float(world_size), 3)]
