@@ -359,9 +359,11 @@ def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: in
     if error or report["returned_other"] or report["other_mesh"]:
         return report
     peak = [0]  # parameter bytes this rank holds while a layer runs its forward
+    computed_in: set[str] = set()  # the dtypes the layers computed in (a MixedPrecisionPolicy casts them)
 
     def record(module: Any, inputs: Any, output: Any) -> None:
         peak[0] = max(peak[0], memory.measured(model)["parameters"])
+        computed_in.update(str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False))
 
     for module in model.modules():
         if next(module.parameters(recurse=False), None) is not None:
@@ -385,7 +387,7 @@ def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: in
         losses["ddp"].append(step(reference, optimizers[1], x, y))
         for optimizer in optimizers:
             optimizer.zero_grad()
-    return {**report, "peak_parameters": peak[0], **losses}
+    return {**report, "peak_parameters": peak[0], "computed_in": sorted(computed_in), **losses}
 
 
 def _gap(report: dict[str, Any]) -> float:
@@ -442,6 +444,11 @@ WRAP_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
         f"{a.value['peak_parameters']:,} bytes of parameters at once on each rank (the whole model is "
         f"{a.value['full_bytes']:,}), so sharding saves nothing at the peak. Call fully_shard(block) for every "
         "block before the root.")),
+    (lambda a: bool(set(a.value["computed_in"]) - {"float32"}), lambda a: (
+        f"Every unit is in place, but your layers computed in {', '.join(a.value['computed_in'])}: a "
+        "MixedPrecisionPolicy casts the gathered parameters, so your losses drift from DDP's float32 ones by up to "
+        f"{_gap(a.value):.2g}. Mixed precision is a choice of its own (section 6); the exercise asks for "
+        "fully_shard's defaults.")),
 ]
 
 

@@ -543,7 +543,20 @@ def _gather_twice(chunks, rank, world_size):
     collectives.ring_all_gather_phase(chunks, rank, world_size)  # right again, at twice the bytes
 
 
+def _gather_sending_copies(chunks, rank, world_size):  # right: a copy of the chunk carries the same numbers
+    import torch
+
+    from dtlib.ring import send_recv as collectives
+
+    for step in range(world_size - 1):
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        collectives.ring_shift(chunks[send].clone(), incoming, rank, world_size)
+        chunks[receive].copy_(incoming)
+
+
 RING = [
+    (_gather_sending_copies, "all_gather", True, ["all-gather phase works"]),
     (collectives.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5",
                                                              "on new numbers each time"]),
     (collectives.ring_reduce_scatter_phase, "reduce_scatter", True, ["reduce-scatter phase works"]),
@@ -730,7 +743,27 @@ def _wrap_without_the_mesh(model, mesh):
 
 
 
+def _wrap_in_bfloat16(model, mesh):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _wrap_blocks_in_reverse(model, mesh):  # right: the order of the blocks does not matter, the root last does
+    from torch.distributed.fsdp import fully_shard
+
+    for block in reversed(list(model.blocks)):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 WRAPS = [
+    (_wrap_blocks_in_reverse, True, ["Each block is a unit and the root comes last, with 2 ranks and with 3"]),
+    (_wrap_in_bfloat16, False, ["your layers computed in bfloat16", "MixedPrecisionPolicy"]),
     (_wrap_blocks_then_root, True, ["224,632 bytes of model state", "(16P/N = 224,512)"]),
     (_wrap_by_type_and_keep_the_root_gathered, True, ["Each block is a unit and the root comes last"]),
     (_wrap_blocks_with_a_policy, True, ["Each block is a unit and the root comes last"]),

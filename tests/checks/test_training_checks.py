@@ -166,10 +166,24 @@ def functional_all_reduce(grad):  # right, written another way: a functional col
     return funcol.wait_tensor(funcol.all_reduce(grad / dist.get_world_size(), "sum", dist.group.WORLD))
 
 
-RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce, right_by_avg]
+def functional_unwaited(grad):  # right: autograd's first use of the result waits for it, as torch promises
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(grad / dist.get_world_size(), "sum", dist.group.WORLD)
+
+
+def averaged_on_rank_0_only(grad):
+    averaged = grad / dist.get_world_size()
+    dist.all_reduce(averaged)
+    return averaged if dist.get_rank() == 0 else grad
+
+
+RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce, right_by_avg,
+         functional_unwaited]
 
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
+    (averaged_on_rank_0_only, ["Rank 1 kept its own gradients although your hook called all_reduce"]),
     (knows_the_data, ["Right gradients, but rank 0's hook called no collective",
                       "the samples or the model rebuilt inside the hook?"]),
     (summed, ["holds the sum over ranks"]),
