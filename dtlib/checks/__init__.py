@@ -19,7 +19,7 @@ One module per kind of exercise, every checker named here:
 """
 
 from dtlib.checks.answers import backend_choice, fsdp_memory, strategy_choice, torchrun_command
-from dtlib.checks.cluster import largest_micro_batch
+from dtlib.checks.cluster import largest_micro_batch, smallest_pipeline
 from dtlib.checks.experts import expert_parallel_moe
 from dtlib.checks.parallel import mesh_for_nodes, pipeline_micro_batches, softmax_merge, tensor_parallel_mlp
 from dtlib.checks.ranks import average_of_ranks, fixed_barrier, sum_of_ranks
@@ -29,4 +29,5 @@ from dtlib.feedback import Feedback
 
 __all__ = ["Feedback", "average_of_ranks", "backend_choice", "expert_parallel_moe", "fixed_barrier", "fsdp_memory",
            "fsdp_wrap", "gradient_hook", "largest_micro_batch", "mesh_for_nodes", "pipeline_micro_batches",
-           "ring_phase", "softmax_merge", "strategy_choice", "sum_of_ranks", "tensor_parallel_mlp", "torchrun_command"]
+           "ring_phase", "smallest_pipeline", "softmax_merge", "strategy_choice", "sum_of_ranks", "tensor_parallel_mlp",
+           "torchrun_command"]

@@ -128,8 +128,16 @@ class PeakTracker(TorchDispatchMode):
         self._stepping = True
 
     def note_gradients(self) -> None:
-        """Call once backward is done and before ``zero_grad``: marks the storages the ``.grad`` s hold."""
-        self._gradients |= {id(s) for p in self.model.parameters() if p.grad is not None for s in _storages(p.grad)}
+        """Call once backward is done and before ``zero_grad``: marks the storages the ``.grad`` s hold, now
+        and in the peak already noted (``zero_grad`` frees them before :meth:`categories` can look)."""
+        held = {id(s): s for p in self.model.parameters() if p.grad is not None for s in _storages(p.grad)}
+        self._gradients |= set(held)
+        for key, storage in held.items():
+            known = self._refs.get(key)
+            if known is not None and known[0]() is storage:
+                self._refs[key] = (known[0], "gradients")
+        self._at_peak = [(ref, "gradients" if id(ref()) in held and ref() is held[id(ref())] else category, nbytes)
+                         for ref, category, nbytes in self._at_peak]
 
     # -- the report ----------------------------------------------------------------------------------------
 

@@ -103,18 +103,31 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Embedding, ``shape.layers`` blocks, a final RMSNorm and the output head: (B, T) tokens -> (B, T, vocab)."""
+    """Embedding, ``shape.layers`` blocks, a final RMSNorm and the output head: (B, T) tokens -> (B, T, vocab).
 
-    def __init__(self, shape: Shape) -> None:
+    As stage ``stage`` of a pipeline of ``stages``, it holds its share of the blocks (``shape.layers / stages``
+    of them), the embedding only on the first stage and the norm and head only on the last: a middle stage maps
+    (B, T, hidden) activations to activations.
+    """
+
+    def __init__(self, shape: Shape, stage: int = 0, stages: int = 1) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(shape.vocab, shape.hidden)
-        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
-        self.norm, self.head = nn.RMSNorm(shape.hidden), nn.Linear(shape.hidden, shape.vocab, bias=False)
+        if not 0 <= stage < stages or shape.layers % stages:
+            raise ValueError(f"stage {stage} of {stages}: the stages must divide the {shape.layers} layers evenly")
+        share = shape.layers // stages
+        self.hidden, self.first, self.last = shape.hidden, stage == 0, stage == stages - 1
+        self.embedding = nn.Embedding(shape.vocab, shape.hidden) if self.first else None
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(share))
+        self.norm = nn.RMSNorm(shape.hidden) if self.last else None
+        self.head = nn.Linear(shape.hidden, shape.vocab, bias=False) if self.last else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:  # tokens in; a later stage takes the previous stage's activations
+            x = self.embedding(x)
         for block in self.blocks:
             x = block(x)
+        if self.head is None or self.norm is None:
+            return x
         return self.head(self.norm(x))
 
 
