@@ -75,7 +75,7 @@ def _stage_0(shape: str, pp: int, tp: int, seq_len: int, micro_batches: int) -> 
     return simulate(LLAMA[shape], pp=pp, tp=tp, seq_len=seq_len, micro_batches=micro_batches, checkpointing=True)
 
 
-def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int = 8192, micro_batches: int = 8,
+def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int = 8192, micro_batches: int = 4,
                       gpu_gib: float = 79.0) -> Feedback:
     """Notebook 14: the fewest pipeline stages (pp) at which rank 0, the first stage, fits ``gpu_gib`` for
     Llama-2 ``shape`` with ``tp`` tensor-parallel ranks per stage and no data parallelism, at ``seq_len`` tokens,
@@ -95,9 +95,9 @@ def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int
 
     mine = _stage_0(shape, answer, tp, seq_len, micro_batches)
     state, acts = mine.model_state() / 2**30, mine.memory["activations"] / 2**30
-    why = (f"The model state on rank 0 shrinks with the stages ({state:.1f} GiB at pp={answer}), but its "
-           f"{acts:.1f} GiB of activations do not: under 1F1B the first stage holds pp micro-batches in flight, each "
-           f"through {layers}/pp layers, the inputs of all {layers} layers of one micro-batch, whatever pp.")
+    why = (f"More stages divide rank 0's model state ({state:.1f} GiB at pp={answer}) but hardly its activations "
+           f"({acts:.1f} GiB): under 1F1B the first stage holds up to pp micro-batches in flight, each through "
+           f"{layers}/pp layers, about one micro-batch through all {layers} layers whatever pp.")
     if peak(answer) > gpu_gib:
         return Feedback(False, f"With pp={answer}, rank 0 peaks at {peak(answer):.1f} GiB, over the {gpu_gib:g} GiB "
                                f"of the GPU: more stages, fewer layers per GPU. {why}")

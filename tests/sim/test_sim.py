@@ -41,13 +41,13 @@ def test_the_simulated_step_equals_the_same_step_on_live_ranks(dp, tp, checkpoin
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("pp", "dp", "tp", "micro_batches", "checkpointing"),
-                         [(2, 2, 2, 4, False), (4, 2, 1, 6, True), (2, 1, 1, 1, False)])
+                         [(2, 2, 2, 4, False), (4, 2, 1, 6, True), (2, 1, 1, 1, False), (2, 2, 2, 3, True)])
 def test_a_pipeline_simulated_equals_the_same_pipeline_on_live_ranks(pp, dp, tp, micro_batches, checkpointing):
     """PP x FSDP x TP on 2 to 8 live gloo ranks, every stage running the 1F1B step: rank 0, the first stage,
-    makes the same transfers and collectives with the same bytes and holds the same model state. Its peak is the
-    live one, or less by at most 1.5 times the reduce-scatters' input: gloo's reduce-scatter allocates a copy of
-    its input and a temporary output (NCCL's does not, nor do fake ranks), so where the peak falls in a
-    reduce-scatter the live gloo rank holds more."""
+    makes the same transfers and collectives with the same bytes and holds the same model state. The peaks
+    differ by at most one activation tensor one way and 1.5 times the reduce-scatters' input the other: a fake
+    rank can keep a tensor-parallel all-reduce's input alive a little longer, and gloo's reduce-scatter allocates
+    a copy of its input and a temporary output (NCCL's does not, nor do fake ranks)."""
     shape = Shape(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256)
     args = {"pp": pp, "dp": dp, "tp": tp, "seq_len": 16, "micro_batches": micro_batches,
             "checkpointing": checkpointing}
@@ -56,7 +56,8 @@ def test_a_pipeline_simulated_equals_the_same_pipeline_on_live_ranks(pp, dp, tp,
     assert fake.traffic == real.traffic
     assert (fake.memory["weights"], fake.memory["optimizer"]) == (real.memory["weights"], real.memory["optimizer"])
     scattered = sum(row.payload for row in real.traffic if row.call.startswith("reduce_scatter"))
-    assert fake.peak <= real.peak <= fake.peak + 1.5 * scattered
+    one_activation = 2 * args["seq_len"] * shape.hidden  # a micro-batch of one sequence, in bf16
+    assert fake.peak - one_activation <= real.peak <= fake.peak + 1.5 * scattered
     sent = {(row.group, row.call): row.calls for row in real.traffic}
     assert sent[("pp", "send")] == sent[("pp", "recv")] == micro_batches  # activations out, their gradients in
 
