@@ -152,3 +152,26 @@ def test_gloos_reduce_scatter_allocates_what_fake_ranks_do_not():
         return peak.categories()["gathered and temporary"]
 
     assert dtlib.spawn(measured, 2, output="none", strict=False) == [3 * 4096, 3 * 4096]
+
+
+def test_dtlibs_own_layout_is_simulated_once_and_a_learners_every_time():
+    from dtlib.sim.step import parallelize
+
+    def mine(model, mesh, checkpointing=False):
+        return parallelize(model, mesh, checkpointing)
+
+    args = {"dp": 2, "seq_len": 16, "depths": None}
+    assert simulate(LLAMA["tiny"], **args) is simulate(LLAMA["tiny"], **args)
+    assert simulate(LLAMA["tiny"], parallelize=mine, **args) is not simulate(LLAMA["tiny"], parallelize=mine, **args)
+
+
+def test_a_pipelines_transfers_get_seconds_of_their_own():
+    from dtlib.sim.network import LINKS, network_seconds
+
+    piped = simulate(LLAMA["tiny"], pp=2, dp=2, seq_len=16, micro_batches=2, depths=None)
+    link = LINKS["InfiniBand NDR"]
+    seconds = network_seconds(piped, {"pp": link, "dp": link, "tp": LINKS["NVLink 4"]})
+    sends = next(row for row in piped.traffic if (row.group, row.call) == ("pp", "send"))
+    assert set(seconds) == {"pp", "dp", "tp"} and seconds["pp"] > sends.sent / link.bytes_per_s
+    with pytest.raises(ValueError, match="no link given for the 'pp' dimension"):
+        network_seconds(piped, {"dp": link, "tp": link})
