@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import FuncFormatter, NullLocator
 
 from dtlib.plots._style import COLORS, _arrow, _box
 from dtlib.ring import BUS_FACTOR, COLLECTIVE_MODEL
@@ -123,9 +124,14 @@ def traffic(world_sizes: Sequence[int], table: dict[str, list[float]]) -> Figure
                     label=f"{name} (the same as {twin[0]})")
             drawn.append((name, values, twin[1] + 6))
     ax.set_yscale("log", base=2)  # ring and recursive doubling stay readable next to the N-1 growth
-    ax.yaxis.set_major_formatter(ScalarFormatter())  # 1, 2, 4 rather than 2^0, 2^1, 2^2
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 1, 2, 4 rather than 2^0, 2^1, 2^2 or 4.0
+    ax.yaxis.set_major_formatter(plain)
+    ax.set_xscale("log", base=2)  # world sizes double: equal steps, not a crowd at the left
+    ax.set_xticks(list(world_sizes))
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.axhline(2, color="gray", ls=":", lw=1, zorder=0)
-    between = (world_sizes[-2] + world_sizes[-1]) / 2 if len(world_sizes) > 1 else world_sizes[-1]
+    between = math.sqrt(world_sizes[-2] * world_sizes[-1]) if len(world_sizes) > 1 else world_sizes[-1]
     ax.text(between, 2.1, "2 x S: the ring's limit", fontsize=8, color="gray", ha="center", va="bottom",
             bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}, zorder=5)  # between two markers
     ax.set_xlabel("world size N (ranks)")

@@ -99,6 +99,7 @@ def test_ring_grid_has_a_panel_per_step_and_traffic_a_line_per_algorithm():
     lines = ax.get_lines()
     assert lines[4].get_markerfacecolor() == "none" and lines[4].get_markersize() > lines[0].get_markersize()
     assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+    assert ax.get_xscale() == "log" and list(ax.get_xticks()) == [2, 4, 8]  # doubling world sizes, equal steps
 
 
 def test_busbw_plot_shows_the_sweep_and_the_fit():
