@@ -97,7 +97,7 @@ class RankExercise:
     otherwise: Callable[[Answer], str]  # when no hint holds (also for UNREADABLE, unless a hint takes it)
     # (the rank, the expected value, the rank's {collective: times}): right, but nothing communicated
     no_collective: Callable[[int, Any, dict[str, int]], str]
-    # (the two world sizes, every rank's value in the first run, the size asked for): the message of a right answer
+    # (the two world sizes, every rank's value in the first run, the one asked for): the message of a right answer
     right: Callable[[int, int, Sequence[Any]], str]
     hang: Callable[[WorkerTimeout, str], str]  # (the timeout, fn's name)
     failure: Callable[[WorkerError], str]  # a rank raised or died

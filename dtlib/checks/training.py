@@ -9,8 +9,10 @@ Example: ``dtlib.checks.gradient_hook(lambda grad: grad)`` says the gradients we
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,12 +68,12 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
     return watched
 
 
-def _your_hook_against_ddp(hook: Callable[[Any], Any], rank: int, world_size: int) -> dict[str, Any]:
+def _your_hook_against_ddp(hook: Callable[[Any], Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     device = rank_device()  # cuda:LOCAL_RANK under NCCL, else the CPU: every tensor and model goes there
-    x, y = (t.to(device) for t in data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors)
+    x, y = (t.to(device) for t in data.regression(SAMPLES_PER_RANK * world_size, seed=seed).tensors)
     mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
     yours = models.build("mlp", seed=0).to(device)
     report: dict[str, Any] = {"in_place": False, "writers": set(), "dtypes": set()}
@@ -87,12 +89,12 @@ def _your_hook_against_ddp(hook: Callable[[Any], Any], rank: int, world_size: in
     return {"yours": flat[0], "ddp": flat[1], "local": flat[2], "calls": calls, **report}
 
 
-def _one_process_gradient(world_size: int) -> Any:
+def _one_process_gradient(world_size: int, seed: int = 1) -> Any:
     """The oracle: one model in this process, the loss over every rank's samples at once (a mean, so the
-    gradient is the mean of the ranks' gradients: what averaging them must give)."""
+    gradient is the mean of the ranks' gradients: what averaging them must give). ``seed`` draws the samples."""
     import torch
 
-    x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=1).tensors
+    x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=seed).tensors
     model = models.build("mlp", seed=0)
     models.loss_fn("mlp", model(x), y).backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -112,11 +114,13 @@ def _one_ranks_gradient(a: Answer) -> tuple[int, int] | None:
     return None
 
 
-def _rounded(yours: Any, exact: Any, dtypes: set[str]) -> str | None:
-    """How a gradient that is the mean to a few digits, not to fp32's, was rounded; None if it is not so."""
+def _rounded(yours: Any, exact: Any, dtypes: set[str], scale: float = 0.0) -> str | None:
+    """How a gradient that is the mean to a few digits, not to fp32's, was rounded; None if it is not so.
+    ``scale`` is the largest number a rank summed: a sum of rounded numbers that cancel is off by a share of
+    them, not of the sum."""
     import torch
 
-    if not torch.allclose(yours, exact, rtol=1e-2, atol=1e-4):
+    if not torch.allclose(yours, exact, rtol=1e-2, atol=max(1e-4, 1e-2 * scale)):
         return None
     off = f"up to {(yours - exact).abs().max().item():.2g} off the exact mean"
     for dtype, name in LOW_PRECISION.items():
@@ -166,10 +170,15 @@ def _sum_divisor(a: Answer) -> int | None:
     return constant_divisor(a.value["yours"], a.expected * a.size)  # the sum over ranks divided by what?
 
 
+def _summed_scale(a: Answer) -> float:
+    """The largest magnitude among the ranks' own gradients, divided by the ranks: what the sum adds up."""
+    return max(float(r["local"].abs().max()) for r in a.values) / a.size
+
+
 def _rounded_said(a: Answer) -> str:
-    return (f"With {a.size} ranks, {_rounded(a.value['yours'], a.expected, a.value['dtypes'])}. DDP's average is "
-            "exact in the gradient's dtype: all-reduce the float32 gradient itself (casting to half precision is "
-            "gradient compression, like torch's fp16_compress_hook, not DDP's average).")
+    return (f"With {a.size} ranks, {_rounded(a.value['yours'], a.expected, a.value['dtypes'], _summed_scale(a))}. "
+            "DDP's average is exact in the gradient's dtype: all-reduce the float32 gradient itself (casting to half "
+            "precision is gradient compression, like torch's fp16_compress_hook, not DDP's average).")
 
 
 #: What each kind of wrong average did, in the learner's terms: the first that holds explains.
@@ -195,7 +204,8 @@ HOOK_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
     (lambda a: _sum_divisor(a) is not None, lambda a: (
         f"With {a.size} ranks, rank {a.rank}'s gradients are the sum over ranks divided by {_sum_divisor(a)}: divide "
         "by dist.get_world_size(), not a constant.")),
-    (lambda a: _rounded(a.value["yours"], a.expected, a.value["dtypes"]) is not None, _rounded_said),
+    (lambda a: _rounded(a.value["yours"], a.expected, a.value["dtypes"], _summed_scale(a)) is not None,
+     _rounded_said),
 ]
 
 
@@ -269,7 +279,9 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 
     if not callable(hook):
         return Feedback(False, f"Pass your hook function itself, not {type(hook).__name__}.")
-    verdict = judge(functools.partial(_your_hook_against_ddp, hook), GRADIENT_HOOK, world_size, timeout)
+    seed = random.randrange(2**31)  # new samples on each call: a hook cannot know the gradient it will get
+    exercise = dataclasses.replace(GRADIENT_HOOK, expected=functools.partial(_one_process_gradient, seed=seed))
+    verdict = judge(functools.partial(_your_hook_against_ddp, hook, seed), exercise, world_size, timeout)
     if not verdict.ok:
         return verdict
     equal = verdict.message

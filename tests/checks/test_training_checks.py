@@ -142,8 +142,11 @@ def sum_then_divide(grad):
     return summed / dist.get_world_size()  # right in fp32; in fp16 the sum overflows first
 
 
-def knows_the_data(grad):  # a probe's: no collective, the mean rebuilt from the checker's own data and model
+def knows_the_data(grad, talk=False):  # a probe's: the mean rebuilt from what was once the checker's data and model
     from dtlib.train import data, models
+
+    if talk:  # a throwaway collective, so that something travelled
+        dist.all_reduce(torch.zeros(1, device=grad.device))
 
     size, rank = dist.get_world_size(), dist.get_rank()
     x, y = data.regression(8 * size, seed=1).tensors
@@ -184,8 +187,9 @@ RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
     (averaged_on_rank_0_only, ["Rank 1 kept its own gradients although your hook called all_reduce"]),
-    (knows_the_data, ["Right gradients, but rank 0's hook called no collective",
-                      "the samples or the model rebuilt inside the hook?"]),
+    # the samples are drawn anew on each call: a hook that rebuilds the mean from seed=1's cannot match them
+    (knows_the_data, ["kept its own gradients: your hook called no collective"]),
+    (lambda grad: knows_the_data(grad, talk=True), ["kept its own gradients although your hook called all_reduce"]),
     (summed, ["holds the sum over ranks"]),
     (by_two, ["With 3 ranks", "divided by 2", "not a constant"]),
     (by_world_size_twice, ["world_size times too small"]),
