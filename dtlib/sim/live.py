@@ -55,5 +55,4 @@ def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, mic
     results = spawn(_rank, layout.world_size, args=(shape, layout, checkpointing, parallelize, step),
                     timeout=timeout, output="none")
     memory, rows = results[0]
-    return Simulated(shape, dp, tp, seq_len, micro_batch, checkpointing, memory, rows, (shape.layers,),
-                     time.perf_counter() - started, pp, micro_batches)
+    return Simulated(shape, layout, checkpointing, memory, rows, (shape.layers,), time.perf_counter() - started)

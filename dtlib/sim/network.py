@@ -44,7 +44,8 @@ def _steps(call: str, ranks: int) -> int:
 def network_seconds(result: Simulated, links: dict[str, Link]) -> dict[str, float]:
     """Seconds rank 0 spends communicating per step, per mesh dimension ("dp", "tp", and "pp" for a pipeline),
     nothing overlapped."""
-    sizes = {"dp": result.dp, "tp": result.tp, **({"pp": result.pp} if result.pp > 1 else {})}
+    layout = result.layout
+    sizes = {"dp": layout.dp, "tp": layout.tp, **({"pp": layout.pp} if layout.pp > 1 else {})}
     seconds = dict.fromkeys(sizes, 0.0)
     for row in result.traffic:
         if row.group not in sizes:

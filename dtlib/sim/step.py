@@ -60,40 +60,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
     optimizer.zero_grad()
 
 
-@dataclass
-class Simulated:
-    """Rank 0's step: bytes at the peak by category (:data:`dtlib.measure.peak.CATEGORIES`), the collectives
-    by mesh dimension, and how it was obtained."""
-
-    shape: Shape
-    dp: int
-    tp: int
-    seq_len: int
-    micro_batch: int
-    checkpointing: bool
-    memory: dict[str, int]
-    traffic: list[Row]
-    depths: tuple[int, ...] = ()  # the depths simulated: two, scaled to shape.layers, or the real one
-    seconds: float = 0.0  # how long the simulation took here
-    pp: int = 1  # pipeline stages; rank 0 is the first
-    micro_batches: int = 1  # per step, each of micro_batch sequences
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def peak(self) -> int:
-        return sum(self.memory.values())
-
-    def model_state(self) -> int:
-        return self.memory["weights"] + self.memory["gradients"] + self.memory["optimizer"]
-
-    def sent(self) -> dict[str, int]:
-        """Bytes rank 0 sends per step along each mesh dimension ("pp", "dp", "tp")."""
-        return sent_by_group(self.traffic)
-
-
 @dataclass(frozen=True)
 class Layout:
     """How the ranks are laid out and what one step computes: pp x dp x tp ranks, each step ``micro_batches``
@@ -109,6 +75,35 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+
+@dataclass
+class Simulated:
+    """Rank 0's step: bytes at the peak by category (:data:`dtlib.measure.peak.CATEGORIES`), the collectives
+    by mesh dimension, and how it was obtained."""
+
+    shape: Shape
+    layout: Layout
+    checkpointing: bool
+    memory: dict[str, int]
+    traffic: list[Row]
+    depths: tuple[int, ...] = ()  # the depths simulated: two, scaled to shape.layers, or the real one
+    seconds: float = 0.0  # how long the simulation took here
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def peak(self) -> int:
+        return sum(self.memory.values())
+
+    def model_state(self) -> int:
+        return self.memory["weights"] + self.memory["gradients"] + self.memory["optimizer"]
+
+    def sent(self) -> dict[str, int]:
+        """Bytes rank 0 sends per step along each mesh dimension ("pp", "dp", "tp")."""
+        return sent_by_group(self.traffic)
 
 
 def check_layout(shape: Shape, dp: int, tp: int, seq_len: int, micro_batch: int, pp: int = 1,
@@ -214,8 +209,7 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
                       for name in ("calls", "payload", "sent")))
                 for row in high[1]]
         used = (low_depth, high_depth)
-    result = Simulated(shape, dp, tp, seq_len, micro_batch, checkpointing, memory, rows, used,
-                       time.perf_counter() - started, pp, micro_batches)
+    result = Simulated(shape, layout, checkpointing, memory, rows, used, time.perf_counter() - started)
     if parallelize is _parallelize and step is None:
         _ANSWERED[key] = result
     return result
