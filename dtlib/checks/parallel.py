@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from dtlib.checks._numbers import as_number
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
@@ -429,11 +430,7 @@ def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, ba
     """
     if not 0 < target < 1:
         raise ValueError(f"target is the bubble's share, between 0 and 1 (0.1 for 10%), got {target!r}")
-    if hasattr(answer, "item") and getattr(answer, "size", None) not in (None, 0) and not isinstance(answer, bool):
-        try:  # a one-number tensor or numpy array, whatever its dtype: 32, 32.0, torch.tensor(32.)
-            answer = answer.item()
-        except (ValueError, RuntimeError):
-            pass
+    answer = as_number(answer)  # a one-number tensor or numpy array, whatever its dtype: torch.tensor(32.)
     if (isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer)
             or answer != int(answer)):
         return Feedback(False, f"Answer with a whole number of micro-batches, got {answer!r}.")
