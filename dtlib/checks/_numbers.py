@@ -1,10 +1,13 @@
 """Reading a learner's numbers: what a value is, and which constant a wrong one was divided by.
 
-Shared by the checkers in :mod:`dtlib.checks.ranks` and :mod:`dtlib.checks.training`.
+Shared by the checkers in :mod:`dtlib.checks.ranks`, :mod:`dtlib.checks.training`, :mod:`dtlib.checks.parallel` and
+:mod:`dtlib.checks.cluster`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 
@@ -62,3 +65,17 @@ def constant_factor(got: Any, target: Any, rtol: float = 1e-4) -> float | None:
         return None
     factor = float((got * target).sum()) / norm  # least squares fit of got = c * target
     return factor if torch.allclose(got, factor * target, rtol=rtol, atol=1e-6) else None
+
+
+def whole_answer(answer: Any, what: str) -> int | str:
+    """A typed answer as a whole number, or what to say about it (``what`` names its unit: "micro-batches").
+
+    Example: ``whole_answer(torch.tensor(4.0), "stages") == 4``; ``whole_answer(2.5, "stages")`` is a message.
+    """
+    answer = as_number(answer)
+    if answer is None:
+        return f"No answer yet: set `answer` to a number of {what}."
+    if isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer) \
+            or answer != int(answer):
+        return f"Answer with a whole number of {what}, not {answer!r}."
+    return int(answer)

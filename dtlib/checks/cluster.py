@@ -7,11 +7,9 @@ Example: ``largest_micro_batch(2)`` is ✓ for Llama-2-7B at sequence 4096 on 64
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
-from dtlib.checks._numbers import as_number
+from dtlib.checks._numbers import whole_answer
 from dtlib.feedback import Feedback
 from dtlib.sim.llama import LLAMA
 from dtlib.sim.step import Simulated, simulate
@@ -21,22 +19,11 @@ def _step(shape: str, dp: int, seq_len: int, micro_batch: int) -> Simulated:
     return simulate(LLAMA[shape], dp=dp, seq_len=seq_len, micro_batch=micro_batch)
 
 
-def _whole_answer(answer: Any, what: str) -> int | str:
-    """The answer as a whole number, or what to say about it."""
-    answer = as_number(answer)
-    if answer is None:
-        return f"No answer yet: set `answer` to a number of {what}."
-    if isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer) \
-            or answer != int(answer):
-        return f"Answer with a whole number of {what}, not {answer!r}."
-    return int(answer)
-
-
 def largest_micro_batch(answer: Any, shape: str = "7B", dp: int = 64, seq_len: int = 4096,
                         gpu_gib: float = 79.0) -> Feedback:
     """Notebook 14: the most samples per rank (``micro_batch``) whose simulated peak on rank 0 stays within
     ``gpu_gib``, for Llama-2 ``shape`` fully sharded over ``dp`` ranks, without activation checkpointing."""
-    answer = _whole_answer(answer, "samples per rank")
+    answer = whole_answer(answer, "samples per rank")
     if isinstance(answer, str):
         return Feedback(False, answer)
     if answer < 1:
@@ -81,7 +68,7 @@ def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int
     Llama-2 ``shape`` with ``tp`` tensor-parallel ranks per stage and no data parallelism, at ``seq_len`` tokens,
     with activation checkpointing and ``micro_batches`` micro-batches under 1F1B. A stage holds whole blocks, so
     pp divides the layers."""
-    answer = _whole_answer(answer, "pipeline stages")
+    answer = whole_answer(answer, "pipeline stages")
     if isinstance(answer, str):
         return Feedback(False, answer)
     layers = LLAMA[shape].layers

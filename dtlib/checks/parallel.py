@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtlib.checks._numbers import as_number
+from dtlib.checks._numbers import whole_answer
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
@@ -430,11 +430,9 @@ def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, ba
     """
     if not 0 < target < 1:
         raise ValueError(f"target is the bubble's share, between 0 and 1 (0.1 for 10%), got {target!r}")
-    answer = as_number(answer)  # a one-number tensor or numpy array, whatever its dtype: torch.tensor(32.)
-    if (isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer)
-            or answer != int(answer)):
-        return Feedback(False, f"Answer with a whole number of micro-batches, got {answer!r}.")
-    count = int(answer)
+    count = whole_answer(answer, "micro-batches")  # 32, 32.0, torch.tensor(32.) and numpy's are one number
+    if isinstance(count, str):
+        return Feedback(False, count)
     bound = math.ceil((stages - 1) * (1 - target) / target - 1e-9)  # (p - 1) / (m + p - 1) <= target
     fits = [m for m in range(max(1, stages), batch + 1) if batch % m == 0 and pipeline_bubble(stages, m) <= target]
     if count < 1:
