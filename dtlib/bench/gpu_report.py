@@ -120,7 +120,7 @@ def read_parts(logs: Path) -> list[Part]:
 
 @dataclass
 class Counts:
-    """A pytest run's outcome, from its JUnit XML; ``failures`` lists ``(test id, first line of the message)``."""
+    """A pytest run's outcome, from its JUnit XML; ``failures`` lists ``(test id, why)`` (:func:`failure_reason`)."""
 
     passed: int
     failed: int
@@ -135,6 +135,28 @@ def _test_id(case: ElementTree.Element) -> tuple[str, str]:
     """``(file or class, test name)`` of a JUnit test case (pytest's classname for tests/gpu/test_x.py is
     ``tests.gpu.test_x``; nbval's for a notebook, ``notebooks.00_setup_check.ipynb``)."""
     return case.get("classname", ""), case.get("name", "")
+
+
+_ANSI = re.compile(r"(?:\x1b|#x1B)\[[0-9;]*m")  # colours, raw or as JUnit XML escapes them
+_RAISED = re.compile(r"^\s*(?:[\w.]*(?:Error|Exception|Timeout|Interrupt)\b[^:\n]*: .*|rank \d+ raised .*)$")
+
+
+def failure_reason(text: str) -> str:
+    """The line that says why a test failed: the last exception line of its report (a ``WorkerError: 2 ranks
+    failed:`` line carries the first rank's reason after it), else the line after nbval's ``Traceback:``, else
+    its first line; colours removed, at most 300 characters. Example: nbval's "Notebook cell execution failed"
+    report gives "NameError: name 'rows' is not defined"."""
+    lines = [line.rstrip() for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    raised = [i for i, line in enumerate(lines) if _RAISED.match(line)]
+    if not raised:  # nbval's "Cell outputs differ" report says how after its "Traceback:" line
+        after = [lines[i + 1] for i, line in enumerate(lines[:-1]) if line.strip() == "Traceback:"]
+        return (after or lines or [""])[0].strip()[:300]
+    first_worker = next((i for i in raised if lines[i].lstrip().startswith("WorkerError")), None)
+    at = first_worker if first_worker is not None else raised[-1]
+    reason = lines[at].strip()
+    if reason.endswith(":") and at + 1 < len(lines):
+        reason += " " + lines[at + 1].strip()
+    return reason[:300]
 
 
 def junit_counts(path: Path) -> Counts | None:
@@ -156,8 +178,7 @@ def junit_counts(path: Path) -> Counts | None:
         by_file.setdefault(where, Counter())[kind] += 1
         if kind in ("failed", "errors"):
             child = next(child for child in case if child.tag in ("failure", "error"))
-            message = (child.get("message") or child.text or "").strip().splitlines()
-            failures.append((f"{where}::{name}", message[0][:200] if message else ""))
+            failures.append((f"{where}::{name}", failure_reason(f"{child.get('message') or ''}\n{child.text or ''}")))
         if kind == "skipped":
             skip_reasons[next(child for child in case if child.tag == "skipped").get("message", "")] += 1
     return Counts(outcome["passed"], outcome["failed"], outcome["errors"], outcome["skipped"], failures, by_file,

@@ -75,6 +75,20 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def rank_environment(requested: str, resolved: str) -> dict[str, str]:
+    """Variables every rank gets for this choice of backend: where ``backend="auto"`` chose gloo on a machine
+    with GPUs (fewer than ranks), the ranks compute on the CPU and see no GPU (``CUDA_VISIBLE_DEVICES=""``), so
+    torch's own defaults agree with them: ``fully_shard``'s default mesh would otherwise be a CUDA mesh that
+    sets GPU ``LOCAL_RANK`` (absent on rank 1 of a one-GPU machine), and PowerSGD's hook would synchronise a
+    GPU for CPU tensors. A job that names ``backend="gloo"`` keeps the GPUs (gloo reduces CUDA tensors too).
+
+    Example: ``rank_environment("auto", "gloo")`` is ``{"CUDA_VISIBLE_DEVICES": ""}`` on a one-GPU machine.
+    """
+    if requested == "auto" and resolved == "gloo" and torch.cuda.device_count() > 0:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {}
+
+
 def resolve_start_method(start_method: str) -> str:
     """``auto`` is ``forkserver`` where the platform has it (fast and CUDA-safe), else ``spawn``."""
     if start_method not in START_METHODS:
@@ -228,12 +242,14 @@ def spawn(
 
     if strict is not None and not isinstance(strict, bool):
         raise TypeError(f"strict must be True, False or None, got {strict!r}")
-    env = None if strict is None else {STRICT_ENV: "1" if strict else "0"}
+    env = rank_environment(backend, resolved_backend)
+    if strict is not None:
+        env[STRICT_ENV] = "1" if strict else "0"
 
     job = Job(world_size, output, method)
     try:
         results = _run(job, method, payload, sources, resolved_backend if init_process_group else None, timeout,
-                       env)
+                       env or None)
     except BaseException as exc:
         finish(job)  # a KeyboardInterrupt lands here too: no rank outlives the call
         traceback.clear_frames(exc.__traceback__)  # what dtlib's frames held (half-started processes) goes now

@@ -29,13 +29,13 @@ EXIT_GRACE_S = 10.0  # at close, how long ranks may take to leave their process 
 class Ranks:
     """One generation of live ranks: the job, and what each rank answered to the current command."""
 
-    def __init__(self, world_size: int, backend: str, method: str) -> None:
+    def __init__(self, world_size: int, backend: str, method: str, env: dict[str, str] | None = None) -> None:
         self.job = Job(world_size, "all", method, channels=2)
         self.answers: dict[int, tuple[str, Any]] = {}
         self.doctor: dict[int, Any] = {}
         payload = cloudpickle.dumps((_live_rank.serve, (), {}))
         try:
-            start_job(self.job, method, payload, {}, backend, env=dict(_doctor.FR_ENV))
+            start_job(self.job, method, payload, {}, backend, env={**_doctor.FR_ENV, **(env or {})})
             for state in self.job.ranks:
                 commands, doctor = state.channels
                 self.job.watch(state, commands, self._take_answer)

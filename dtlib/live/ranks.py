@@ -30,7 +30,7 @@ from dtlib import arguments
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.processes import HeldInterrupts
-from dtlib.launch.spawn import resolve_backend, resolve_start_method, valid_world_size
+from dtlib.launch.spawn import rank_environment, resolve_backend, resolve_start_method, valid_world_size
 from dtlib.live import doctor as _doctor
 from dtlib.live import rank as _live_rank
 from dtlib.live.job import Ranks, close_quietly
@@ -59,6 +59,7 @@ class LiveRanks:
 
     def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0) -> None:
         self.world_size, self.backend, self.timeout = self.settings(world_size, backend, timeout)
+        self._env = rank_environment(backend, self.backend)  # CPU ranks on a GPU machine see no GPU
         self._method = resolve_start_method("auto")
         self._cells = 0
         self._sources: dict[str, list[str]] = {}
@@ -78,7 +79,7 @@ class LiveRanks:
     # -- life -----------------------------------------------------------------
     def _start(self) -> float:
         began = time.monotonic()
-        ranks = Ranks(self.world_size, self.backend, self._method)
+        ranks = Ranks(self.world_size, self.backend, self._method, self._env)
         self._holder[0] = ranks
         owing = ranks.wait(set(range(self.world_size)), began + START_TIMEOUT_S)
         dead = ranks.dead()

@@ -21,9 +21,9 @@ before the call (the collective cannot start before the work queued ahead of it)
 made to wait for the collective. :meth:`CommLog.resolve` synchronises, reads both against a reference
 event recorded when GPU and CPU were in step, and sets ``launched_s`` (when the GPU reached the call)
 and ``done_s`` (when the collective finished) on this clock. Until then ``done_s`` is NaN, and
-:func:`hidden_share` says NaN (not measured) rather than a share that would mean nothing. The CUDA path has
-not yet run on a GPU (docs/gpu_status.md): a GPU run must confirm that its DDP timeline's all-reduces end
-after they start and overlap backward as the hidden share says.
+:func:`hidden_share` says NaN (not measured) rather than a share that would mean nothing. On one H100 at
+world size 1 every bucket's all-reduce started and ended inside its step (docs/gpu_status.md); the overlap
+with backward over real links needs 2 GPUs, not yet run.
 
 ``nbytes`` is the size of the whole buffer S, as nccl-tests counts it: the tensor of
 an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter.

@@ -134,8 +134,8 @@ def allocator(device: torch.device) -> dict[str, int] | None:
     since the last ``torch.cuda.reset_peak_memory_stats``) and ``reserved`` (held by the caching allocator).
     None on any other device: a CPU has no such allocator to ask.
 
-    Not yet run on a GPU (docs/gpu_status.md): a GPU run must confirm that the peak sits above
-    :func:`measured`'s model state by the activations and buffers the module docstring names.
+    On one H100 (docs/results/gpu_run.md) the peak sat above :func:`measured`'s model state, as the module
+    docstring says it must (tests/gpu/test_gpu_training.py, tests/measure/test_memory.py).
     """
     if device.type != "cuda":
         return None

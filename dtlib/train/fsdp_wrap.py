@@ -24,11 +24,15 @@ HYBRID = ("hybrid_shard", "hybrid_shard_zero2")  # FSDP1's hybrid strategies: a 
 
 
 def _mesh(config: Any, world_size: int, device: torch.device) -> Any:
-    """A 2-D (replicate, shard) mesh for hybrid sharding, else None (FSDP's default 1-D mesh)."""
-    if config.strategy not in HYBRID:
-        return None
+    """The rank's mesh on ``device``'s type: 2-D (replicate, shard) for hybrid sharding, else 1-D over every rank.
+
+    Always named, never left to ``fully_shard``: its default mesh is on the machine's accelerator whatever the
+    module's device, and builds it by setting GPU ``LOCAL_RANK``, which a one-GPU machine lacks for rank 1.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
+    if config.strategy not in HYBRID:
+        return init_device_mesh(device.type, (world_size,))
     shape = (world_size // config.shard_group_size, config.shard_group_size)
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
@@ -46,14 +50,13 @@ def wrap_fsdp2(model: nn.Module, config: Any, world_size: int, device: torch.dev
     if config.cpu_offload:
         pin = device.type == "cuda"  # pinned host memory is for copies to a GPU: only if the rank computes on one
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-        if pin:  # GPU run must confirm: GPU ranks note this (tests/train/test_fsdp.py::test_cpu_offload_under_fsdp2)
+        if pin:  # GPU ranks note this: confirmed on one H100 (tests/gpu/test_gpu_training.py)
             notes.append(f"CPUOffloadPolicy(pin_memory=True): the parameter shards, their gradients and the optimizer "
                          f"state live in pinned host memory, where the optimizer step runs; each unit's shards are "
                          f"copied to {device} before its all-gather, its gradient shards back to the host in backward")
         else:
-            where = "on a CPU-only machine" if not torch.cuda.is_available() else "with ranks that compute on the CPU"
-            notes.append(f"CPUOffloadPolicy(pin_memory=False): {where} the parameters already live in host memory, "
-                         "so offloading changes nothing here")
+            notes.append("CPUOffloadPolicy(pin_memory=False): with ranks that compute on the CPU the parameters "
+                         "already live in host memory, so offloading changes nothing here")
     for block in model.blocks:
         fully_shard(block, **options)
     if config.mixed_precision:  # the root hands fp32 logits to the loss; blocks must not (their LayerNorm is bf16)

@@ -110,6 +110,24 @@ def test_a_table_file_names_the_machine_command_and_what_one_rank_means(logs, tm
     assert gpu_report.ONE_RANK_NOTES["bench ddp"] in text and "[ddp_cpu.md](ddp_cpu.md)" in text
 
 
+def test_a_failure_is_told_by_its_exception_not_by_nbvals_coloured_headline():
+    """The first GPU run's reports, as its JUnit XML held them: the reason is the exception, colours gone."""
+    cell = ("#x1B[91mNotebook cell execution failed#x1B[0m\n#x1B[94mCell 0: Cell execution caused an exception\n"
+            "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "WorkerError: 3 ranks failed (1, 2, 3):\n  rank 1 raised AcceleratorError: CUDA error: invalid device "
+            "ordinal\nGPU device may be out of range\n--- remote traceback of rank 1 ---\n"
+            "torch.AcceleratorError: CUDA error: invalid device ordinal\n")
+    assert gpu_report.failure_reason(cell) == ("WorkerError: 3 ranks failed (1, 2, 3): rank 1 raised "
+                                               "AcceleratorError: CUDA error: invalid device ordinal")
+    assert gpu_report.failure_reason("NameError\nTraceback\nNameError: name 'rows' is not defined\n") == \
+        "NameError: name 'rows' is not defined"
+    differs = ("#x1B[91mNotebook cell execution failed#x1B[0m\nCell 19: Cell outputs differ\n\n#x1B[94mTraceback:"
+               "#x1B[0m\n#x1B[91mUnexpected output fields from running code: {'stderr'}#x1B[0m\n")
+    assert gpu_report.failure_reason(differs) == "Unexpected output fields from running code: {'stderr'}"
+    assert gpu_report.failure_reason("AssertionError\n") == "AssertionError"
+    assert gpu_report.failure_reason("") == ""
+
+
 def test_no_junit_file_means_no_counts(tmp_path):
     assert gpu_report.junit_counts(tmp_path / "missing.xml") is None
     (tmp_path / "cut.xml").write_text("<testsuites><testsuite>")  # a run stopped while writing it

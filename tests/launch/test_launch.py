@@ -694,6 +694,24 @@ def test_nccl_without_gpus_rejected(no_process_start):
         dtlib.spawn(own_pid, world_size=2, backend="nccl")
 
 
+def visible_gpus(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+
+
+def test_auto_gloo_ranks_on_a_gpu_machine_see_no_gpu(monkeypatch):
+    """Where backend="auto" chose gloo on a machine with GPUs, the ranks compute on the CPU and see no GPU (a GPU
+    run found fully_shard's default CUDA mesh and PowerSGD failing there); backend="gloo" named keeps them."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # this machine "has" one GPU, for two ranks
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert dtlib.spawn(visible_gpus, world_size=2, timeout=60) == [("", 0), ("", 0)]
+    named = dtlib.spawn(visible_gpus, world_size=2, backend="gloo", timeout=60)
+    assert [visible for visible, _ in named] == ["0", "0"]
+    from dtlib.launch.spawn import rank_environment
+    assert rank_environment("auto", "nccl") == {} and rank_environment("gloo", "gloo") == {}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert rank_environment("auto", "gloo") == {}  # a laptop: nothing to hide
+
+
 def test_unknown_backend_rejected(no_process_start):
     """An unknown backend is a ValueError."""
     with pytest.raises(ValueError, match="backend"):

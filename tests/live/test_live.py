@@ -126,6 +126,15 @@ def test_a_rank_that_dies_is_reported_and_the_ranks_restart(ranks):
     assert ranks.run("rank") == [0, 1]
 
 
+def test_auto_gloo_live_ranks_on_a_gpu_machine_see_no_gpu(monkeypatch, leftovers):
+    """As with dtlib.spawn: CPU ranks that backend="auto" chose on a machine with GPUs see none."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with dtlib.LiveRanks(2, timeout=60) as live:
+        pids = live.run("import os\nos.getpid()")
+        assert live.run("import os\nos.environ.get('CUDA_VISIBLE_DEVICES')") == ["", ""]
+    leftovers.assert_clean(pids)
+
+
 def test_close_ends_every_rank_and_leaves_nothing(leftovers):
     live = dtlib.LiveRanks(2, backend="gloo")
     pids = live.run("import os\nos.getpid()")

@@ -147,6 +147,7 @@ def test_allocator_is_asked_only_on_a_gpu():
 def test_allocator_peak_holds_the_model_state_and_more():
     """The formula predicts model state; CUDA's peak adds activations and temporary buffers on top."""
     device = torch.device("cuda", 0)
+    torch.cuda.init()  # before CUDA starts, reset_peak_memory_stats raises "Invalid device argument" (an H100 did)
     torch.cuda.reset_peak_memory_stats(device)
     model = models.build("transformer", seed=0).to(device)
     optimizer = torch.optim.Adam(model.parameters())
