@@ -49,34 +49,58 @@ def loss_curves(results: Sequence[Any], reference: Any = None, title: str = "Los
     return fig
 
 
+def _last_launches(results: Sequence[Any]) -> list[float] | None:
+    """For each all-reduce of the step, when the last rank launched it; None where the ranks' lists differ in
+    length (then no bar is split). Every rank's times are on one clock: ``time.perf_counter`` is the machine's
+    monotonic clock, shared by its processes, and GPU times are mapped onto it (``CommLog.resolve``)."""
+    lists = [result.timeline["comm"] for result in results]
+    if len(lists) < 2 or len({len(comm) for comm in lists}) != 1:
+        return None
+    return [max(comm[i][0] for comm in lists) for i in range(len(lists[0]))]
+
+
 def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
-    """One step per rank: forward and backward compute as a bar, each all-reduce (bucket) as a bar
-    below it, from launch to finish. Communication left of the compute's end is hidden behind it."""
+    """One step per rank, on one time axis from the earliest rank's start: forward and backward compute as a
+    bar, each all-reduce (bucket) as a bar below it, from launch to finish. An all-reduce cannot finish before
+    every rank has launched it, so each bar is split there: the light part waits for the other ranks, the dark
+    part comes after (the transfer, and any wait behind earlier buckets). Communication left of the compute's
+    end is hidden behind it."""
     fig, ax = plt.subplots(figsize=(9, 0.9 + 1.1 * len(results)))
+    origin = min(result.timeline["start_s"] for result in results)
+    last = _last_launches(results)
+    waited = False
     for row, result in enumerate(results):
         line = result.timeline
-        start = line["start_s"]
         y = row * 2
-        ax.broken_barh([(0, (line["compute_end_s"] - start) * 1e3)], (y + 1, 0.8), color=COLORS["cpu"])
+        ms = [(t - origin) * 1e3 for t in (line["start_s"], line["compute_end_s"])]
+        ax.broken_barh([(ms[0], ms[1] - ms[0])], (y + 1, 0.8), color=COLORS["cpu"])
         for index, (launched, done, nbytes) in enumerate(line["comm"]):
+            at = (launched - origin) * 1e3
             if math.isnan(done):  # a CUDA collective not read back (CommLog.resolve): its launch only
-                ax.plot([(launched - start) * 1e3], [y + 0.5], marker="|", markersize=14, color=COLORS["store"])
+                ax.plot([at], [y + 0.5], marker="|", markersize=14, color=COLORS["store"])
                 continue
-            ax.broken_barh([((launched - start) * 1e3, max((done - launched) * 1e3, 0.02))], (y + 0.1, 0.8),
-                           color=COLORS["store"], alpha=0.9, edgecolor="black", lw=0.5)
+            end = (done - origin) * 1e3
+            split = min(max(at, (last[index] - origin) * 1e3), end) if last else at
+            if split > at:
+                waited = True
+                ax.broken_barh([(at, split - at)], (y + 0.1, 0.8), color=COLORS["store"], alpha=0.3,
+                               edgecolor="black", lw=0.5)
+            ax.broken_barh([(split, max(end - split, 0.02))], (y + 0.1, 0.8), color=COLORS["store"], alpha=0.9,
+                           edgecolor="black", lw=0.5)
             if len(line["comm"]) <= 12:  # labels alternate high and low: buckets launched together stay readable
-                ax.text((launched - start) * 1e3, y + (0.3 if index % 2 else 0.7), f" {nbytes / 2**20:.2f}",
-                        fontsize=7, va="center")
-        ax.axvline((line["compute_end_s"] - start) * 1e3, ymin=0, ymax=1, color="gray", lw=0.5, ls=":")
+                ax.text(at, y + (0.3 if index % 2 else 0.7), f" {nbytes / 2**20:.2f}", fontsize=7, va="center")
+        ax.vlines(ms[1], y, y + 1.9, color="gray", lw=0.5, ls=":")  # this rank's compute end
     ax.set_yticks([row * 2 + 0.5 for row in range(len(results))] + [row * 2 + 1.4 for row in range(len(results))],
                   [f"rank {r.rank} all-reduce" for r in results] + [f"rank {r.rank} compute" for r in results])
-    ax.set_xlabel("ms since the step began (labels: bucket size in MiB)")
+    ax.set_xlabel("ms since the first rank began the step (labels: bucket size in MiB)")
     share = np.mean([r.hidden_share[-1] for r in results])
     said = (f"{share:.0%} of communication hidden behind compute" if not math.isnan(share) else
             "launches only: these GPU collectives' finishes were not read back from their CUDA events")
     ax.set_title(title or f"Step {results[0].timeline['step']}: {said}")
     ax.plot([], [], color=COLORS["cpu"], lw=8, label="forward + backward (until the last gradient is ready)")
-    ax.plot([], [], color=COLORS["store"], lw=8, label="all-reduce of one bucket, launch to finish")
+    if waited:
+        ax.plot([], [], color=COLORS["store"], lw=8, alpha=0.3, label="all-reduce launched, other ranks not yet")
+    ax.plot([], [], color=COLORS["store"], lw=8, label="all-reduce, every rank in: transfer to finish")
     ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1, -0.25), ncol=2)
     fig.tight_layout()
     return fig

@@ -14,6 +14,7 @@ From a shell, or under torchrun: ``torchrun --standalone --nproc_per_node=2 -m d
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +60,7 @@ class TrainConfig:
     sync_buffers: bool = True  # DDP's buffer sync before forward (forward_sync_buffers / broadcast_buffers)
     set_epoch: bool = True
     threads: int = 1  # torch threads per rank on the CPU
+    straggler_ms: float = 0.0  # the last rank idles this long at the start of each step: a slow rank
     save_after_step: int | None = None  # save a checkpoint to checkpoint_path after this many steps
     resume: bool = False  # start from the checkpoint at checkpoint_path
     checkpoint_path: str | None = None
@@ -112,6 +114,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"global_batch={config.global_batch} exceeds the {config.num_samples} samples")
     if config.bucket_cap_mb is not None:
         config.bucket_cap_mb = finite("bucket_cap_mb", config.bucket_cap_mb)
+    config.straggler_ms = finite("straggler_ms", config.straggler_ms)  # a delay: 0 or more
     validate_checkpointing(config, "checkpoint_path")
 
 
@@ -189,6 +192,8 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
             log.step = step
             x, y = next(batches)
             step_start = log.now()
+            if config.straggler_ms and rank == world_size - 1:  # a slower GPU, a busier host, a larger batch
+                time.sleep(config.straggler_ms / 1e3)
             loss_value = 0.0
             for micro, (xs, ys) in enumerate(zip(x.split(micro_batch), y.split(micro_batch), strict=True)):
                 last = micro == config.grad_accum - 1

@@ -186,6 +186,27 @@ def test_comm_bars_draw_no_line_across_the_strategies():
     assert len(plots.comm_bars(rows).axes[0].containers) == 3  # no ring bars unless given
 
 
+def test_ddp_timeline_splits_each_all_reduce_where_the_last_rank_launched_it():
+    from types import SimpleNamespace
+
+    def rank(number, start, comm):
+        return SimpleNamespace(rank=number, hidden_share=[0.0], timeline={
+            "step": 1, "start_s": start, "compute_end_s": start + 0.010, "end_s": 0.1, "comm": comm})
+
+    early = rank(0, 0.000, [(0.010, 0.045, 2**20)])  # launched at 10 ms, the other rank only at 40 ms
+    late = rank(1, 0.030, [(0.040, 0.045, 2**20)])
+    ax = plots.ddp_timeline([early, late]).axes[0]
+    def span(collection):  # a broken_barh's one bar: (x, width) in ms
+        xs = collection.get_paths()[0].vertices[:, 0]
+        return round(float(xs.min()), 6), round(float(xs.max() - xs.min()), 6)
+
+    waits = [span(collection) for collection in ax.collections if collection.get_alpha() == 0.3]
+    assert waits == [(10.0, 30.0)]  # rank 0 waited from 10 ms to 40 ms; rank 1 did not wait
+    assert "other ranks not yet" in " ".join(text.get_text() for text in ax.get_legend().get_texts())
+    alone = plots.ddp_timeline([early]).axes[0]  # one rank: nothing to wait for, no light bars, no legend entry
+    assert all(collection.get_alpha() != 0.3 for collection in alone.collections)
+
+
 def test_ddp_timeline_labels_every_bucket_and_buckets_launched_together_apart():
     from types import SimpleNamespace
 

@@ -129,6 +129,7 @@ def _refused_before_any_process(monkeypatch, config, world_size, pattern):
     (ddp.TrainConfig(global_batch=1024), 2, r"global_batch=1024 exceeds the 512 samples"),
     (ddp.TrainConfig(resume=True), 2, r"saving or resuming needs checkpoint_path"),
     (ddp.TrainConfig(save_after_step=2), 2, r"saving or resuming needs checkpoint_path"),
+    (ddp.TrainConfig(straggler_ms=-5), 2, r"straggler_ms must be >= 0, got -5"),
 ])
 def test_bad_settings_are_refused_before_any_process_starts(monkeypatch, config, world_size, pattern):
     _refused_before_any_process(monkeypatch, config, world_size, pattern)
@@ -326,3 +327,16 @@ def test_cpu_all_reduces_keep_the_cpu_clock(plain):
     for result in plain:
         assert all(launched <= done for launched, done, _ in result.timeline["comm"])
         assert all(not math.isnan(share) for share in result.hidden_share)
+
+
+@pytest.mark.timeout(120)
+def test_a_straggler_makes_every_other_rank_wait_in_each_all_reduce():
+    """straggler_ms=60 on the last rank: rank 0 launches each all-reduce at least ~60 ms before the last rank
+    does (one clock for both: perf_counter is the machine's monotonic clock), and its step takes as long. Step 2
+    is read: DDP's second forward broadcasts its rebuilt bucket order, one more point where rank 0 waits."""
+    results = ddp.run(ddp.TrainConfig(model="wide_mlp", steps=3, global_batch=64, straggler_ms=60), 2, output="none")
+    fast, slow = (result.timeline["comm"] for result in results)
+    assert len(fast) == len(slow) >= 1
+    for (launched, done, _), (late, _, _) in zip(fast, slow, strict=True):
+        assert late - launched > 0.045 and done >= late  # waited for the straggler, then finished after it came
+    assert results[0].step_times_s[-1] > 0.055
