@@ -5,6 +5,7 @@ Nothing here launches processes; call a dtlib function first, then draw its resu
     fig = dtlib.plots.ranks(dtlib.spawn(dtlib.examples.hello.sum_of_ranks, 2))
 """
 
+from dtlib.plots.attention import ring_attention_blocks
 from dtlib.plots.cluster import cluster_memory
 from dtlib.plots.collectives import before_after, busbw, ring_grid, ring_step, traffic
 from dtlib.plots.experts import dispatch, expert_load
@@ -16,5 +17,6 @@ from dtlib.plots.training import bars, ddp_timeline, loss_curves, nodes, sampler
 
 __all__ = ["bars", "before_after", "bubble_curve", "busbw", "cluster_memory", "comm_bars", "ddp_timeline", "dispatch",
            "dp_vs_ddp", "expert_load", "guide_bars", "guide_calculator", "guide_grid", "launch_times", "loss_curves",
-           "machine", "memory_bars", "mesh", "nodes", "pipeline", "placements", "ranks", "ring_grid", "ring_step",
+           "machine", "memory_bars", "mesh", "nodes", "pipeline", "placements", "ranks", "ring_attention_blocks",
+           "ring_grid", "ring_step",
            "sampler_grid", "shard", "traffic", "zero_stages"]

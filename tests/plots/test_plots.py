@@ -250,3 +250,26 @@ def test_memory_bars_mark_cudas_peak_only_where_the_ranks_ran_on_gpus():
     heights = marker.get_ydata()
     assert heights[0] == pytest.approx(900.0) and all(math.isnan(h) for h in heights[1:])
     assert ax.get_ylim()[1] >= 900.0  # the diamond is inside the axes
+
+
+def test_ring_attention_blocks_count_what_notebook_12s_live_ring_counts():
+    """The figure's arithmetic against the ring notebook 12 runs on 4 ranks and 64 tokens (8 per chunk): in
+    order the busiest rank computes 256 scores at every step, zigzag 256 then 128; totals 256..1024 and 640."""
+    from dtlib.plots.attention import chunks_of, step_scores
+
+    busiest = {layout: [max(step_scores(4, layout, step, chunk=8)) for step in range(4)]
+               for layout in ("in order", "zigzag")}
+    assert busiest == {"in order": [256] * 4, "zigzag": [256, 128, 128, 128]}
+    totals = [sum(step_scores(4, "in order", step, chunk=8)[rank] for step in range(4)) for rank in range(4)]
+    assert totals == [256, 512, 768, 1024]
+    assert chunks_of(0, 4, "zigzag") == (0, 7) and chunks_of(3, 4, "in order") == (6, 7)
+    # every block on or below the diagonal is computed once over the p steps, none above it
+    seen = [(q, k) for step in range(4) for rank in range(4) for q in chunks_of(rank, 4, "zigzag")
+            for k in chunks_of((rank - step) % 4, 4, "zigzag") if k <= q]
+    assert sorted(seen) == [(q, k) for q in range(8) for k in range(q + 1)]
+    figure = plots.ring_attention_blocks(4)
+    assert len(figure.axes) == 8 and figure.axes[5].get_title() == "zigzag, step 1\nbusiest rank: 2 blocks"
+    with pytest.raises(ValueError, match="layout must be one of"):
+        chunks_of(0, 4, "random")
+    with pytest.raises(ValueError, match="world_size must be a whole number from 2 to 8"):
+        plots.ring_attention_blocks(1)

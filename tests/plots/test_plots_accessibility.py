@@ -250,6 +250,8 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
     "loss_curves": {"with reference": lambda: call(_train_results(2, 8), reference=_reference(8)),
                     "resumed": lambda: call(_train_results(4, 5, first_step=3))},
     "ddp_timeline": {"3 buckets": lambda: call(_timeline_results(3)), "1 bucket": lambda: call(_timeline_results(1))},
+    "ring_attention_blocks": {"notebook 12": lambda: call(world_size=4), "8 ranks, zigzag": lambda: call(8, ["zigzag"]),
+                              "2 ranks": lambda: call(2)},
     "sampler_grid": {"notebook 04": lambda: call(data.sampler_indices(12, world_size=2, epochs=3), "with set_epoch"),
                      "notebook 08": lambda: call(data.sampler_indices(12, world_size=2, epochs=3, set_epoch=False),
                                                  "set_epoch forgotten: epoch 0's order, three times"),
