@@ -10,12 +10,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.resource_tracker
 import multiprocessing.spawn
+import multiprocessing.util
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -237,9 +242,45 @@ def start_forkserver() -> None:
     Example: ``start_forkserver()`` before the first ``forkserver`` rank starts.
     """
     multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks SIGINT again
+    own_temp_dir()
     with _main_not_rerun(), sigint_blocked(), HeldInterrupts() as held:
         multiprocessing.forkserver.ensure_running()
     held.deliver()
+
+
+TEMP_PREFIX = "dtlib-pymp-"  # then this process's pid and a dash: dtlib-pymp-4242-x1y2z3
+
+
+def own_temp_dir() -> str:
+    """multiprocessing's temporary folder for this process (where the forkserver's socket lives), named after
+    this process's pid, made once; folders of earlier processes that no longer run are removed first.
+
+    multiprocessing removes its folder at a normal exit only, so a kernel that was killed (a restart, a
+    shutdown that timed out) left a ``pymp-*`` folder behind for good. Example: ``own_temp_dir()`` ->
+    ``/tmp/dtlib-pymp-4242-x1y2z3``.
+    """
+    config = multiprocessing.process.current_process()._config
+    if config.get("tempdir"):
+        return config["tempdir"]
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        found = re.fullmatch(rf"{re.escape(TEMP_PREFIX)}(\d+)-\w+", name)
+        if found and not _running(int(found[1])):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+    config["tempdir"] = folder  # what multiprocessing.util.get_temp_dir would have made, and removes at exit
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    return folder
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running, and not ours to judge
+        return True
+    return True
 
 
 def start_rank(process: Any, method: str) -> None:

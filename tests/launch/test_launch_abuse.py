@@ -10,6 +10,7 @@ import multiprocessing.forkserver
 import multiprocessing.process
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -438,3 +439,19 @@ def test_processes_that_escape_the_ranks_group_or_hold_its_exit_end_with_the_cal
         assert f"dtlib: rank {rank}'s function returned and left 2 process(es) running" in err, err
     assert "in a process group of its own" in err and "a multiprocessing child that is not a daemon" in err
     assert took < 60, took  # hang guard: before, each rank stalled in its exit until dtlib's grace ran out
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_kernels_forkserver_folder_goes_at_the_next_start(tmp_path):
+    """multiprocessing removes its pymp-* folder at a normal exit only: a kernel killed with SIGKILL left one for
+    good. dtlib names the folder after the process and removes those of processes that no longer run."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    code = "import dtlib, os; dtlib.spawn(lambda r, w: r, 1, timeout=60); print(os.getpid(), flush=True); {end}"
+    killed = subprocess.run([sys.executable, "-c", code.format(end="os.kill(os.getpid(), 9)")], env=env,
+                            capture_output=True, text=True, timeout=90)
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("dtlib-pymp-")]
+    assert left and left[0].startswith(f"dtlib-pymp-{killed.stdout.split()[0]}-"), (left, killed.stderr[-500:])
+    clean = subprocess.run([sys.executable, "-c", code.format(end="")], env=env, capture_output=True, text=True,
+                           timeout=90)
+    assert clean.returncode == 0, clean.stderr[-500:]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("dtlib-pymp-", "pymp-"))]
