@@ -20,13 +20,13 @@ from typing import Any
 
 from dtlib import compat
 from dtlib._lazy import submodule
-from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
+from dtlib.errors import ChangedFile, RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch.entry import rank_device, run, under_torchrun
 from dtlib.launch.spawn import spawn
 from dtlib.live.ranks import LiveRanks
 
-__all__ = ["LiveRanks", "RankFailure", "WorkerError", "WorkerTimeout", "load_ipython_extension", "rank_device", "run",
-           "spawn", "under_torchrun"]
+__all__ = ["ChangedFile", "LiveRanks", "RankFailure", "WorkerError", "WorkerTimeout", "load_ipython_extension",
+           "rank_device", "run", "spawn", "under_torchrun"]
 __version__ = "0.1.0"
 
 compat.install()  # torch 2.13's names on an older torch, in the kernel and in every rank (see compat.shims())

@@ -27,6 +27,11 @@ class RankFailure:
         return f"rank {self.rank} raised {self.exc_type}: {self.message}"
 
 
+class ChangedFile(ValueError):
+    """A file whose SHA-256 is not the one recorded when dtlib wrote it: changed or cut short since
+    (``dtlib.launch.files.verify_digests``); the message names the file. Example: ``except dtlib.ChangedFile``."""
+
+
 class WorkerError(RuntimeError):
     """One or more ranks failed; ``failures`` holds every failed rank, in rank order.
 

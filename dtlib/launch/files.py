@@ -1,5 +1,6 @@
-"""Write a file so that a failure never leaves a damaged one: write beside it, then rename; and
-folders of dtlib's own, private to you, that a rerun reuses instead of adding another.
+"""Write a file so that a failure never leaves a damaged one: write beside it, then rename; record its
+SHA-256 so that a file changed or cut short since is refused by name; and folders of dtlib's own, private to
+you, that a rerun reuses instead of adding another.
 
 ``os.replace`` within one directory is atomic: a reader (or a resumed job) finds the old file or
 the new one, never a mix. A full disk, a crash or an exception half way through leaves the old
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import BinaryIO
+
+from dtlib.errors import ChangedFile
+
+DIGESTS = "SHA256SUMS"  # a folder's record: one "<sha256>  <name>" line per file, as sha256sum writes them
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
@@ -53,6 +59,59 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
         with contextlib.suppress(OSError):
             if os.stat(stale).st_mtime < started:  # older than this write: no writer of ours is still on it
                 os.unlink(stale)
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    """The file's SHA-256, hex, read in 1 MiB pieces. Example: ``sha256("ckpt.pt")``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for piece in iter(lambda: file.read(1 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def write_digests(folder: str | os.PathLike[str], names: Iterable[str], record: str = DIGESTS) -> str:
+    """Record the SHA-256 of each of ``names`` (files in ``folder``) in ``folder/record``, written atomically
+    in ``sha256sum``'s format, so that ``sha256sum -c SHA256SUMS`` in the folder checks them too. Returns the
+    record's path. Example: ``write_digests("ckpt", os.listdir("ckpt"))``."""
+    folder = os.fspath(folder)
+    lines = "".join(f"{sha256(os.path.join(folder, name))}  {name}\n" for name in sorted(names) if name != record)
+    path = os.path.join(folder, record)
+    write_atomically(path, lambda file: file.write(lines.encode()))
+    return path
+
+
+def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS) -> list[str]:
+    """Check every file ``folder/record`` lists against its recorded SHA-256; return their names.
+
+    Raises ``FileNotFoundError`` naming the record or a listed file that is missing, and
+    :class:`dtlib.ChangedFile` naming a file whose bytes changed or were cut short since they were recorded.
+    Example: ``verify_digests("ckpt")`` before loading from ``ckpt``.
+    """
+    folder = os.fspath(folder)
+    path = os.path.join(folder, record)
+    try:
+        with open(path) as file:
+            lines = file.read().splitlines()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: dtlib records the SHA-256 of every file it saves there, "
+                                "so without it nothing in the folder can be trusted to be what was written") from None
+    names = []
+    for line in lines:
+        expected, _, name = line.partition("  ")
+        if len(expected) != 64 or not name or os.sep in name:
+            raise ChangedFile(f"{path} is not a record dtlib wrote: {line[:80]!r}")
+        listed = os.path.join(folder, name)
+        if not os.path.exists(listed):
+            raise FileNotFoundError(f"{listed} is missing: {path} lists it as part of what was saved")
+        found = sha256(listed)
+        if found != expected:
+            raise ChangedFile(f"{listed} changed since it was written: its SHA-256 is {found[:12]}..., "
+                              f"{record} recorded {expected[:12]}... ({os.path.getsize(listed):,} bytes now). "
+                              "A flipped byte, a copy cut short, or a save killed half way: load an earlier "
+                              "checkpoint, or save again")
+        names.append(name)
+    return names
 
 
 def _sync_directory(folder: str) -> None:

@@ -30,7 +30,7 @@ from dtlib.launch.entry import run as run_everywhere
 from dtlib.launch.files import write_atomically
 from dtlib.measure.commlog import CommLog, hidden_share
 from dtlib.train import data, models
-from dtlib.train.common import load_file, validate_checkpointing, validate_counts
+from dtlib.train.common import load_file, validate_checkpointing, validate_counts, write_digest
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
@@ -242,10 +242,12 @@ def _save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: s
     """Rank 0 writes, everyone waits: no rank reads a half-written file, and only one copy is written.
 
     The file is written beside ``path`` and renamed onto it: a save that fails (a full disk) raises
-    ``OSError`` and leaves the previous checkpoint whole."""
+    ``OSError`` and leaves the previous checkpoint whole. Its SHA-256 goes beside it (``path.sha256``), which
+    :func:`dtlib.train.common.load_file` checks: a changed or truncated file is refused by name."""
     if rank == 0:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
         write_atomically(path, lambda file: torch.save(state, file))
+        write_digest(path)
     if dist.is_initialized():
         dist.barrier()
 

@@ -17,7 +17,8 @@ folder such as ``/tmp``.
 
 A save never damages the previous checkpoint: it writes into a fresh sub-folder and then
 replaces ``step.json`` (which names the folder) in one rename; a failed save leaves
-``step.json`` naming the old, complete one.
+``step.json`` naming the old, complete one. The sub-folder's ``SHA256SUMS`` records every file's SHA-256,
+and a load checks them first, so a file changed or cut short since is refused by name, not loaded.
 
 On GPUs the full state dict is gathered with ``cpu_offload=True``, the documented
 route. On the CPU it must not be: FSDP1's offload path calls ``flat_param.to("cpu")``,
@@ -53,7 +54,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dtlib.launch.entry import rank_device
-from dtlib.launch.files import private_folder, write_atomically
+from dtlib.launch.files import private_folder, verify_digests, write_atomically, write_digests
 from dtlib.train.common import load_file
 
 FULL_FILE = "full.pt"
@@ -110,6 +111,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, director
         _save(model, optimizer, target, kind)
     dist.barrier()  # every rank's files are complete: only now may step.json name them
     if dist.get_rank() == 0:
+        write_digests(target, os.listdir(target))  # SHA256SUMS: load refuses a file changed or cut short since
         record = json.dumps({"step": step, "kind": kind, "folder": folder}).encode()
         write_atomically(os.path.join(directory, STEP_FILE), lambda file: file.write(record))
         if previous and previous["folder"] != folder:
@@ -164,8 +166,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
 
     Load only checkpoints you wrote (module docstring): an object in the files that a checkpoint
     never holds is refused with ``pickle.UnpicklingError`` (inside DCP's ``CheckpointException`` for a
-    sharded one), but the numbers themselves are trusted: DCP keeps no checksum, so a flipped byte in a
-    ``.distcp`` file loads as a changed weight without an error. ``directory`` defaults to :func:`default_directory`.
+    sharded one). DCP keeps no checksum, so a flipped byte in a ``.distcp`` file would load as a changed weight;
+    :func:`save` records every file's SHA-256 in ``SHA256SUMS``, and each rank checks them all here first: a
+    changed or truncated file raises :class:`dtlib.ChangedFile`, a missing one ``FileNotFoundError``, by name.
+    ``directory`` defaults to :func:`default_directory`.
     """
     directory = os.fspath(directory) if directory else default_directory()
     record = _committed(directory)
@@ -174,9 +178,11 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
     if record["kind"] != kind:
         raise ValueError(f"{directory} holds a {record['kind']!r} checkpoint, not {kind!r}: "
                          f"use checkpoint_kind={record['kind']!r}")
+    folder = os.path.join(directory, record["folder"])
+    verify_digests(folder)  # every rank, before any reads: a changed file refused on one rank alone would hang
     _initialise_optimizer_state(model, optimizer)
     with _torch_internal_warnings([] if notes is None else notes):
-        _load(model, optimizer, os.path.join(directory, record["folder"]), kind)
+        _load(model, optimizer, folder, kind)
     return record["step"]
 
 
@@ -193,7 +199,7 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, ki
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         device = rank_device()  # the one place that knows this rank's device
-        full = load_file(os.path.join(directory, FULL_FILE), device)
+        full = load_file(os.path.join(directory, FULL_FILE), device, digest=False)  # load checked SHA256SUMS
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
                        options=StateDictOptions(full_state_dict=True))
 
