@@ -21,7 +21,15 @@ from typing import Any
 
 from dtlib.errors import RankFailure, WorkerError
 from dtlib.launch import worker
-from dtlib.launch.processes import HeldInterrupts, end_group, forkserver_death, forkserver_pid, send, torchrun_env
+from dtlib.launch.processes import (
+    HeldInterrupts,
+    end_group,
+    end_tree,
+    forkserver_death,
+    forkserver_pid,
+    send,
+    torchrun_env,
+)
 from dtlib.launch.relay import Relay
 
 ERROR_GRACE_S = 1.0  # after the first failure, how long other ranks may still report theirs
@@ -284,7 +292,7 @@ class Job:
         started = [state for state in self.ranks if state.started()]
         for state in started:
             if state.process.exitcode is None:
-                send(state.process.pid, signal.SIGKILL, group=True)
+                end_tree(state.process.pid)  # new sessions and double forks too
             else:  # finished, but a process it started may live on in its group: nothing outlives the call
                 end_group(state.process.pid)
         reap_by = time.monotonic() + REAP_S  # a process stuck in the kernel (D state) is left, not waited on

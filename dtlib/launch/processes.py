@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dtlib.launch.proctree import descendants
+
 _launching = threading.local()  # .active: this thread is starting a rank right now
 _stdlib_preparation_data = multiprocessing.spawn.get_preparation_data
 
@@ -181,6 +183,24 @@ def send(pid: int, signum: int, *, group: bool) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
+
+
+def end_tree(pid: int) -> None:
+    """SIGKILL a rank, its process group, and every process below it in groups or sessions of their own
+    (``start_new_session=True``, double-forked daemons, which the rank reaps): nothing it started outlives it.
+    The tree is stopped first (SIGSTOP) and read again, so that no process forked meanwhile escapes.
+    Example: ``end_tree(rank_pid)``."""
+    stopped: set[int] = set()
+    for _ in range(2):
+        for child, _group, _name in descendants(pid):
+            if child not in stopped:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGSTOP)
+                stopped.add(child)
+    for child in stopped:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+    send(pid, signal.SIGKILL, group=True)
 
 
 def free_port() -> int:

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dtlib.launch import pickling
+from dtlib.launch.proctree import descendants, reap_orphans
 
 STACK_SIGNAL = signal.SIGUSR1
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -89,7 +90,15 @@ def _watch_parent(alive: Connection, finished: threading.Event) -> None:
     except OSError:
         pass
     if not finished.wait(timeout=0.0):
-        # The parent went away (or is stopping us) while fn was still running.
+        # The parent went away (or is stopping us) while fn was still running. What fn started in a group or
+        # session of its own would outlive the group the parent ends after us: end it here.
+        own = os.getpgid(0)
+        for pid, group, _name in descendants(os.getpid()):
+            if group != own:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         os._exit(75)
 
 
@@ -192,37 +201,11 @@ def _init_process_group(backend: str, rank: int) -> None:
         dist.init_process_group(backend, init_method="env://")
 
 
-def _descendants() -> list[tuple[int, int, str]]:
-    """``(pid, process group, name)`` of every living process below this one, read from ``/proc`` (Linux;
-    elsewhere none). A process that left for a session or group of its own is still found here, by its parent."""
-    children: dict[int, list[int]] = {}
-    about: dict[int, tuple[int, str]] = {}
-    try:
-        entries = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:
-        return []
-    for pid in entries:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat_file:
-                stat = stat_file.read().decode("utf-8", "replace")
-        except OSError:  # gone meanwhile
-            continue
-        name, fields = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[0] != "Z":  # a zombie is only a name waiting to be reaped
-            children.setdefault(int(fields[1]), []).append(pid)
-            about[pid] = (int(fields[2]), name)
-    found, todo = [], [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append((child, *about[child]))
-            todo.append(child)
-    return found
-
-
 def _end_what_fn_left(rank: int) -> None:
     """End the processes fn started and left running that would escape the rank's end: multiprocessing children
     that are not daemons (Python waits for them before the rank can exit: a silent stall), and processes in
-    a group of their own (``start_new_session=True``), which killing the rank's group cannot reach. Processes
+    a group of their own (``start_new_session=True``, a double-forked daemon: the rank reaps orphans), which
+    killing the rank's group cannot reach. Processes
     still in the rank's group, daemons among them, end with the group, as before. Each is named on stderr."""
     import multiprocessing
 
@@ -236,7 +219,7 @@ def _end_what_fn_left(rank: int) -> None:
         if child.is_alive():
             child.kill()
             child.join(timeout=1.0)
-    for pid, group, name in _descendants():
+    for pid, group, name in descendants(os.getpid()):
         if group != os.getpgid(0):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -260,6 +243,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while it started; ignored now
     _die_with_parent()
+    reap_orphans()  # a double-forked daemon stays below the rank, where its end finds it
     _leave_the_forkserver_alone()
     _redirect_output(pipes)
     _channels[:] = pipes.channels

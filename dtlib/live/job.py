@@ -15,7 +15,7 @@ import cloudpickle
 
 from dtlib.errors import RankFailure
 from dtlib.launch.job import Job, RankState
-from dtlib.launch.processes import HeldInterrupts, send
+from dtlib.launch.processes import HeldInterrupts, end_tree, send
 from dtlib.launch.spawn import finish, start_job
 from dtlib.live import doctor as _doctor
 from dtlib.live import rank as _live_rank
@@ -117,7 +117,7 @@ class Ranks:
         runs the event loop (which then sees the deaths and releases the rest)."""
         for state in self.job.ranks:
             if state.started() and not state.exited:
-                send(state.process.pid, signal.SIGKILL, group=True)
+                end_tree(state.process.pid)  # the rank, its group, and what left them
 
     def close(self, graceful: bool = False) -> None:
         """Stop every rank (politely first with ``graceful``) and release everything; safe to repeat."""

@@ -5,6 +5,7 @@ test_launch_kernel.py; the output relay's own tests are in test_launch_relay.py.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import multiprocessing.forkserver
 import multiprocessing.process
@@ -439,6 +440,63 @@ def test_processes_that_escape_the_ranks_group_or_hold_its_exit_end_with_the_cal
         assert f"dtlib: rank {rank}'s function returned and left 2 process(es) running" in err, err
     assert "in a process group of its own" in err and "a multiprocessing child that is not a daemon" in err
     assert took < 60, took  # hang guard: before, each rank stalled in its exit until dtlib's grace ran out
+
+
+def start_escapers_then(rank, world_size, folder, then):
+    """A process in a session of its own and a double-forked daemon, their pids written to ``folder``; then the
+    rank returns, raises or hangs."""
+    import os
+    import subprocess
+    import time
+
+    escaper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    subprocess.run(["sh", "-c", f"(setsid sleep 300 & echo $! > {folder}/daemon{rank}) &"], check=True)
+    while not os.path.exists(f"{folder}/daemon{rank}") or not open(f"{folder}/daemon{rank}").read().strip():
+        time.sleep(0.01)
+    with open(f"{folder}/escaper{rank}", "w") as file:
+        file.write(str(escaper.pid))
+    if then == "raise":
+        raise RuntimeError("boom")
+    if then == "hang":
+        time.sleep(300)
+    return rank
+
+
+def _escapers(folder) -> list[int]:
+    return [int(path.read_text()) for path in sorted(folder.iterdir())]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("then", ["return", "raise", "hang"])
+def test_new_sessions_and_double_forked_daemons_end_with_the_call_whatever_its_outcome(tmp_path, then):
+    """A rank's process in a session of its own outlived a timeout, and a double-forked daemon every path: each
+    rank now reaps its orphans (PR_SET_CHILD_SUBREAPER), and the call ends the rank's whole tree."""
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    outcome = contextlib.nullcontext() if then == "return" else pytest.raises(dtlib.WorkerError)
+    with outcome:
+        dtlib.spawn(start_escapers_then, 2, args=(str(folder), then), timeout=8 if then == "hang" else 60,
+                    output="none")
+    pids = _escapers(folder)
+    assert len(pids) == 4
+    deadline = time.monotonic() + 30  # hang guard only: the kill is immediate, reaping by init may lag
+    while any(map(_living, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_living, pids)), f"processes that fn started outlived the call ({then}): {pids}"
+
+
+@pytest.mark.timeout(120)
+def test_live_ranks_end_double_forked_daemons_at_close(tmp_path):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    with dtlib.LiveRanks(2, timeout=60) as live:
+        live.push(start_escapers_then=start_escapers_then)
+        live.run(f"start_escapers_then(rank, world_size, {str(folder)!r}, 'return')")
+    pids = _escapers(folder)
+    deadline = time.monotonic() + 30
+    while any(map(_living, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_living, pids)), f"processes that live ranks started outlived close(): {pids}"
 
 
 @pytest.mark.timeout(120)
