@@ -32,33 +32,42 @@ def step_scores(world_size: int, layout: str, step: int, chunk: int = 1) -> list
     Example: ``step_scores(4, "zigzag", 1, chunk=8) == [128, 128, 128, 128]``."""
     counts = []
     for rank in range(world_size):
-        queries = chunks_of(rank, world_size, layout)
-        keys = chunks_of((rank - step) % world_size, world_size, layout)
-        rows = sum(chunk for q in queries if any(k <= q for k in keys))
-        cols = sum(chunk for k in keys if any(k <= q for q in queries))
-        counts.append(rows * cols)
+        held = chunks_of((rank - step) % world_size, world_size, layout)
+        pairs = _computed(chunks_of(rank, world_size, layout), held)
+        counts.append(len(pairs) * chunk * chunk)
     return counts
 
 
-def _block(ax: plt.Axes, q: int, k: int, color: str) -> None:
-    """Query chunk ``q`` (row, downwards) against key chunk ``k`` (column): whole when every key is earlier,
-    a triangle on the diagonal (keys up to the query), hatched and grey when none is visible."""
-    if k < q:
-        ax.add_patch(Rectangle((k, q), 1, 1, color=color))
-    elif k == q:
-        ax.add_patch(Polygon([(k, q), (k, q + 1), (k + 1, q + 1)], closed=True, color=color))
-        ax.add_patch(Rectangle((k, q), 1, 1, fill=False, edgecolor=color, lw=1))
-    else:
+def _computed(queries: Sequence[int], keys: Sequence[int]) -> set[tuple[int, int]]:
+    """The (query chunk, key chunk) pairs a rank computes: the rows that see some key by the columns that some
+    query sees (as :func:`step_scores` counts them); the others it skips."""
+    rows = [q for q in queries if any(k <= q for k in keys)]
+    cols = [k for k in keys if any(k <= q for q in queries)]
+    return {(q, k) for q in rows for k in cols}
+
+
+def _block(ax: plt.Axes, q: int, k: int, color: str, computed: bool) -> None:
+    """Query chunk ``q`` (row, downwards) against key chunk ``k`` (column): whole when every key is earlier, a
+    triangle on the diagonal (keys up to the query), pale where computed but masked out, hatched where skipped."""
+    if not computed:
         ax.add_patch(Rectangle((k, q), 1, 1, facecolor=COLORS["off"], alpha=0.35, edgecolor=color, hatch="///",
                                lw=0.5))
+    elif k < q:
+        ax.add_patch(Rectangle((k, q), 1, 1, color=color))
+    elif k == q:
+        ax.add_patch(Rectangle((k, q), 1, 1, color=color, alpha=0.25))
+        ax.add_patch(Polygon([(k, q), (k, q + 1), (k + 1, q + 1)], closed=True, color=color))
+    else:
+        ax.add_patch(Rectangle((k, q), 1, 1, color=color, alpha=0.25))
 
 
 def ring_attention_blocks(world_size: int = 4, layouts: Sequence[str] = LAYOUTS, title: str = "") -> Figure:
     """One row per layout, one panel per ring step: the 2p x 2p grid of (query chunk, key chunk) blocks of the
     causal attention matrix, each block coloured by the rank that computes it at that step. Over the p steps
     every block on or below the diagonal is computed exactly once (a diagonal block as a triangle: each query
-    sees the keys up to its own position); hatched blocks are held but skipped. Each panel's title gives the
-    busiest rank's blocks (:func:`step_scores` with one token per chunk): a step of the ring lasts that long."""
+    sees the keys up to its own position); pale blocks are computed but masked out, hatched ones held but
+    skipped. Each panel's title gives the busiest rank's blocks (:func:`step_scores` with one token per chunk):
+    a step of the ring lasts that long."""
     if not isinstance(world_size, int) or not 2 <= world_size <= 8:
         raise ValueError(f"world_size must be a whole number from 2 to 8, got {world_size!r}")
     layouts = list(layouts)
@@ -71,9 +80,11 @@ def ring_attention_blocks(world_size: int = 4, layouts: Sequence[str] = LAYOUTS,
             for rank in range(world_size):
                 color = RANK_COLORS[rank % len(RANK_COLORS)]
                 held = chunks_of((rank - step) % world_size, world_size, layout)
-                for q in chunks_of(rank, world_size, layout):
+                mine = chunks_of(rank, world_size, layout)
+                computed = _computed(mine, held)
+                for q in mine:
                     for k in held:
-                        _block(ax, q, k, color)
+                        _block(ax, q, k, color, (q, k) in computed)
             ax.set_xlim(0, size)
             ax.set_ylim(size, 0)
             ax.set_aspect("equal")
@@ -88,7 +99,8 @@ def ring_attention_blocks(world_size: int = 4, layouts: Sequence[str] = LAYOUTS,
             if row == len(layouts) - 1:
                 ax.set_xlabel("chunk of the keys and values →", fontsize=8)
     handles = [Patch(color=RANK_COLORS[r % len(RANK_COLORS)], label=f"rank {r}") for r in range(world_size)]
-    handles.append(Patch(facecolor=COLORS["off"], alpha=0.35, hatch="///", label="held, all masked: skipped"))
+    handles.append(Patch(facecolor=RANK_COLORS[0], alpha=0.25, label="computed, masked"))
+    handles.append(Patch(facecolor=COLORS["off"], alpha=0.35, hatch="///", label="held, skipped"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
     fig.suptitle(title or f"Causal ring attention on {world_size} ranks: who computes which block, step by step",
                  fontsize=10)

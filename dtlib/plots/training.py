@@ -51,12 +51,14 @@ def loss_curves(results: Sequence[Any], reference: Any = None, title: str = "Los
 
 def _last_launches(results: Sequence[Any]) -> list[float] | None:
     """For each all-reduce of the step, when the last rank launched it; None where the ranks' lists differ in
-    length (then no bar is split). Every rank's times are on one clock: ``time.perf_counter`` is the machine's
-    monotonic clock, shared by its processes, and GPU times are mapped onto it (``CommLog.resolve``)."""
-    lists = [result.timeline["comm"] for result in results]
+    length (then no bar is split). Each rank counts from its own zero, ``timeline["origin_s"]`` on
+    ``time.perf_counter``, the machine's monotonic clock, which its processes share (GPU times are mapped onto
+    it by ``CommLog.resolve``): adding it puts every rank on one clock."""
+    lists = [[launched + result.timeline.get("origin_s", 0.0) for launched, _, _ in result.timeline["comm"]]
+             for result in results]
     if len(lists) < 2 or len({len(comm) for comm in lists}) != 1:
         return None
-    return [max(comm[i][0] for comm in lists) for i in range(len(lists[0]))]
+    return [max(comm[i] for comm in lists) for i in range(len(lists[0]))]
 
 
 def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
@@ -66,20 +68,21 @@ def ddp_timeline(results: Sequence[Any], title: str = "") -> Figure:
     part comes after (the transfer, and any wait behind earlier buckets). Communication left of the compute's
     end is hidden behind it."""
     fig, ax = plt.subplots(figsize=(9, 0.9 + 1.1 * len(results)))
-    origin = min(result.timeline["start_s"] for result in results)
+    origin = min(result.timeline["start_s"] + result.timeline.get("origin_s", 0.0) for result in results)
     last = _last_launches(results)
     waited = False
     for row, result in enumerate(results):
         line = result.timeline
+        origin_here = origin - line.get("origin_s", 0.0)  # the common origin on this rank's own clock
         y = row * 2
-        ms = [(t - origin) * 1e3 for t in (line["start_s"], line["compute_end_s"])]
+        ms = [(t - origin_here) * 1e3 for t in (line["start_s"], line["compute_end_s"])]
         ax.broken_barh([(ms[0], ms[1] - ms[0])], (y + 1, 0.8), color=COLORS["cpu"])
         for index, (launched, done, nbytes) in enumerate(line["comm"]):
-            at = (launched - origin) * 1e3
+            at = (launched - origin_here) * 1e3
             if math.isnan(done):  # a CUDA collective not read back (CommLog.resolve): its launch only
                 ax.plot([at], [y + 0.5], marker="|", markersize=14, color=COLORS["store"])
                 continue
-            end = (done - origin) * 1e3
+            end = (done - origin_here) * 1e3
             split = min(max(at, (last[index] - origin) * 1e3), end) if last else at
             if split > at:
                 waited = True

@@ -235,7 +235,8 @@ def _record_step(result: RankResult, log: CommLog, step: int, step_start: float,
     result.comm_sizes.append([e.nbytes for e in events])
     result.hidden_share.append(hidden_share(events, compute_end))
     result.timeline = {"step": step, "start_s": step_start, "compute_end_s": compute_end,
-                       "end_s": log.now(), "comm": [(e.launched_s, e.done_s, e.nbytes) for e in events]}
+                       "end_s": log.now(), "comm": [(e.launched_s, e.done_s, e.nbytes) for e in events],
+                       "origin_s": log.origin}  # perf_counter at this rank's zero: add it to compare ranks
 
 
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str, rank: int) -> None:

@@ -189,12 +189,13 @@ def test_comm_bars_draw_no_line_across_the_strategies():
 def test_ddp_timeline_splits_each_all_reduce_where_the_last_rank_launched_it():
     from types import SimpleNamespace
 
-    def rank(number, start, comm):
+    def rank(number, start, comm, origin):  # each rank counts from its own zero, origin_s on perf_counter
         return SimpleNamespace(rank=number, hidden_share=[0.0], timeline={
-            "step": 1, "start_s": start, "compute_end_s": start + 0.010, "end_s": 0.1, "comm": comm})
+            "step": 1, "start_s": start, "compute_end_s": start + 0.010, "end_s": 0.1, "comm": comm,
+            "origin_s": origin})
 
-    early = rank(0, 0.000, [(0.010, 0.045, 2**20)])  # launched at 10 ms, the other rank only at 40 ms
-    late = rank(1, 0.030, [(0.040, 0.045, 2**20)])
+    early = rank(0, 0.000, [(0.010, 0.045, 2**20)], origin=100.0)  # launched at 10 ms, the other rank at 40 ms
+    late = rank(1, 0.010, [(0.020, 0.025, 2**20)], origin=100.020)  # its own zero came 20 ms later
     ax = plots.ddp_timeline([early, late]).axes[0]
     def span(collection):  # a broken_barh's one bar: (x, width) in ms
         xs = collection.get_paths()[0].vertices[:, 0]
