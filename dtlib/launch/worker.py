@@ -162,18 +162,31 @@ def _error_details(exc: BaseException) -> dict[str, str]:
 
 def dumps_result(value: Any) -> bytes:
     """Pickle a result; CUDA tensors travel as CPU tensors so the parent never touches CUDA, a tensor computed
-    with autograd (``model.weight[0]``, a loss) travels detached: its graph cannot leave the rank, and a
-    functional collective's result is waited for, as its first use in the rank would."""
+    with autograd (``model.weight[0]``, a loss) travels detached: its graph cannot leave the rank, a
+    functional collective's result is waited for, as its first use in the rank would, and a DTensor travels as
+    this rank's :class:`dtlib.launch.shards.LocalShard` and a DeviceMesh as its ``LocalMesh`` (process groups
+    cannot leave the rank)."""
     import cloudpickle
 
     torch = sys.modules.get("torch")
     # a functional collective's unwaited result: torch waits for it on first use, and so does sending it back
     unwaited = getattr(sys.modules.get("torch.distributed._functional_collectives"), "AsyncCollectiveTensor", None)
 
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    device_mesh = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+
     class ResultPickler(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
             if unwaited is not None and isinstance(obj, unwaited):
                 return _identity, (obj.wait(),)
+            if dtensor is not None and isinstance(obj, dtensor):  # its mesh cannot leave the rank: its part can
+                from dtlib.launch.shards import local_shard
+
+                return _identity, (local_shard(obj),)
+            if device_mesh is not None and isinstance(obj, device_mesh):  # nor its process groups
+                from dtlib.launch.shards import local_mesh
+
+                return _identity, (local_mesh(obj),)
             if torch is not None and isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
                                                                          or obj.grad_fn is not None):
                 return _identity, (obj.detach().cpu(),)

@@ -48,6 +48,10 @@ class RemoteRepr:
         return self.text
 
 
+class ShardsByRank(list):
+    """Every rank's shard of a DTensor, pushed: each rank rebuilds the DTensor from its own one."""
+
+
 class _Interrupts:
     """SIGINT as KeyboardInterrupt while user code runs, nothing otherwise."""
 
@@ -259,7 +263,16 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
         if kind == "push":
             data, sources = body
             pickling.install_sources(sources)
-            namespace.update(cloudpickle.loads(data))
+            pushed = cloudpickle.loads(data)
+            for name, value in pushed.items():
+                if isinstance(value, ShardsByRank):  # every rank rebuilds, in the same order: meshes are collective
+                    import torch.distributed as dist
+
+                    from dtlib.launch.entry import rank_device
+                    from dtlib.launch.shards import rebuild
+
+                    pushed[name] = rebuild(value[dist.get_rank()], rank_device())
+            namespace.update(pushed)
             return "ok", _value(None)
         if kind == "pull":
             if body not in namespace:

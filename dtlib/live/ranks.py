@@ -172,12 +172,32 @@ class LiveRanks:
     def push(self, **values: Any) -> None:
         """Copy ``values`` (pickled by value, functions included) into every rank's namespace.
 
-        Example: ``ranks.push(lr=0.1, model=model)``.
+        A list of every rank's :class:`~dtlib.launch.shards.LocalShard` (a pulled DTensor) gives each rank its
+        own shard back, rebuilt as a DTensor; one rank's shard alone is refused (every rank would get that
+        rank's part). Example: ``ranks.push(lr=0.1, model=model)``.
         """
         __tracebackhide__ = True
+        values = {name: self._shards_to_rebuild(name, value) for name, value in values.items()}
         payload = pickling.dumps(values, parts=[(repr(name), value) for name, value in values.items()],
                                   refusal="cannot push {part} to the ranks")
         self._call(("push", payload), None, "push")
+
+    def _shards_to_rebuild(self, name: str, value: Any) -> Any:
+        """``value`` as it should travel: a pulled DTensor's shards marked for each rank to rebuild its own."""
+        from dtlib.launch.shards import LocalShard
+        from dtlib.live.rank import ShardsByRank
+
+        if isinstance(value, LocalShard):
+            raise ValueError(f"{name} is rank {value.rank}'s shard of a DTensor: pushed, every rank would hold rank "
+                             f"{value.rank}'s part. Push the whole pulled list (one shard per rank) to give each rank "
+                             "its own, or a plain tensor (value.local) to give every rank the same")
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, LocalShard) for v in value):
+            if [v.rank for v in value] != list(range(self.world_size)):
+                raise ValueError(f"{name} holds DTensor shards of ranks {[v.rank for v in value]}; pushing rebuilds "
+                                 f"the DTensor from one shard per rank, in rank order 0..{self.world_size - 1}")
+            print(f"{name}: each rank gets its own shard back, as a DTensor on a new mesh of the same ranks")
+            return ShardsByRank(value)
+        return value
 
     def pull(self, name: str) -> list[Any]:
         """Every rank's value of ``name``, by rank. Example: ``ranks.pull("loss")`` -> ``[0.71, 0.69]``.

@@ -41,6 +41,10 @@ def compare(values: Sequence[Any]) -> str:
     """
     if len(values) < 2:
         return ""
+    from dtlib.launch.shards import LocalMesh, LocalShard, describe
+
+    if all(isinstance(value, (LocalShard, LocalMesh)) for value in values):  # parts differ by design: say how
+        return describe(list(values))
     first = values[0]
     different = [rank for rank, value in enumerate(values) if not _same(first, value)]
     if not different:

@@ -729,3 +729,18 @@ def test_unknown_output_mode_rejected(no_process_start):
     """output must be 'all', 'rank0' or 'none'."""
     with pytest.raises(ValueError, match="output"):
         dtlib.spawn(own_pid, world_size=2, output="bogus")
+
+
+def _return_a_dtensor(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (world_size,)), [Shard(0)])
+
+
+def test_a_dtensor_returned_by_spawn_arrives_as_its_local_shard():
+    from dtlib.launch.shards import LocalShard
+
+    shards = dtlib.spawn(_return_a_dtensor, 2, timeout=60)
+    assert all(isinstance(s, LocalShard) for s in shards)
+    assert [s.local.tolist() for s in shards] == [[0.0, 1.0], [2.0, 3.0]]

@@ -463,3 +463,36 @@ def test_a_pull_keeps_none_of_the_ranks_bytes_once_it_returns(ranks):
     assert [value.numel() for value in pulled] == [10_000_000] * 2
     assert kept < 5_000_000, f"{kept:,} bytes of Python objects kept after the pull"
     ranks.run("del big")
+
+
+DTENSORS = """from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+mesh = init_device_mesh(device.type, (world_size,))
+w = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+r = distribute_tensor(torch.ones(3), mesh, [Replicate()])
+"""
+
+
+def test_dtensors_and_meshes_show_each_ranks_part_and_push_back_whole(ranks):
+    """A DTensor as a cell's value raised '.numpy() is not supported for tensor subclasses'; pushed back after a
+    pull, every rank got rank 0's shard. Now each rank's part shows, with its placement and mesh coordinate, and
+    the pulled list rebuilds the same DTensor; one rank's shard alone is refused."""
+    from dtlib.launch.shards import LocalMesh, LocalShard
+    from dtlib.live.rankview import RankValues
+
+    ranks.run(DTENSORS)
+    shards = ranks.run("w")
+    assert [type(s) for s in shards] == [LocalShard, LocalShard]
+    assert [s.local.tolist() for s in shards] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    assert [s.coordinate for s in shards] == [(0,), (1,)] and shards[0].global_shape == (8,)
+    shown = repr(RankValues(shards))
+    assert "rank 1's local shard of a DTensor of shape (8,), placements (Shard(dim=0),)" in shown
+    assert shown.endswith("one DTensor of shape (8,), placements (Shard(dim=0),): each rank holds its own part")
+    assert repr(RankValues(ranks.run("r"))).endswith("one replicated DTensor: the same on every rank")
+    meshes = ranks.run("mesh")
+    assert [type(m) for m in meshes] == [LocalMesh, LocalMesh] and [m.coordinate for m in meshes] == [(0,), (1,)]
+    ranks.push(again=ranks.pull("w"))
+    assert ranks.run("again.full_tensor().tolist()") == [list(map(float, range(8)))] * 2
+    with pytest.raises(ValueError, match=r"is rank 0's shard of a DTensor: pushed, every rank would hold"):
+        ranks.push(one=shards[0])
+
