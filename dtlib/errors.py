@@ -32,6 +32,10 @@ class ChangedFile(ValueError):
     (``dtlib.launch.files.verify_digests``); the message names the file. Example: ``except dtlib.ChangedFile``."""
 
 
+#: What a rank's error says when it only followed from another rank leaving: gloo's words for a lost peer.
+FOLLOWED_FROM_A_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 class WorkerError(RuntimeError):
     """One or more ranks failed; ``failures`` holds every failed rank, in rank order.
 
@@ -48,6 +52,16 @@ class WorkerError(RuntimeError):
         self.rank = self.failures[0].rank
         self.note = note  # what happened to the ranks afterwards (live ranks: kept, or restarted)
         super().__init__(self._describe() + (f"\n{note}" if note else ""))
+
+    def cause(self) -> RankFailure:
+        """The failure to read first: a rank that died without raising (it exited, or was killed), else one whose
+        error is its own, not a peer's loss ("Connection closed by peer", "Connection reset by peer": what a rank
+        says when another one left), else the lowest rank's. Example: ``err.cause().headline()``."""
+        def followed(failure: RankFailure) -> bool:
+            return any(words in failure.message for words in FOLLOWED_FROM_A_PEER)
+
+        return (next((f for f in self.failures if f.exc_type is None), None)
+                or next((f for f in self.failures if not followed(f)), None) or self.failures[0])
 
     def _describe(self) -> str:
         if len(self.failures) == 1:

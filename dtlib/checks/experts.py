@@ -312,7 +312,7 @@ def _your_line(traceback: str) -> str:
 
 
 def _failure(err: WorkerError) -> str:
-    failure = err.failures[0]
+    failure = err.cause()
     said = failure.headline()
     last = said.splitlines()[-1] if said else ""
     where = _your_line(failure.traceback)

@@ -166,9 +166,9 @@ def _shape_of(value: Any) -> str:
 
 
 def _failure(err: WorkerError) -> str:
-    said = err.failures[0].headline()
-    if err.failures[0].exc_type == "IndexError":
-        rank = err.failures[0].rank
+    said = err.cause().headline()
+    if err.cause().exc_type == "IndexError":
+        rank = err.cause().rank
         return (f"Rank {rank} took a piece that does not exist ({said}): your split has fewer pieces than there "
                 f"are ranks, none for rank {rank}, as if written for a smaller world size. Split by world_size: "
                 "up.chunk(world_size, 0)[rank] and down.chunk(world_size, 1)[rank].")

@@ -41,7 +41,11 @@ _SENDING = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_
 
 
 def _raised(err: WorkerError) -> str:
-    return f"Your function raised on a rank:\n{err.failures[0].headline()}"
+    cause = err.cause()
+    if cause.exc_type is None:  # it exited or was killed: the other ranks' errors only followed from it
+        return (f"A rank left your function before the end ({cause.headline()}); the others then lost it in a "
+                "collective. Every rank must run to the end of the function and return its value.")
+    return f"Your function raised on a rank:\n{cause.headline()}"
 
 
 def _vectors(size: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -331,7 +335,7 @@ AVERAGE_OF_RANKS = RankExercise(
         "same sum and division, dividing first so that fp16 sums cannot overflow (notebook 04)."),
     hang=same_collectives_hang,
     failure=lambda err: ("This torch's gloo has no ReduceOp.AVG: sum with ReduceOp.SUM, then divide."
-                         if "AVG" in err.failures[0].headline() else _raised(err)),
+                         if "AVG" in err.cause().headline() else _raised(err)),
     moved=_moved("values"),
 )
 

@@ -210,7 +210,7 @@ def _exercise(which: str, length: int) -> RankExercise:
         hang=lambda err, fn_name: (
             "The ring hung: on every step each rank must call ring_shift exactly once, sending one chunk and "
             "receiving one, and all ranks must take the same number of steps (world_size - 1)."),
-        failure=lambda err: f"Your phase raised on a rank:\n{err.failures[0].headline()}",
+        failure=lambda err: f"Your phase raised on a rank:\n{err.cause().headline()}",
         calls_in=lambda report: report["calls"],  # the phase's own: the size exchange's are taken off
         also=lambda values, size: _not_a_ring(values, size, which),
         only_first=lambda first, second, wrong: (

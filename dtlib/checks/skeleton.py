@@ -256,6 +256,11 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
             return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
             return Feedback(False, exercise.failure(err))
+        except TypeError as err:  # dtlib.spawn's refusal to send the answer, before any rank started
+            if "cannot be pickled" not in str(err):
+                raise
+            said = str(err).split(": ", 1)[-1]  # without dtlib.spawn's own "cannot send args[0]" preamble
+            return Feedback(False, f"Your function cannot be sent to the ranks: {said}")
         if exercise.calls_in is not None:
             calls = [exercise.calls_in(result) for result in results]
         values = [exercise.read(value) for value in results]

@@ -228,11 +228,14 @@ def _in_place(values: Sequence[dict[str, Any]], size: int) -> str | None:
 
 
 def _hook_failed(err: WorkerError) -> str:
-    raised = [failure for failure in err.failures if failure.exc_type is not None]
-    if raised and "gloo" not in raised[0].message:
-        return f"Your hook raised on a rank:\n{raised[0].headline()}"
+    cause = err.cause()
+    if cause.exc_type is None:  # it exited or was killed, without raising: the others only lost it
+        return (f"A rank stopped inside your hook without raising ({cause.headline()}): every rank must run the "
+                "whole backward pass, all-reducing every gradient, and return a gradient from the hook.")
+    if "gloo" not in cause.message:
+        return f"Your hook raised on a rank:\n{cause.headline()}"
     return ("A rank died waiting for an all-reduce that another rank never made: every rank must all-reduce every "
-            f"gradient, in the same order.\n{err.failures[0].headline()}")
+            f"gradient, in the same order.\n{cause.headline()}")
 
 
 def _close_to_ddp(result: dict[str, Any], single: Any) -> bool:
@@ -288,7 +291,7 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
     try:
         halves = spawn(_your_hook_in_fp16, 2, args=(hook,), timeout=timeout, output="none", **ON_GLOO)
     except (WorkerError, WorkerTimeout) as err:
-        return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err.failures[0].headline()}")
+        return Feedback(False, f"Your hook works in fp32 but fails on an fp16 gradient:\n{err.cause().headline()}")
     if not all(torch.isfinite(half["grad"]).all() for half in halves):
         # GPU run must confirm: NCCL runs a floating-point AVG as a pre-multiplied sum (each input times 1/N)
         if all(half["avg"] for half in halves):  # gloo sums, then divides; NCCL's AVG never holds the sum
@@ -487,7 +490,7 @@ FSDP_WRAP = RankExercise(
         "reduce-scatters its gradients. Shard with fully_shard over the mesh given."),
     right=_wrap_right,
     hang=lambda err, name: "Your wrap hung: every rank must shard the same modules in the same order.",
-    failure=lambda err: f"Training your sharded model failed on a rank:\n{err.failures[0].headline()}",
+    failure=lambda err: f"Training your sharded model failed on a rank:\n{err.cause().headline()}",
     calls_in=lambda report: report["calls"],
 )
 

@@ -90,10 +90,27 @@ def dumps(value: Any, *, parts: Sequence[tuple[str, Any]], refusal: str) -> Payl
     try:
         pickler.dump(value)
     except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
-        culprit = next((f"{name} ({type(part).__name__})" for name, part in parts if not picklable(part)),
-                       "a value")
-        raise TypeError(f"{refusal.format(part=culprit)}: it cannot be pickled: {exc}") from exc
+        found = next(((name, part) for name, part in parts if not picklable(part)), None)
+        culprit = f"{found[0]} ({type(found[1]).__name__})" if found else "a value"
+        globals_ = unpicklable_globals(found[1]) if found and callable(found[1]) else []
+        why = (f"it uses the global {', '.join(globals_)}, which cannot be pickled: pass it as an argument, or "
+               f"create it inside the function" if globals_ else "it cannot be pickled")
+        raise TypeError(f"{refusal.format(part=culprit)}: {why}: {exc}") from exc
     return Payload(buffer.getvalue(), memory_only_sources(pickler.filenames))
+
+
+def unpicklable_globals(fn: Any) -> list[str]:
+    """The globals that ``fn`` (and the functions and code nested in it) reads which cannot be pickled, each as
+    ``name (type)``. Example: a function that uses a module-level lock gives ``["lock (lock)"]``."""
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    names: set[str] = set()
+    todo = [code] if code is not None else []
+    while todo:
+        current = todo.pop()
+        names.update(current.co_names)
+        todo.extend(const for const in current.co_consts if hasattr(const, "co_names"))
+    return [f"{name} ({type(scope[name]).__name__})" for name in sorted(names)
+            if name in scope and not picklable(scope[name])]
 
 
 def picklable(value: Any) -> bool:

@@ -910,3 +910,30 @@ def test_init_device_mesh_agrees_with_every_banked_mesh(monkeypatch):
     for names in (("tp", "tp"), ("dp",)):
         with pytest.raises(RuntimeError, match="unique|same length"):
             groups((2, 4), names, names[0])
+
+
+def _cell(source: str, **globals_) -> object:
+    """A function as a notebook cell defines it: its module cannot be imported, so it travels by value."""
+    namespace = {"__name__": "a_notebook_cell", "dist": dist, **globals_}
+    exec(source, namespace)  # noqa: S102 - the test's own source
+    return namespace[source.split("def ", 1)[1].split("(", 1)[0]]
+
+
+def test_an_answer_using_an_unpicklable_global_gets_a_verdict_that_names_it():
+    """Checkers promise never to raise on an answer; dtlib.spawn's own TypeError reached the learner, naming
+    "args[0] (function)" and not the global that could not travel."""
+    import threading
+
+    answer = _cell("def my_average(rank, world_size, values):\n    with lock:\n        dist.all_reduce(values)\n"
+                   "        return values / world_size\n", lock=threading.Lock())
+    feedback = checks.average_of_ranks(answer)
+    _assert_verdict(feedback, False, ["cannot be sent to the ranks: it uses the global lock (lock)",
+                                      "pass it as an argument, or create it inside the function"])
+    assert "args[0]" not in feedback.message
+
+
+def test_a_rank_that_exits_is_named_not_the_gloo_error_of_the_rank_it_left():
+    answer = _cell("def leaves(rank, world_size, values):\n    import os\n    if rank == 1:\n        os._exit(3)\n"
+                   "    dist.all_reduce(values)\n    return values / world_size\n")
+    _assert_verdict(checks.average_of_ranks(answer), False,
+                    ["A rank left your function before the end (rank 1 exited with code 3"])

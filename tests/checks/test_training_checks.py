@@ -229,3 +229,14 @@ def test_gradient_hook_names_each_kind_of_wrong_hook(hook, fragments):
 
 def test_the_bank_holds_many_kinds():
     assert len(RIGHT) >= 3 and len({fragments[0] for _, fragments in WRONG}) >= 8
+
+
+def test_a_hook_that_exits_by_itself_is_told_so_not_blamed_on_a_missing_all_reduce():
+    import torch.distributed as dist
+
+    namespace = {"__name__": "a_notebook_cell", "dist": dist}  # a cell's function: it travels by value
+    exec("def average_gradient(grad):\n    import os\n    if dist.get_rank() == 1:\n        os._exit(0)\n"  # noqa: S102
+         "    grad = grad / dist.get_world_size()\n    dist.all_reduce(grad)\n    return grad\n", namespace)
+    feedback = checks.gradient_hook(namespace["average_gradient"])
+    assert not feedback.ok and "A rank stopped inside your hook without raising (rank 1 exited with code 0" in \
+        feedback.message, feedback.message
