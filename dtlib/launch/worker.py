@@ -276,6 +276,9 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         if "torch" in sys.modules and "OMP_NUM_THREADS" in os.environ:
             # torch may have been imported before the variable was set (forkserver).
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        distributed = sys.modules.get("torch.distributed")
+        if distributed is not None and hasattr(distributed, "set_debug_level_from_env"):
+            distributed.set_debug_level_from_env()  # likewise TORCH_DISTRIBUTED_DEBUG, read at import
         if config.backend is not None:
             _init_process_group(config.backend, config.rank)
             initialised = True

@@ -35,6 +35,7 @@ def _parser() -> _Parser:
     start.add_argument("world_size", type=int)
     start.add_argument("--backend", default="auto")
     start.add_argument("--timeout", type=float, default=30.0)
+    start.add_argument("--check", action="store_true")  # compare each collective's signature across ranks first
     sub.add_parser("push", add_help=False).add_argument("names", nargs="+")
     pull = sub.add_parser("pull", add_help=False)
     pull.add_argument("--quiet", action="store_true")
@@ -64,7 +65,8 @@ class RanksMagics(Magics):
                 raise UsageError(f"%ranks start: {exc} (the running ranks, if any, keep going)") from None
             self._stop()
             try:
-                self.live = LiveRanks(args.world_size, backend=args.backend, timeout=args.timeout)
+                self.live = LiveRanks(args.world_size, backend=args.backend, timeout=args.timeout,
+                                      check_collectives=args.check)
             except ValueError as exc:
                 raise UsageError(f"%ranks start: {exc}") from None
             print(f"{self.live.world_size} live ranks on {self.live.backend}, "

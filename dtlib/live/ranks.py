@@ -41,6 +41,14 @@ CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the ru
 LOST = "the ranks were restarted with a fresh process group, so every rank's variables are gone"
 
 
+#: What ``check_collectives`` sets in every rank's environment: torch's DETAIL debug mode wraps the process group
+#: so that each collective first all-gathers a fingerprint (its op, shapes, dtypes and devices) on a helper gloo
+#: group, and a mismatch raises on every rank ("Detected mismatch between collectives on ranks") instead of
+#: hanging or, worse, returning garbage (a float32 all-reduce against an int32 one). The cost: one more small
+#: collective per collective, negligible for cells and too much for a benchmark.
+COLLECTIVE_CHECK = ("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+
+
 class LiveRanks:
     """``world_size`` ranks that stay alive between calls, each with its own namespace.
 
@@ -49,6 +57,11 @@ class LiveRanks:
         backend: ``auto`` (NCCL with one GPU per rank, else gloo), ``gloo`` or ``nccl``.
         timeout: seconds a call may run before the hang doctor explains it and stops it;
             ``None`` waits for ever.
+        check_collectives: compare every collective's op, shapes and dtypes across ranks before it runs
+            (:data:`COLLECTIVE_CHECK`, torch's DETAIL mode; ``%ranks start N --check``), so that a mismatch
+            raises at once, naming both sides, instead of hanging (where the hang doctor explains it) or
+            returning garbage; it costs an extra small collective per call. Off by default, so that a hang
+            stays a hang for the doctor to explain, as it would in a job.
 
     Example::
 
@@ -57,9 +70,15 @@ class LiveRanks:
             ranks.run("rank * scale")    # [0, 10]
     """
 
-    def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0) -> None:
+    def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0,
+                 check_collectives: bool = False) -> None:
         self.world_size, self.backend, self.timeout = self.settings(world_size, backend, timeout)
+        if not isinstance(check_collectives, bool):
+            raise TypeError(f"check_collectives must be True or False, got {check_collectives!r}")
+        self.check_collectives = check_collectives
         self._env = rank_environment(backend, self.backend)  # CPU ranks on a GPU machine see no GPU
+        if check_collectives:  # torch's own check: every collective's op, shapes and dtypes compared across ranks
+            self._env[COLLECTIVE_CHECK[0]] = COLLECTIVE_CHECK[1]
         self._method = resolve_start_method("auto")
         self._cells = 0
         self._sources: dict[str, list[str]] = {}

@@ -496,3 +496,20 @@ def test_dtensors_and_meshes_show_each_ranks_part_and_push_back_whole(ranks):
     with pytest.raises(ValueError, match=r"is rank 0's shard of a DTensor: pushed, every rank would hold"):
         ranks.push(one=shards[0])
 
+
+
+def test_collectives_that_disagree_across_ranks_raise_naming_both_sides(leftovers):
+    """A float32 all-reduce on rank 0 against an int32 one on rank 1 returned garbage with no word; with
+    check_collectives, live ranks compare each collective's signature across ranks first (torch's DETAIL mode)."""
+    code = "t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32)\ndist.all_reduce(t)\nt.sum().item()"
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60, check_collectives=True) as live:
+        pids = live.run("import os\nos.getpid()")
+        with pytest.raises(dtlib.WorkerError, match=r"Detected mismatch between collectives on ranks.*"
+                                                    r"TensorDtypes=Float.*TensorDtypes=Int"):
+            live.run(code)
+        assert live.run("t = torch.ones(2)\ndist.all_reduce(t)\nt.tolist()") == [[2.0, 2.0]] * 2  # still alive
+    leftovers.assert_clean(pids)
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
+        live.run(code)  # unchecked, the default: no error, whatever rank 1 now holds
+    with pytest.raises(TypeError, match="check_collectives must be True or False"):
+        dtlib.LiveRanks(2, check_collectives="yes")
