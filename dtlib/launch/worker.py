@@ -32,6 +32,7 @@ from typing import Any
 
 from dtlib.launch import pickling
 from dtlib.launch.proctree import descendants, reap_orphans
+from dtlib.launch.shards import local_mesh, local_shard
 
 STACK_SIGNAL = signal.SIGUSR1
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -180,12 +181,8 @@ def dumps_result(value: Any) -> bytes:
             if unwaited is not None and isinstance(obj, unwaited):
                 return _identity, (obj.wait(),)
             if dtensor is not None and isinstance(obj, dtensor):  # its mesh cannot leave the rank: its part can
-                from dtlib.launch.shards import local_shard
-
                 return _identity, (local_shard(obj),)
             if device_mesh is not None and isinstance(obj, device_mesh):  # nor its process groups
-                from dtlib.launch.shards import local_mesh
-
                 return _identity, (local_mesh(obj),)
             if torch is not None and isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
                                                                          or obj.grad_fn is not None):

@@ -31,6 +31,7 @@ from typing import Any
 
 from dtlib.launch import pickling
 from dtlib.launch.entry import rank_device
+from dtlib.launch.shards import rebuild
 from dtlib.launch.worker import channels, describe, dumps_result
 from dtlib.live.doctor import FR_BUFFER_SIZE, last_collectives
 
@@ -267,9 +268,6 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
             for name, value in pushed.items():
                 if isinstance(value, ShardsByRank):  # every rank rebuilds, in the same order: meshes are collective
                     import torch.distributed as dist
-
-                    from dtlib.launch.entry import rank_device
-                    from dtlib.launch.shards import rebuild
 
                     pushed[name] = rebuild(value[dist.get_rank()], rank_device())
             namespace.update(pushed)

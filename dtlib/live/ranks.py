@@ -30,11 +30,12 @@ from dtlib import arguments
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.processes import HeldInterrupts
+from dtlib.launch.shards import LocalShard
 from dtlib.launch.spawn import rank_environment, resolve_backend, resolve_start_method, valid_world_size
 from dtlib.live import doctor as _doctor
 from dtlib.live import rank as _live_rank
 from dtlib.live.job import Ranks, close_quietly
-from dtlib.live.rank import RemoteRepr
+from dtlib.live.rank import RemoteRepr, ShardsByRank
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -203,9 +204,6 @@ class LiveRanks:
 
     def _shards_to_rebuild(self, name: str, value: Any) -> Any:
         """``value`` as it should travel: a pulled DTensor's shards marked for each rank to rebuild its own."""
-        from dtlib.launch.shards import LocalShard
-        from dtlib.live.rank import ShardsByRank
-
         if isinstance(value, LocalShard):
             raise ValueError(f"{name} is rank {value.rank}'s shard of a DTensor: pushed, every rank would hold rank "
                              f"{value.rank}'s part. Push the whole pulled list (one shard per rank) to give each rank "

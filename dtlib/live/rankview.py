@@ -14,6 +14,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from dtlib.launch.shards import LocalMesh, LocalShard, describe
+
 
 def _text(value: Any) -> str:
     try:
@@ -41,8 +43,6 @@ def compare(values: Sequence[Any]) -> str:
     """
     if len(values) < 2:
         return ""
-    from dtlib.launch.shards import LocalMesh, LocalShard, describe
-
     if all(isinstance(value, (LocalShard, LocalMesh)) for value in values):  # parts differ by design: say how
         return describe(list(values))
     first = values[0]

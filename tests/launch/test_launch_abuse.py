@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -500,16 +501,23 @@ def test_live_ranks_end_double_forked_daemons_at_close(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_kernels_forkserver_folder_goes_at_the_next_start(tmp_path):
+def test_a_killed_kernels_forkserver_folder_goes_at_the_next_start():
     """multiprocessing removes its pymp-* folder at a normal exit only: a kernel killed with SIGKILL left one for
     good. dtlib names the folder after the process and removes those of processes that no longer run."""
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="dt", dir="/tmp"))  # short: a forkserver's socket path has a limit
+    env = {**os.environ, "TMPDIR": str(folder)}
     code = "import dtlib, os; dtlib.spawn(lambda r, w: r, 1, timeout=60); print(os.getpid(), flush=True); {end}"
-    killed = subprocess.run([sys.executable, "-c", code.format(end="os.kill(os.getpid(), 9)")], env=env,
-                            capture_output=True, text=True, timeout=90)
-    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("dtlib-pymp-")]
-    assert left and left[0].startswith(f"dtlib-pymp-{killed.stdout.split()[0]}-"), (left, killed.stderr[-500:])
-    clean = subprocess.run([sys.executable, "-c", code.format(end="")], env=env, capture_output=True, text=True,
-                           timeout=90)
-    assert clean.returncode == 0, clean.stderr[-500:]
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("dtlib-pymp-", "pymp-"))]
+    try:
+        killed = subprocess.run([sys.executable, "-c", code.format(end="os.kill(os.getpid(), 9)")], env=env,
+                                capture_output=True, text=True, timeout=90)
+        left = [p.name for p in folder.iterdir() if p.name.startswith("dtlib-pymp-")]
+        assert left and left[0].startswith(f"dtlib-pymp-{killed.stdout.split()[0]}-"), (left, killed.stderr[-500:])
+        clean = subprocess.run([sys.executable, "-c", code.format(end="")], env=env, capture_output=True, text=True,
+                               timeout=90)
+        assert clean.returncode == 0, clean.stderr[-500:]
+        assert not [p.name for p in folder.iterdir() if p.name.startswith(("dtlib-pymp-", "pymp-"))]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -236,7 +236,7 @@ def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(tmp_path, monk
                                       rf"the previous {named} is unchanged$"):
         ddp._save(model, optimizer, 4, str(path), rank=0)
     assert path.read_bytes() == before
-    assert os.listdir(tmp_path) == ["ddp.pt"]  # the partial file is gone
+    assert sorted(os.listdir(tmp_path)) == ["ddp.pt", "ddp.pt.sha256"]  # the partial file is gone
     assert torch.load(path, weights_only=True)["step"] == 3
 
 
@@ -265,7 +265,10 @@ def test_a_save_that_runs_out_of_room_keeps_the_previous_checkpoint(tmp_path):
                                timeout=100)
     assert completed.returncode == 0, completed.stderr
     assert f"could not write {path}" in completed.stdout and f"the previous {path} is unchanged" in completed.stdout
-    assert os.listdir(tmp_path) == ["ddp.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ddp.pt", "ddp.pt.sha256"]
+    from dtlib.train.common import load_file
+
+    assert load_file(str(path), "cpu")["step"] == 1  # the previous file and its digest still agree
     saved = torch.load(path, weights_only=True)
     assert saved["step"] == 1
     reference = models.build("wide_mlp", seed=0).state_dict()
