@@ -234,9 +234,18 @@ def _answer_doctor(doctor: Connection, notes: CallNotes) -> None:
             return
 
 
+#: Wrappers that hold the ranks' process group: pickled here, they could not be rebuilt in the kernel.
+HOLDS_THE_GROUP = ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
 def _value(value: Any) -> bytes:
     """The pickled value; one that cannot travel is sent as its ``repr``, marked so."""
 
+    name = type(value).__name__
+    if name in HOLDS_THE_GROUP:  # it would pickle here, then fail to unpickle in the kernel, with no word on why
+        return dumps_result(RemoteRepr(f"{value!r}\n# a {name} holds the ranks' process group, which cannot leave "
+                                       "its rank: pull what it wraps instead (model.module, or its state_dict())",
+                                       name))
     try:
         return dumps_result(value)
     except Exception:  # noqa: BLE001 - e.g. a module or a DDP-wrapped model: show it, do not fail the cell

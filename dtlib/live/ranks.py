@@ -316,7 +316,7 @@ class LiveRanks:
         try:
             return pickle.loads(data)
         except Exception as exc:  # noqa: BLE001 - a class this kernel cannot import, say
-            return RemoteRepr(f"<rank {rank}'s value could not be unpickled here: {exc}>", "?")
+            return RemoteRepr(f"<a value that could not be rebuilt here: {exc}>", "?")  # the same text on each rank
 
     def _annotate(self, stack: str) -> str:
         """Add each cell line's source under faulthandler's ``File "<rank cell 3>", line 2`` lines."""

@@ -45,6 +45,9 @@ def compare(values: Sequence[Any]) -> str:
         return ""
     if all(isinstance(value, (LocalShard, LocalMesh)) for value in values):  # parts differ by design: say how
         return describe(list(values))
+    if all(type(value).__name__ == "RemoteRepr" for value in values):  # dtlib.live.rank's, sent as text
+        agree = len({_text(value) for value in values}) == 1
+        return f"shown as text, since these values cannot leave their ranks; the texts {'agree' if agree else 'differ'}"
     first = values[0]
     different = [rank for rank, value in enumerate(values) if not _same(first, value)]
     if not different:

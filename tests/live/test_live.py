@@ -513,3 +513,14 @@ def test_collectives_that_disagree_across_ranks_raise_naming_both_sides(leftover
         live.run(code)  # unchecked, the default: no error, whatever rank 1 now holds
     with pytest.raises(TypeError, match="check_collectives must be True or False"):
         dtlib.LiveRanks(2, check_collectives="yes")
+
+
+def test_a_pulled_ddp_model_says_why_it_comes_as_text_and_not_that_rank_1_differs(ranks):
+    """A DDP model pickled on its rank, then failed to unpickle in the kernel ("could not be unpickled") and the
+    view said rank 1 differs; it now comes as text that says what to pull instead, and the ranks' texts agree."""
+    ranks.run("from torch.nn.parallel import DistributedDataParallel as DDP\nwrapped = DDP(nn.Linear(4, 2))")
+    shown = repr(RankValues(ranks.pull("wrapped"), name="wrapped"))
+    assert "a DistributedDataParallel holds the ranks' process group" in shown and "model.module" in shown
+    assert shown.endswith("shown as text, since these values cannot leave their ranks; the texts agree")
+    assert "differs" not in shown
+    assert ranks.run("wrapped.module.weight.shape") == [torch.Size([2, 4])] * 2  # what to pull instead travels
