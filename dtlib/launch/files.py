@@ -114,6 +114,20 @@ def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS) -> lis
     return names
 
 
+def write_digest(path: str | os.PathLike[str]) -> str:
+    """Record the SHA-256 of the file ``path`` beside it, in ``path.sha256`` (``sha256sum``'s format), which
+    :func:`verify_digest` checks. Returns the record's path. Example: ``write_digest("ckpt.pt")``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return write_digests(folder, [name], record=f"{name}.sha256")
+
+
+def verify_digest(path: str | os.PathLike[str]) -> None:
+    """Check the file ``path`` against the SHA-256 :func:`write_digest` recorded beside it; raises as
+    :func:`verify_digests` does, naming the file or its record. Example: ``verify_digest("ckpt.pt")``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    verify_digests(folder, record=f"{name}.sha256")
+
+
 def _sync_directory(folder: str) -> None:
     """Make the rename itself durable (POSIX); where directories cannot be opened, skip it."""
     with contextlib.suppress(OSError):

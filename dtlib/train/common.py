@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dtlib.arguments import count
-from dtlib.launch.files import verify_digests, write_digests
+from dtlib.launch.files import verify_digest
 from dtlib.measure.timing import slowest_median
 
 
@@ -76,24 +76,16 @@ def stop_and_resume(run: Callable[..., list[Any]], config: Any, world_size: int 
     return {"straight": straight, "stopped_and_resumed": first + second}
 
 
-def write_digest(path: str) -> str:
-    """Record the SHA-256 of the file ``path`` in ``path.sha256`` (``sha256sum``'s format), which
-    :func:`load_file` checks. Returns the record's path. Example: ``write_digest("ckpt.pt")``."""
-    folder, name = os.path.split(os.path.abspath(path))
-    return write_digests(folder, [name], record=f"{name}.sha256")
-
-
 def load_file(path: str, map_location: Any, digest: bool = True) -> Any:
     """``torch.load(path, map_location=..., weights_only=True)``, with ``path`` named in any error: torch's own
     message for a truncated file ("failed finding central directory") names no file. The error keeps its type.
 
-    With ``digest`` (the default) the file must match the SHA-256 that :func:`write_digest` recorded beside it
-    when dtlib saved it: a changed or truncated file raises :class:`dtlib.ChangedFile`, a missing record
-    ``FileNotFoundError``, each naming the file. Example: ``load_file("ckpt.pt", "cpu")``.
+    With ``digest`` (the default) the file must match the SHA-256 recorded beside it when dtlib saved it
+    (:func:`dtlib.launch.files.write_digest`): a changed or truncated file raises :class:`dtlib.ChangedFile`, a
+    missing record ``FileNotFoundError``, each naming the file. Example: ``load_file("ckpt.pt", "cpu")``.
     """
     if digest:
-        folder, name = os.path.split(os.path.abspath(path))
-        verify_digests(folder, record=f"{name}.sha256")
+        verify_digest(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as error:

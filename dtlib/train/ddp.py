@@ -27,10 +27,10 @@ from dtlib import compat
 from dtlib.arguments import finite
 from dtlib.launch.entry import device_ids, rank_device
 from dtlib.launch.entry import run as run_everywhere
-from dtlib.launch.files import write_atomically
+from dtlib.launch.files import write_atomically, write_digest
 from dtlib.measure.commlog import CommLog, hidden_share
 from dtlib.train import data, models
-from dtlib.train.common import load_file, validate_checkpointing, validate_counts, write_digest
+from dtlib.train.common import load_file, validate_checkpointing, validate_counts
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
