@@ -93,13 +93,7 @@ def _watch_parent(alive: Connection, finished: threading.Event) -> None:
     if not finished.wait(timeout=0.0):
         # The parent went away (or is stopping us) while fn was still running. What fn started in a group or
         # session of its own would outlive the group the parent ends after us: end it here.
-        own = os.getpgid(0)
-        for pid, group, _name in descendants(os.getpid()):
-            if group != own:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        _end_escapers()
         os._exit(75)
 
 
@@ -211,12 +205,26 @@ def _init_process_group(backend: str, rank: int) -> None:
         dist.init_process_group(backend, init_method="env://")
 
 
+def _end_escapers() -> list[tuple[int, str]]:
+    """SIGKILL every process below this rank in a group or session of its own (``start_new_session=True``, a
+    double-forked daemon, which the rank reaps), which ending the rank's group cannot reach; ``(pid, name)`` of
+    each one ended."""
+    own, ended = os.getpgid(0), []
+    for pid, group, name in descendants(os.getpid()):
+        if group != own:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append((pid, name))
+            except OSError:
+                pass
+    return ended
+
+
 def _end_what_fn_left(rank: int) -> None:
     """End the processes fn started and left running that would escape the rank's end: multiprocessing children
     that are not daemons (Python waits for them before the rank can exit: a silent stall), and processes in
-    a group of their own (``start_new_session=True``, a double-forked daemon: the rank reaps orphans), which
-    killing the rank's group cannot reach. Processes
-    still in the rank's group, daemons among them, end with the group, as before. Each is named on stderr."""
+    a group of their own (:func:`_end_escapers`). Processes still in the rank's group, daemons among them, end
+    with the group, as before. Each is named on stderr."""
     import multiprocessing
 
     ended = []
@@ -229,13 +237,7 @@ def _end_what_fn_left(rank: int) -> None:
         if child.is_alive():
             child.kill()
             child.join(timeout=1.0)
-    for pid, group, name in descendants(os.getpid()):
-        if group != os.getpgid(0):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                ended.append(f"{name} (pid {pid}, in a process group of its own)")
-            except OSError:
-                pass
+    ended += [f"{name} (pid {pid}, in a process group of its own)" for pid, name in _end_escapers()]
     if ended:
         print(f"dtlib: rank {rank}'s function returned and left {len(ended)} process(es) running; ended: "
               f"{'; '.join(ended)}. Wait for them (join) before returning, to keep their work.", file=sys.stderr)
