@@ -31,6 +31,7 @@ import torch
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
+from dtlib.launch.pickling import CannotSend
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import (
     CALL_NAMES,
@@ -256,11 +257,8 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
             return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
             return Feedback(False, exercise.failure(err))
-        except TypeError as err:  # dtlib.spawn's refusal to send the answer, before any rank started
-            if "cannot be pickled" not in str(err):
-                raise
-            said = str(err).split(": ", 1)[-1]  # without dtlib.spawn's own "cannot send args[0]" preamble
-            return Feedback(False, f"Your function cannot be sent to the ranks: {said}")
+        except CannotSend as err:  # dtlib.spawn's refusal to send the answer, before any rank started
+            return Feedback(False, f"Your function cannot be sent to the ranks: {err.reason}")
         if exercise.calls_in is not None:
             calls = [exercise.calls_in(result) for result in results]
         values = [exercise.read(value) for value in results]

@@ -58,6 +58,15 @@ class CodePickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+class CannotSend(TypeError):
+    """A value :func:`dumps` cannot pickle; ``reason`` says why in the learner's terms (the global a function
+    uses, say), without the caller's preamble. Example: ``except CannotSend as err: print(err.reason)``."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class Payload(NamedTuple):
     """Pickled bytes, and the source lines of the in-memory files (notebook cells) their code comes from."""
 
@@ -79,7 +88,8 @@ def memory_only_sources(filenames: set[str]) -> dict[str, list[str]]:
 
 
 def dumps(value: Any, *, parts: Sequence[tuple[str, Any]], refusal: str) -> Payload:
-    """Pickle ``value`` by value with :class:`CodePickler`, or raise ``TypeError`` naming the part that cannot go.
+    """Pickle ``value`` by value with :class:`CodePickler`, or raise :class:`CannotSend` (a ``TypeError``) naming
+    the part that cannot go.
 
     ``parts`` are ``(name, part)`` pairs that make up ``value``; ``refusal`` starts the error message,
     with ``{part}`` where the culprit's name goes.
@@ -95,7 +105,7 @@ def dumps(value: Any, *, parts: Sequence[tuple[str, Any]], refusal: str) -> Payl
         globals_ = unpicklable_globals(found[1]) if found and callable(found[1]) else []
         why = (f"it uses the global {', '.join(globals_)}, which cannot be pickled: pass it as an argument, or "
                f"create it inside the function" if globals_ else "it cannot be pickled")
-        raise TypeError(f"{refusal.format(part=culprit)}: {why}: {exc}") from exc
+        raise CannotSend(f"{refusal.format(part=culprit)}: {why}: {exc}", f"{why}: {exc}") from exc
     return Payload(buffer.getvalue(), memory_only_sources(pickler.filenames))
 
 
