@@ -234,15 +234,20 @@ def _answer_doctor(doctor: Connection, notes: CallNotes) -> None:
             return
 
 
-#: Wrappers that hold the ranks' process group: pickled here, they could not be rebuilt in the kernel.
-HOLDS_THE_GROUP = ("DistributedDataParallel", "FullyShardedDataParallel")
+def _holds_the_group(value: Any) -> bool:
+    """Whether ``value`` is a wrapper that holds the ranks' process group (DDP, FSDP1): it pickles here, then
+    could not be rebuilt in the kernel."""
+    kinds = (getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None),
+             getattr(sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel"),
+                     "FullyShardedDataParallel", None))  # loaded wherever such a value exists: nothing to import
+    return any(kind is not None and isinstance(value, kind) for kind in kinds)
 
 
 def _value(value: Any) -> bytes:
     """The pickled value; one that cannot travel is sent as its ``repr``, marked so."""
 
-    name = type(value).__name__
-    if name in HOLDS_THE_GROUP:  # it would pickle here, then fail to unpickle in the kernel, with no word on why
+    if _holds_the_group(value):  # it would pickle here, then fail to unpickle in the kernel, with no word on why
+        name = type(value).__name__
         return dumps_result(RemoteRepr(f"{value!r}\n# a {name} holds the ranks' process group, which cannot leave "
                                        "its rank: pull what it wraps instead (model.module, or its state_dict())",
                                        name))

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dtlib.launch.shards import LocalMesh, LocalShard, describe
+from dtlib.live.rank import RemoteRepr
 
 
 def _text(value: Any) -> str:
@@ -45,7 +46,7 @@ def compare(values: Sequence[Any]) -> str:
         return ""
     if all(isinstance(value, (LocalShard, LocalMesh)) for value in values):  # parts differ by design: say how
         return describe(list(values))
-    if all(type(value).__name__ == "RemoteRepr" for value in values):  # dtlib.live.rank's, sent as text
+    if all(isinstance(value, RemoteRepr) for value in values):  # sent as text: it cannot leave its rank
         agree = len({_text(value) for value in values}) == 1
         return f"shown as text, since these values cannot leave their ranks; the texts {'agree' if agree else 'differ'}"
     first = values[0]
