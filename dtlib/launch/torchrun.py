@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtlib import arguments
@@ -52,8 +52,8 @@ def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
     return [sys.executable, "-m", module, *options, f"--nproc_per_node={nproc_per_node}", "--tee=3", *target]
 
 
-def _start(command: list[str], extra: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}  # OMP set: torchrun then prints no banner
+def _start(command: list[str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # set: torchrun then prints no banner about it
     env.pop("DTLIB_SPAWN", None)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # its own process group: a timeout kills every rank
@@ -94,24 +94,17 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
 
 
 def single_node(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0,
-                legacy: bool = False, env: Mapping[str, str] | None = None) -> Finished:
+                legacy: bool = False) -> Finished:
     """``torchrun --standalone --nproc_per_node=N <target>``: one node, a fresh rendezvous on a free port.
 
     ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or
     ``["-m", "dtlib.train", "ddp"]``. ``legacy=True`` runs the deprecated ``python -m
-    torch.distributed.launch`` instead, which also passes ``--local-rank=N`` to the script. ``env`` adds
-    variables to the job's environment, shown before the command: ``env={"TORCH_FR_BUFFER_SIZE": "2000"}``.
+    torch.distributed.launch`` instead, which also passes ``--local-rank=N`` to the script.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
-    if env is not None and not (isinstance(env, Mapping) and all(isinstance(k, str) and isinstance(v, str)
-                                                                 for k, v in env.items())):
-        raise ValueError(f"env must map variable names to strings, as a shell sets them, got {env!r:.80}")
     module = "torch.distributed.launch" if legacy else "torch.distributed.run"
     command = _command(target, nproc_per_node, ["--standalone"], module)
-    finished = _finish([_start(command, env)], [command], timeout)[0]
-    if env:
-        finished.command = " ".join([*(f"{name}={value}" for name, value in env.items()), finished.command])
-    return finished
+    return _finish([_start(command)], [command], timeout)[0]
 
 
 def exit_codes(finished: Finished) -> dict[int, int]:

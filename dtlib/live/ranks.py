@@ -76,7 +76,6 @@ class LiveRanks:
         self.world_size, self.backend, self.timeout = self.settings(world_size, backend, timeout)
         if not isinstance(check_collectives, bool):
             raise TypeError(f"check_collectives must be True or False, got {check_collectives!r}")
-        self.check_collectives = check_collectives
         self._env = rank_environment(backend, self.backend)  # CPU ranks on a GPU machine see no GPU
         if check_collectives:  # torch's own check: every collective's op, shapes and dtypes compared across ranks
             self._env[COLLECTIVE_CHECK[0]] = COLLECTIVE_CHECK[1]
