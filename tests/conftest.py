@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dtlib.launch.processes import own_temp_dir
+
 SHM = "/dev/shm"
 
 
@@ -35,6 +37,11 @@ def _shm_entries() -> set[str]:
     return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
 
 
+def _store_folders() -> set[str]:
+    """The private stores' folders (dtlib.launch.job.Job.private_store) in this process's temporary folder."""
+    return {name for name in os.listdir(own_temp_dir()) if name.startswith("store-")}
+
+
 def gone(pid: int) -> bool:
     """True when no process with ``pid`` exists any more (a zombie still exists)."""
     return not psutil.pid_exists(pid)
@@ -46,6 +53,7 @@ class Leftovers:
     def __init__(self) -> None:
         self.children = _children()
         self.shm = _shm_entries()
+        self.stores = _store_folders()
 
     def assert_clean(self, worker_pids: Iterable[int] = ()) -> None:
         """No new child process (besides multiprocessing's helpers), no worker alive, no new /dev/shm file."""
@@ -55,6 +63,8 @@ class Leftovers:
         assert not alive, f"worker processes still exist: {alive}"
         new_shm = _shm_entries() - self.shm
         assert not new_shm, f"new entries in {SHM}: {sorted(new_shm)}"
+        new_stores = _store_folders() - self.stores
+        assert not new_stores, f"private store folders left behind: {sorted(new_stores)}"
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,10 @@ import contextlib
 import os
 import pickle
 import selectors
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,11 +24,13 @@ from typing import Any
 from dtlib.errors import RankFailure, WorkerError
 from dtlib.launch import worker
 from dtlib.launch.processes import (
+    STORE_VARIABLES,
     HeldInterrupts,
     end_group,
     end_tree,
     forkserver_death,
     forkserver_pid,
+    own_temp_dir,
     send,
     torchrun_env,
 )
@@ -80,6 +84,7 @@ class Job:
         self.listener: socket.socket | None = None
         self.listener_fd = -1  # its number, still in use once the store owns the socket
         self.store: Any = None
+        self.store_dir: str | None = None  # the private store's folder (see :meth:`private_store`)
         self.stopped = False
 
     # -- starting ---------------------------------------------------------------
@@ -103,6 +108,16 @@ class Job:
             self.listener, self.listener_fd = listener, listener.fileno()
             _job_fds.add(self.listener_fd)
 
+    def private_store(self) -> None:
+        """Join the ranks through a ``FileStore`` in a new folder that only this user can open (mode 0700).
+
+        torch's TCP store admits anyone who can reach its port, so another user of the machine could read and
+        plant keys that the ranks then trust. A job whose group dtlib creates needs no port: its ranks get no
+        ``MASTER_ADDR`` or ``MASTER_PORT``, and the folder goes when the job closes (or, after a killed kernel,
+        with the kernel's temporary folder, see :func:`dtlib.launch.processes.own_temp_dir`).
+        """
+        self.store_dir = tempfile.mkdtemp(prefix="store-", dir=own_temp_dir())
+
     def start(self, ctx: Any, payload: bytes, backend: str | None, sources: dict[str, list[str]],
               start: Callable[[Any], None], env: dict[str, str] | None = None) -> None:
         """Start every rank; ``start(process)`` starts one (with SIGINT blocked, say).
@@ -110,12 +125,15 @@ class Job:
         ``env`` adds variables to every rank's environment; each rank's ``channels`` (this end)
         are in its state's ``channels``, the other end in the rank's :func:`dtlib.launch.worker.channels`.
         """
-        assert self.listener is not None
-        port = self.listener.getsockname()[1]
+        assert self.listener is not None or self.store_dir is not None, "listen() or private_store() first"
+        port = self.listener.getsockname()[1] if self.listener is not None else None
         with _fd_lock, HeldInterrupts() as held:
             alive_r, self.alive_w = self._pipe(ctx)
         held.deliver()
         base_env = {**os.environ, **(env or {})}
+        if port is None:  # no TCP store: a MASTER_PORT inherited from this process would name someone else's
+            base_env = {name: value for name, value in base_env.items() if name not in STORE_VARIABLES}
+        store_file = os.path.join(self.store_dir, "store") if self.store_dir is not None else ""
         for rank in range(self.world_size):
             with _fd_lock:
                 with HeldInterrupts() as held:
@@ -130,6 +148,7 @@ class Job:
                         backend=backend,
                         source_lines=sources,
                         close_fds=sorted(_job_fds - keep) if self.method == "fork" else [],
+                        store_file=store_file,
                     )
                     process = ctx.Process(target=worker.main, args=(payload, config, child),
                                           name=f"dtlib-rank-{rank}")
@@ -325,6 +344,8 @@ class Job:
                 self.listener.close()  # a no-op once the store took it over (detached)
             self.store = None  # deleting the store closes its listening socket
             _job_fds.discard(self.listener_fd)
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
         for state in self.ranks:
             with contextlib.suppress(ValueError):  # closed already, or still running (stuck): left to the OS
                 if state.started():

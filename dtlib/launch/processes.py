@@ -32,10 +32,14 @@ _launching = threading.local()  # .active: this thread is starting a rank right 
 _stdlib_preparation_data = multiprocessing.spawn.get_preparation_data
 
 
-def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+STORE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")  # where a TCP store is
+
+
+def torchrun_env(rank: int, world_size: int, port: int | None) -> dict[str, str]:
     """The variables torchrun gives one rank on a single node, with the store on ``127.0.0.1:port``.
 
-    Example: ``torchrun_env(1, 2, 29500)["RANK"] == "1"``.
+    ``port=None``: the job has no TCP store (dtlib joins its ranks through a private file), so the
+    :data:`STORE_VARIABLES` are left out. Example: ``torchrun_env(1, 2, 29500)["RANK"] == "1"``.
     """
     env = {
         "RANK": str(rank),
@@ -47,13 +51,16 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(world_size),
         "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        # The parent hosts the store, as torchrun's agent does: every rank is a client.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "DTLIB_SPAWN": "1",
     }
+    if port is not None:
+        env |= {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            # The parent hosts the store, as torchrun's agent does: every rank is a client.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
     if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun does: ranks would fight over cores
     # gloo listens on the address the hostname resolves to, which may be the network's:

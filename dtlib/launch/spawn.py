@@ -196,10 +196,12 @@ def spawn(
 
     Returns the ranks' return values as a list indexed by rank. ``fn`` may be a
     function defined in a notebook cell, a lambda or a closure (it is shipped
-    by value). Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them,
-    and gloo's sockets stay on the loopback interface (``GLOO_SOCKET_IFNAME``)
-    unless you set that variable yourself.
+    by value). Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_WORLD_SIZE`` as torchrun sets them, and gloo's sockets stay on the loopback
+    interface (``GLOO_SOCKET_IFNAME``) unless you set that variable yourself. dtlib joins
+    the ranks through a file only your user can open; with ``init_process_group=False``,
+    ``fn`` joins them itself, so the ranks also get ``MASTER_ADDR`` and ``MASTER_PORT``,
+    the address of a TCP store on 127.0.0.1 that this process holds, as torchrun's is.
 
     Args:
         world_size: the number of ranks, any whole number (a warning above 4 per CPU core).
@@ -210,7 +212,8 @@ def spawn(
         timeout: seconds before every rank is stopped and :class:`WorkerTimeout`
             is raised with each running rank's stack; ``None`` (or ``inf``) waits for ever.
         init_process_group: initialise the default process group before ``fn``
-            and destroy it after (unless ``fn`` did); ``False`` leaves both to ``fn``.
+            and destroy it after (unless ``fn`` did); ``False`` leaves both to ``fn``
+            (``init_method="env://"``, the default, finds the TCP store).
         output: ``all`` relays every rank's output prefixed ``[rank N]``,
             ``rank0`` only rank 0's, ``none`` nothing. Lines come a few times a
             second in batches; a line without its newline (a progress bar) too.
@@ -262,7 +265,10 @@ def start_job(job: Job, method: str, payload: bytes, sources: dict[str, list[str
               env: dict[str, str] | None = None) -> None:
     """Start ``job``'s ranks with ``method`` and serve their rendezvous store (used by :class:`dtlib.LiveRanks` too)."""
     ctx = mp.get_context(method)
-    job.listen(compat.loopback_listener(min(job.world_size, 1 << 16)))
+    if backend is None:  # the ranks' own code joins, through env:// as under torchrun: it needs a TCP store
+        job.listen(compat.loopback_listener(min(job.world_size, 1 << 16)))
+    else:  # dtlib joins them, through a file only this user can open
+        job.private_store()
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
         start_forkserver()
@@ -270,7 +276,8 @@ def start_job(job: Job, method: str, payload: bytes, sources: dict[str, list[str
     # The store starts after the ranks: it runs a thread, and forking a process while
     # one of its threads holds a lock can deadlock the child. Ranks that connect
     # earlier wait in the socket's backlog.
-    job.store = compat.store_on(job.listener)
+    if job.listener is not None:
+        job.store = compat.store_on(job.listener)
 
 
 def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,

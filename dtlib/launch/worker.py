@@ -48,6 +48,7 @@ class WorkerConfig:
     backend: str | None  # None: the function initialises the process group itself
     source_lines: dict[str, list[str]]  # linecache entries, so tracebacks show cell code
     close_fds: list[int]  # parent-side descriptors a forked child inherits
+    store_file: str = ""  # the private FileStore dtlib's own join goes through (see dtlib.launch.job)
 
 
 @dataclass
@@ -192,17 +193,18 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _init_process_group(backend: str, rank: int) -> None:
+def _init_process_group(backend: str, config: WorkerConfig) -> None:
+    """Join the default group through the job's private FileStore (a file in a folder only this user can open)."""
     import torch
     import torch.distributed as dist
 
+    join = {"init_method": f"file://{config.store_file}", "rank": config.rank, "world_size": config.world_size}
     if backend == "nccl":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method="env://", device_id=device)
+        dist.init_process_group(backend, device_id=device, **join)
     else:
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, **join)
 
 
 def _end_escapers() -> list[tuple[int, str]]:
@@ -279,7 +281,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         if distributed is not None and hasattr(distributed, "set_debug_level_from_env"):
             distributed.set_debug_level_from_env()  # likewise TORCH_DISTRIBUTED_DEBUG, read at import
         if config.backend is not None:
-            _init_process_group(config.backend, config.rank)
+            _init_process_group(config.backend, config)
             initialised = True
             if config.backend == "gloo":
                 from dtlib.launch import strict  # torch is loaded by now

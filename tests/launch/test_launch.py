@@ -12,6 +12,7 @@ import multiprocessing.process
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -73,18 +74,35 @@ def big_tensor_on_rank_1(rank, world_size):
 
 
 def loopback_listeners(rank, world_size):
-    """MASTER_PORT and the addresses of every socket on this machine listening on it."""
+    """MASTER_PORT and the addresses of every socket on this machine listening on it (the rank joins itself)."""
+    dist.init_process_group("gloo")
     port = int(os.environ["MASTER_PORT"])
-    if rank != 0:
-        return port, None
-    listeners = psutil.net_connections(kind="tcp")
+    listeners = psutil.net_connections(kind="tcp") if rank == 0 else []
+    dist.destroy_process_group()
     return port, sorted(c.laddr.ip for c in listeners if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
 
 
 def port_and_sum(rank, world_size):
+    dist.init_process_group("gloo")
     value = torch.tensor([rank + 1])
     dist.all_reduce(value)
+    dist.destroy_process_group()
     return int(os.environ["MASTER_PORT"]), value.item()
+
+
+def private_store(rank, world_size, parent):
+    """Where the ranks' store is, who may open it, and the TCP ports the launching process listens on."""
+    store = dist.distributed_c10d._get_default_store()
+    while not hasattr(store, "path"):  # the default group's prefix, around the job's own
+        store = store.underlying_store
+    path = store.path
+    folder = os.stat(os.path.dirname(path))
+    ports = [c.laddr.port for c in psutil.Process(parent).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    seen_by_nobody = None
+    if rank == 0 and os.geteuid() == 0:  # another local user, as the probe tried it
+        seen_by_nobody = subprocess.run(["cat", path], user="nobody", capture_output=True, text=True).stderr
+    return {"path": path, "mode": stat.S_IMODE(folder.st_mode), "owner": folder.st_uid, "ports": ports,
+            "nobody": seen_by_nobody, "master": [os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")]}
 
 
 def chatty(rank, world_size, lines, width):
@@ -265,14 +283,17 @@ def test_large_tensor_result_comes_back_intact():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_torchrun_variables_in_every_rank(start_method):
-    """Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and one MASTER_PORT."""
-    envs = dtlib.spawn(read_env, world_size=2, args=TORCHRUN_VARIABLES, start_method=start_method)
-    for rank, env in enumerate(envs):
-        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
-        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
-        assert env["MASTER_ADDR"] == "127.0.0.1"
-    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
-    assert 0 < int(envs[0]["MASTER_PORT"]) < 65536
+    """Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; a rank that joins by itself also gets
+    MASTER_ADDR=127.0.0.1 and one MASTER_PORT, and a rank that dtlib joins gets neither."""
+    for init in (False, True):
+        envs = dtlib.spawn(read_env, world_size=2, args=TORCHRUN_VARIABLES, start_method=start_method,
+                           init_process_group=init)
+        for rank, env in enumerate(envs):
+            assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+            assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+            assert env["MASTER_ADDR"] == (None if init else "127.0.0.1")
+        assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+        assert init == (envs[0]["MASTER_PORT"] is None) and (init or 0 < int(envs[0]["MASTER_PORT"]) < 65536)
 
 
 @pytest.mark.timeout(30)
@@ -311,11 +332,28 @@ def listening_on(port: int) -> list[str]:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("start_method", ["forkserver", "fork"])
 def test_store_listens_on_loopback_only_and_closes(start_method):
-    """Every socket listening on MASTER_PORT is bound to 127.0.0.1, and none is left once spawn returns."""
-    (port, addresses), (port_1, _) = dtlib.spawn(loopback_listeners, world_size=2, start_method=start_method)
+    """For ranks that join by themselves, every socket listening on MASTER_PORT is bound to 127.0.0.1, and
+    none is left once spawn returns."""
+    (port, addresses), (port_1, _) = dtlib.spawn(loopback_listeners, world_size=2, start_method=start_method,
+                                                 init_process_group=False)
     assert port == port_1
     assert addresses and set(addresses) == {"127.0.0.1"}
     assert listening_on(port) == []
+
+
+@pytest.mark.timeout(30)
+def test_dtlib_joins_ranks_through_a_private_file_and_no_port(monkeypatch):
+    """The ranks' store is a file in a folder of mode 0700 owned by this user, gone after the call; the launching
+    process listens on no new port, another user cannot read the file, and an inherited MASTER_PORT is dropped."""
+    monkeypatch.setenv("MASTER_PORT", "29500")  # a kernel started under torchrun, say: not this job's store
+    before = {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    seen = dtlib.spawn(private_store, world_size=2, args=(os.getpid(),))
+    assert seen[0]["path"] == seen[1]["path"] and not os.path.exists(os.path.dirname(seen[0]["path"]))
+    for report in seen:
+        assert report["mode"] == 0o700 and report["owner"] == os.geteuid()
+        assert set(report["ports"]) <= before and report["master"] == [None, None]
+    if os.geteuid() == 0:
+        assert "Permission denied" in seen[0]["nobody"]
 
 
 @pytest.mark.timeout(60)
@@ -323,7 +361,7 @@ def test_fifty_calls_in_a_row_each_on_a_fresh_port():
     """Fifty consecutive calls all succeed, each with its own port."""
     ports = []
     for _ in range(50):
-        results = dtlib.spawn(port_and_sum, world_size=2, output="none")
+        results = dtlib.spawn(port_and_sum, world_size=2, output="none", init_process_group=False)
         assert [total for _, total in results] == [3, 3]
         assert results[0][0] == results[1][0]
         ports.append(results[0][0])

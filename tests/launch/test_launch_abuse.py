@@ -159,7 +159,8 @@ def test_second_and_third_interrupt_during_clean_up_are_held(monkeypatch, tmp_pa
     interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            dtlib.spawn(note_pid_and_port_then_sleep, 2, args=(str(tmp_path),), output="none", timeout=100)
+            dtlib.spawn(note_pid_and_port_then_sleep, 2, args=(str(tmp_path),), output="none", timeout=100,
+                        init_process_group=False)
     finally:
         interrupter.join()
     assert len(during_clean_up) == 2
@@ -383,7 +384,8 @@ def test_descriptors_per_rank_stay_within_the_budget(tmp_path):
     counter = threading.Thread(target=count_when_started)
     counter.start()
     with pytest.raises(dtlib.WorkerError):
-        dtlib.spawn(note_pid_and_port_then_sleep, 4, args=(str(tmp_path),), output="none", timeout=50)
+        dtlib.spawn(note_pid_and_port_then_sleep, 4, args=(str(tmp_path),), output="none", timeout=50,
+                    init_process_group=False)
     counter.join()
     assert 0 < counted["during"] - before <= 4 * dtlib.launch.spawn.FDS_PER_RANK
 
