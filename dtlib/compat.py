@@ -71,6 +71,7 @@ def install() -> list[str]:
         if not hasattr(dist, new) and hasattr(dist, old):
             setattr(dist, new, getattr(dist, old))
             _installed.append(f"torch {version} has no dist.{new} (new in 2.13): dtlib runs dist.{old} for it")
+    _guard_ddp_construction_log()
     if _give_ddp_forward_sync_buffers():
         _installed.append(f"torch {version}'s DistributedDataParallel has no forward_sync_buffers (new in 2.13): "
                           "dtlib passes it as broadcast_buffers and syncs the buffers at construction")
@@ -84,6 +85,29 @@ def shims() -> list[str]:
     Example: on torch 2.11, ``["torch 2.11 has no dist.all_gather_single (new in 2.13): ...", ...]``.
     """
     return [line for line in _installed if line]
+
+
+def _guard_ddp_construction_log() -> None:
+    """Skip DDP's construction log under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, where on gloo it kills the process.
+
+    DETAIL wraps the process group to check each collective across ranks (live ranks turn it on). DDP's
+    constructor then logs its settings through ``Logger.set_construction_data_and_log``, whose C++ casts the
+    wrapped gloo group to ``ProcessGroupGloo`` to read its thread count: SIGSEGV on torch 2.11 and 2.13 alike
+    (``tests/test_compat.py``). The log only records settings for torch's usage logging; nothing reads it back.
+    """
+    from torch._C._distributed_c10d import Logger
+
+    original = Logger.set_construction_data_and_log
+    if getattr(original, "dtlib_guard", False):
+        return
+
+    def set_construction_data_and_log(self: Any, *args: Any, **kwargs: Any) -> None:
+        if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+            return None
+        return original(self, *args, **kwargs)
+
+    set_construction_data_and_log.dtlib_guard = True  # type: ignore[attr-defined]
+    Logger.set_construction_data_and_log = set_construction_data_and_log
 
 
 def _give_ddp_forward_sync_buffers() -> bool:

@@ -143,3 +143,42 @@ def fingerprint_summary(message: str) -> str:
     short = re.sub(r"\s+", " ", short).replace("on ranks. Rank", "on ranks.\nRank")
     short = short.replace("), but Rank", "),\nbut Rank").replace(").Collectives differ", ").\nCollectives differ")
     return short.strip()
+
+
+#: c10's names of dtypes (the Flight Recorder's, DETAIL mode's) -> torch's, which learners know.
+C10_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+              "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
+              "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=\d+,? ?"
+                          r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\])?(?:, TensorDtypes=(\w+))?")
+
+
+def collective_mismatch(message: str) -> str | None:
+    """Torch's DETAIL-mode error for collectives that differ across ranks, as live ranks say it; None for another.
+
+    Only the raising rank's own call is named: torch's account of the other side can be wrong (a barrier's check
+    has reported its peer's all-reduce as a "GATHER"), and every rank raises, each naming its own. Example: torch's
+    ``"Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint(
+    SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[4], TensorDtypes=Float, ...), but Rank 1 ..."`` ->
+    ``"this rank's all_reduce (float32[4]) does not match the collective another rank called at this point; ..."``.
+    """
+    if not message.startswith("Detected mismatch between collectives"):
+        return None
+    found = _FINGERPRINT.search(message)
+    if found is None:
+        return None
+    _, op, shape, dtype = found.groups()
+    tensor = f"{C10_DTYPES.get(dtype, dtype)}[{shape}]" if dtype else ""
+    call = f"{_OPS.get(op, op.lower())}{f' ({tensor})' if tensor else ''}"
+    return (f"this rank's {call} does not match the collective another rank called at this point (each rank's "
+            "line names its own). Live ranks compare every collective's call, shapes and dtypes across ranks "
+            "before it runs, so this raised before any data moved; a job without the check would hang here or, "
+            "where the sizes agree, compute garbage. torch's own message is in the traceback; "
+            "`%ranks start N --no-check` turns the check off")
+
+
+_OPS = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "_ALLGATHER_BASE": "all_gather_into_tensor",
+        "REDUCE_SCATTER": "reduce_scatter", "_REDUCE_SCATTER_BASE": "reduce_scatter_tensor", "ALLTOALL": "all_to_all",
+        "ALLTOALL_BASE": "all_to_all_single", "BROADCAST": "broadcast", "REDUCE": "reduce", "GATHER": "gather",
+        "SCATTER": "scatter", "BARRIER": "barrier", "ALLGATHER_COALESCED": "all_gather_coalesced",
+        "ALLREDUCE_COALESCED": "all_reduce_coalesced"}

@@ -194,3 +194,26 @@ def test_forward_sync_buffers_on_an_older_ddp_still_syncs_buffers_at_constructio
     torch.testing.assert_close(built1, built0)  # rank 1's buffers were overwritten by rank 0's
     torch.testing.assert_close(built0, torch.ones(3))
     assert not torch.allclose(after0, after1)  # forward_sync_buffers=False: not synced before forward
+
+
+def _ddp_step_under_detail(rank, world_size, guarded):
+    from torch._C._distributed_c10d import Logger
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not guarded:  # torch's own method, as it was before dtlib guarded it
+        Logger.set_construction_data_and_log = Logger.set_construction_data_and_log.__closure__[0].cell_contents
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    model(torch.full((3, 4), float(rank + 1))).sum().backward()
+    return model.module.weight.grad.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_ddp_under_detail_mode_on_gloo_trains_instead_of_crashing(monkeypatch):
+    """torch's DETAIL mode (live ranks' collective check) wraps the group, and DDP's construction log then
+    SIGSEGVs on gloo; with the log skipped, the gradients are the mean over ranks, as without DETAIL."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    grads = dtlib.spawn(_ddp_step_under_detail, 2, args=(True,), output="none")
+    assert grads[0] == grads[1] == [[4.5] * 4] * 2  # d(sum)/dW: the mean over ranks of 3 rows of 1s and of 2s
+    with pytest.raises(dtlib.WorkerError, match="SIGSEGV"):
+        dtlib.spawn(_ddp_step_under_detail, 2, args=(False,), output="none")

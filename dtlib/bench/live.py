@@ -1,10 +1,11 @@
-"""``python -m dtlib.bench live``: what live ranks cost: a start, and a trivial cell's round trip.
+"""``python -m dtlib.bench live``: what live ranks cost: a start, a trivial cell's round trip, and the check.
 
 Measured in one process, warm (the forkserver running, torch imported): the median start of
 :class:`dtlib.LiveRanks` against the median warm :func:`dtlib.spawn` of a trivial function, and
 the median round trip of a trivial cell through ``ranks.run`` and through ``%%ranks`` (an
 IPython shell in this process), against a target of 20 ms. ``nbdistributed``, the peer that
-keeps workers alive behind IPython magics, is timed the same way where it is installed.
+keeps workers alive behind IPython magics, is timed the same way where it is installed. Last, one
+small all-reduce with the live ranks' collective check on (the default) and off (``--no-check``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ class LiveTiming:
     samples: int
     target_ms: float | None = None
     note: str = ""
+
+
+CHECK_CELL = "for _ in range(100):\n    dist.all_reduce(x)"  # 100 all-reduces of 4 floats
+
+
+def _collective_check(world_size: int, samples: int) -> list[LiveTiming]:
+    """One all-reduce of 4 floats on live ranks with the collective check and without, in ms (median of cells)."""
+    import dtlib
+
+    cells = max(3, samples // 10)
+    each = {}
+    for checked in (True, False):
+        with dtlib.LiveRanks(world_size, check_collectives=checked) as ranks:
+            ranks.run("x = torch.ones(4)")
+            ranks.run(CHECK_CELL)  # warm
+            each[checked] = _median_ms(lambda ranks=ranks: ranks.run(CHECK_CELL), cells) / 100
+    return [LiveTiming("all_reduce, collectives checked", each[True], cells * 100,
+                       note=f"{each[True] / each[False]:.1f}x unchecked"),
+            LiveTiming("all_reduce, --no-check", each[False], cells * 100)]
 
 
 def _median_ms(action: Callable[[], object], samples: int) -> float:
@@ -116,6 +136,7 @@ def measure(world_size: int = 2, samples: int = 50, starts: int = 5) -> list[Liv
         LiveTiming("ranks.run round trip", api_ms, samples, ROUND_TRIP_TARGET_MS),
         _magic_round_trip(world_size, samples),
         _nbdistributed(world_size, samples),
+        *_collective_check(world_size, samples),
     ]
 
 

@@ -5,7 +5,7 @@ collective a process group starts: its number in the group, the group, the Pytho
 gloo's ``all_reduce`` that runs a ``reduce_scatter_tensor`` is named as the call you wrote), its tensors' sizes
 and dtypes, and whether it has finished. What the recorder leaves out (a broadcast's ``src``, a reduce's ``dst``
 and ``op``, an all-to-all's split sizes, the ranks of a group) each rank notes as the collective starts
-(:class:`dtlib.live.rank.CallNotes`), under the same group and number; a rank that raised inside a call says
+(:class:`dtlib.live.notes.CallNotes`), under the same group and number; a rank that raised inside a call says
 which. A rank answers :func:`last_collectives` from a thread of its own, so it answers even while its main
 thread waits inside gloo or NCCL.
 
@@ -29,7 +29,7 @@ import pickle
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dtlib.errors import torch_call_in
+from dtlib.errors import C10_DTYPES, torch_call_in
 
 #: How many collectives each rank's Flight Recorder keeps (a ring buffer; ~1 KB each).
 FR_BUFFER_SIZE = 2000
@@ -37,10 +37,6 @@ FR_BUFFER_SIZE = 2000
 #: environment says (0 would switch it off; torch 2.13 records by default).
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_SIZE)}
 
-# The Flight Recorder names dtypes as c10 does; learners know torch's names.
-_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
-           "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
-           "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
 #: gloo's and NCCL's names for what they ran -> the torch.distributed call, where the recorder kept no Python
 #: stack that names the call itself (gloo runs every reduce-scatter as an "all_reduce": only the stack tells).
 _PROFILING_CALLS = {"_allgather_base": "all_gather_into_tensor", "_all_gather_base": "all_gather_into_tensor",
@@ -123,7 +119,7 @@ def _key(record: Collective) -> tuple[str, str]:
 
 
 def _tensor(size: list[int], dtype: str) -> str:
-    return f"{_DTYPES.get(dtype, dtype)}[{', '.join(map(str, size))}]"
+    return f"{C10_DTYPES.get(dtype, dtype)}[{', '.join(map(str, size))}]"
 
 
 def _call(entry: dict[str, Any]) -> str:
@@ -158,7 +154,7 @@ def from_flight_recorder(dump: dict[str, Any], arguments: dict | None = None,
 
     ``arguments`` maps ``(group name, number)`` to what the rank noted of that call, ``members`` a group name to
     its ranks, ``raised`` is ``(call, group name, group, number, started, exception type)`` for a call that raised
-    (:class:`dtlib.live.rank.CallNotes`). The answer carries the rank's newest record on every other group.
+    (:class:`dtlib.live.notes.CallNotes`). The answer carries the rank's newest record on every other group.
     """
     entries = dump.get("entries", [])  # collectives and point-to-point calls (send, recv) alike
     known = {**_pg_config_members(dump.get("pg_config")), **(members or {})}
@@ -208,14 +204,17 @@ def _done(entry: dict[str, Any]) -> bool:
 
 
 def last_collectives(arguments: dict | None = None, members: dict[str, tuple[int, ...]] | None = None,
-                     raised: tuple | None = None) -> Collective | None:
+                     raised: tuple | None = None, entries: list[dict[str, Any]] | None = None) -> Collective | None:
     """Inside a rank: the collective its Flight Recorders say it is in, or its newest (None before the first, or
     without torch); :data:`NO_NCCL_RECORD` under NCCL when NCCL's recorder cannot be read. The other arguments are
-    what the rank noted (:func:`from_flight_recorder`)."""
+    what the rank noted (:func:`from_flight_recorder`); ``entries``, where given, stand in for the recorders
+    (torch's DETAIL mode, :meth:`dtlib.live.notes.CallNotes.entries`)."""
     import sys
 
     if "torch.distributed" not in sys.modules:
         return None
+    if entries is not None:
+        return from_flight_recorder({"entries": entries}, arguments, members, raised)
     dump: dict[str, Any] = {"entries": []}
     try:
         from torch._C._distributed_c10d import _dump_fr_trace

@@ -35,7 +35,8 @@ def _parser() -> _Parser:
     start.add_argument("world_size", type=int)
     start.add_argument("--backend", default="auto")
     start.add_argument("--timeout", type=float, default=30.0)
-    start.add_argument("--check", action="store_true")  # compare each collective's signature across ranks first
+    # --no-check: no comparing of each collective's call, shapes and dtypes across ranks before it runs
+    start.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     sub.add_parser("push", add_help=False).add_argument("names", nargs="+")
     pull = sub.add_parser("pull", add_help=False)
     pull.add_argument("--quiet", action="store_true")
@@ -70,7 +71,7 @@ class RanksMagics(Magics):
             except ValueError as exc:
                 raise UsageError(f"%ranks start: {exc}") from None
             print(f"{self.live.world_size} live ranks on {self.live.backend}, "
-                  f"started in {self.live.started_in_s:.1f} s")
+                  f"started in {self.live.started_in_s:.1f} s{'' if args.check else ' (collectives not checked)'}")
         elif args.command == "stop":
             print("stopped the live ranks" if self._stop() else "no live ranks to stop")
         elif args.command == "push":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import linecache
-import os
 import pickle
 import signal
 import sys
@@ -26,14 +25,15 @@ import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from types import TracebackType
 from typing import Any
 
+from dtlib.errors import collective_mismatch
 from dtlib.launch import pickling
 from dtlib.launch.entry import rank_device
 from dtlib.launch.shards import rebuild
 from dtlib.launch.worker import channels, describe, dumps_result
-from dtlib.live.doctor import FR_BUFFER_SIZE, last_collectives
+from dtlib.live.doctor import last_collectives
+from dtlib.live.notes import CallNotes
 
 CELL_FILENAME = "<rank cell {number}>"
 
@@ -99,6 +99,7 @@ def _error(exc: BaseException) -> dict[str, str]:
     while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<rank cell"):
         tb = tb.tb_next
     message = describe(exc)
+    message = collective_mismatch(message) or message  # the collective check's error in a line; torch's: below
     try:
         text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
     except BaseException:  # noqa: BLE001 - a broken exception must still be reported
@@ -106,130 +107,12 @@ def _error(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message, "traceback": text}
 
 
-#: The ProcessGroup methods that torch.distributed's collectives call, one Flight Recorder record each.
-COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
-                      "all_gather_single", "allgather_coalesced", "allgather_into_tensor_coalesced",
-                      "all_gather_single_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base",
-                      "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced",
-                      "alltoall", "alltoall_base", "all_to_all_single", "barrier")
-_ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}  # as torch.distributed names them
-_SPLITS = ("all_to_all_single", "alltoall_base")  # (output, input, output_split_sizes, input_split_sizes, opts)
-_C10D = os.sep + "distributed_c10d.py"
-
-
-class CallNotes:
-    """What a rank's Flight Recorder leaves out, noted as each collective starts, for the hang doctor.
-
-    The recorder keeps a collective's group, number, tensors and stack, not its root (``src``, ``dst``), its
-    reduce ``op``, its split sizes or its group's ranks. :meth:`install` wraps the ``ProcessGroup`` methods that
-    every ``torch.distributed`` collective calls (the learner's calls and DDP's or FSDP's alike) to note them
-    under the recorder's own ``(group name, number)``: a few microseconds a call. :meth:`raised_in` says which
-    call an error came from. Example: after ``dist.broadcast(x, src=1)`` as collective #1 of the world,
-    ``notes.arguments[("0", 1)]`` is ``(("src", "1"),)``.
-    """
-
-    def __init__(self, keep: int = FR_BUFFER_SIZE) -> None:
-        self.arguments: dict[tuple[str, int], tuple[tuple[str, str], ...]] = {}  # the newest ``keep`` calls
-        self.members: dict[str, tuple[int, ...]] = {}  # group name -> its ranks, by group rank
-        self.raised: tuple | None = None  # the call the cell's error came from (:meth:`raised_in`)
-        self.keep = keep
-        self._failed: tuple[str, int, bool] | None = None  # the newest call, if it raised: group, number, started
-
-    def install(self) -> None:
-        """Note every later collective of this process (once: a second call changes nothing)."""
-        from torch.distributed import ProcessGroup
-
-        for name in COLLECTIVE_METHODS:
-            original = getattr(ProcessGroup, name, None)
-            if original is not None and not getattr(original, "dtlib_notes", None):
-                setattr(ProcessGroup, name, self._wrap(name, original))
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        def noted(group: Any, *args: Any, **kwargs: Any) -> Any:
-            self._failed = None
-            try:
-                key = self._note(name, group, args, kwargs)
-            except Exception:  # noqa: BLE001 - a note is never worth failing the learner's call
-                key = None
-            try:
-                work = original(group, *args, **kwargs)
-            except BaseException:
-                if key is not None:  # started: the group's number moved on, so the recorder has it
-                    self._failed = (*key, group._get_sequence_number_for_group() >= key[1])
-                raise
-            if key is not None:  # gloo runs some calls as several collectives (reduce_scatter of a list: two)
-                for number in range(key[1] + 1, group._get_sequence_number_for_group() + 1):
-                    self._keep((key[0], number), self.arguments.get(key, ()))
-            return work
-
-        noted.dtlib_notes = self  # type: ignore[attr-defined]
-        return noted
-
-    def _note(self, name: str, group: Any, args: tuple, kwargs: dict) -> tuple[str, int]:
-        """Note what the call carries beside tensors under the number the recorder will give it."""
-        # gloo: the group's sequence number is the recorder's collective_seq_id (tests/live/test_doctor.py). GPU run
-        # must confirm the same of NCCL (its seqCollective_): a note under a wrong number would give a record another
-        # call's root or op (Collective.fields shows only what each call takes, which narrows that, no more).
-        key = (group.group_name, group._get_sequence_number_for_group() + 1)
-        members = self.members.get(key[0])
-        if members is None:
-            import torch.distributed as dist
-
-            members = self.members[key[0]] = tuple(dist.get_process_group_ranks(group))
-        options = next((value for value in (*args, *kwargs.values()) if type(value).__name__.endswith("Options")),
-                       None)
-        noted = []
-        if name in _ROOTS and options is not None:
-            noted.append((_ROOTS[name], str(members[options.rootRank])))  # a group rank -> the global rank
-        reduce_op = getattr(options, "reduceOp", None)
-        if reduce_op is not None:
-            noted.append(("op", getattr(getattr(reduce_op, "op", reduce_op), "name", str(reduce_op))))
-        if name in _SPLITS and len(args) >= 4:
-            noted += [("output_split_sizes", str(list(args[2]) or None)),
-                      ("input_split_sizes", str(list(args[3]) or None))]  # [] (None in the call): equal pieces
-        self._keep(key, tuple(noted))
-        return key
-
-    def _keep(self, key: tuple[str, int], noted: tuple[tuple[str, str], ...]) -> None:
-        self.arguments[key] = noted
-        while len(self.arguments) > self.keep:  # as the recorder does, forget the oldest
-            del self.arguments[next(iter(self.arguments))]
-
-    def raised_in(self, error: BaseException) -> tuple | None:
-        """``(call, group name, group, number, started, exception type)`` when ``error`` came from inside a
-        torch.distributed call, else None. ``started``: gloo or NCCL began it (the recorder has it)."""
-        frames = [tb for tb in _tracebacks(error.__traceback__) if tb.tb_frame.f_code.co_filename.endswith(_C10D)]
-        if not frames:
-            return None
-        import torch.distributed as dist
-
-        inner = frames[-1].tb_frame.f_locals  # the function that called the process group
-        group = inner.get("group")
-        if not isinstance(group, dist.ProcessGroup):
-            group = dist.group.WORLD
-        now = group._get_sequence_number_for_group()
-        failed, self._failed = self._failed, None
-        if failed is not None and failed[0] == group.group_name:
-            number, started = failed[1], failed[2]  # raised inside the process group's method
-        else:  # a work to wait on: gloo or NCCL started it; none: it raised before
-            number, started = (now, True) if inner.get("work") is not None else (now + 1, False)
-        return (frames[0].tb_frame.f_code.co_name, group.group_name, getattr(group, "group_desc", ""), number,
-                started, type(error).__qualname__)
-
-
-def _tracebacks(tb: TracebackType | None) -> list[TracebackType]:
-    found = []
-    while tb is not None:
-        found.append(tb)
-        tb = tb.tb_next
-    return found
-
-
 def _answer_doctor(doctor: Connection, notes: CallNotes) -> None:
     while True:
         try:
             doctor.recv_bytes()
-            doctor.send_bytes(pickle.dumps(last_collectives(notes.arguments, notes.members, notes.raised)))
+            doctor.send_bytes(pickle.dumps(last_collectives(notes.arguments, notes.members, notes.raised,
+                                                            notes.entries())))
         except (EOFError, OSError):
             return
 

@@ -191,7 +191,7 @@ def test_profiling_names_become_the_torch_distributed_call():
 # -- the oracle: a real recorder, and what each rank notes beside it ---------------------------------------------
 def _every_collective(rank: int, world_size: int) -> list[tuple]:
     from dtlib.live.doctor import last_collectives
-    from dtlib.live.rank import CallNotes
+    from dtlib.live.notes import CallNotes
 
     notes = CallNotes()
     notes.install()

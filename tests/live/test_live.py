@@ -80,18 +80,36 @@ def test_a_rank_zero_only_collective_is_explained_and_the_ranks_restart_with_a_f
     assert [t.tolist() for t in ranks.run("t = torch.ones(2)\ndist.all_reduce(t)\nt")] == [[2.0, 2.0]] * 2
 
 
-def test_mismatched_collectives_are_named_by_number(ranks):
+MISMATCHED = "if rank == 0:\n    dist.all_reduce(torch.ones(3))\nelse:\n    dist.barrier()\n"
+SHORTER = "x = torch.ones(4 if rank == 0 else 3)\ndist.all_reduce(x)\n"
+
+
+def test_mismatched_collectives_are_named_by_number(unchecked):
     with pytest.raises(dtlib.WorkerTimeout) as caught:
-        ranks.run("if rank == 0:\n    dist.all_reduce(torch.ones(3))\nelse:\n    dist.barrier()\n", timeout=3)
+        unchecked.run(MISMATCHED, timeout=3)
     assert "the ranks disagree at collective #" in str(caught.value)
     assert "rank 0 calls all_reduce (float32[3]), rank 1 calls barrier" in str(caught.value)
-    assert ranks.run("rank") == [0, 1]
+    assert unchecked.run("rank") == [0, 1]
 
 
-def test_a_shorter_tensor_on_one_rank_is_named_and_its_wrong_result_said(ranks):
+def test_checked_ranks_refuse_a_mismatch_before_any_data_moves(ranks):
+    """By default each collective is compared across ranks first: a mismatch raises at once on every rank,
+    each naming its own call, and the ranks keep their variables (nothing was sent)."""
+    ranks.run("kept = rank + 70")
+    for code, mine in ((MISMATCHED, ("all_reduce (float32[3])", "barrier")),
+                       (SHORTER, ("all_reduce (float32[4])", "all_reduce (float32[3])"))):
+        with pytest.raises(dtlib.WorkerError) as caught:
+            ranks.run(code, timeout=10)
+        for rank, call in enumerate(mine):
+            assert f"rank {rank} raised RuntimeError: this rank's {call} does not match" in str(caught.value)
+        assert "before any data moved" in str(caught.value) and "--no-check" in str(caught.value)
+        assert ranks.pull("kept") == [70, 71]
+
+
+def test_a_shorter_tensor_on_one_rank_is_named_and_its_wrong_result_said(unchecked):
     """gloo lets the rank with the shorter tensor through; the doctor compares its finished record too."""
     with pytest.raises(dtlib.WorkerTimeout) as caught:
-        ranks.run("x = torch.ones(4 if rank == 0 else 3)\ndist.all_reduce(x)\n", timeout=3)
+        unchecked.run(SHORTER, timeout=3)
     assert re.search(r"the ranks disagree at collective #\d+: rank 0 calls all_reduce \(float32\[4\]\), rank 1 calls "
                      r"all_reduce \(float32\[3\]\); rank 1 got past it, so what it received is wrong",
                      str(caught.value)), str(caught.value)
@@ -499,18 +517,20 @@ def test_dtensors_and_meshes_show_each_ranks_part_and_push_back_whole(ranks):
 
 
 def test_collectives_that_disagree_across_ranks_raise_naming_both_sides(leftovers):
-    """A float32 all-reduce on rank 0 against an int32 one on rank 1 returned garbage with no word; with
-    check_collectives, live ranks compare each collective's signature across ranks first (torch's DETAIL mode)."""
+    """A float32 all-reduce on rank 0 against an int32 one on rank 1 returned garbage with no word; live ranks
+    now compare each collective's signature across ranks first (torch's DETAIL mode), unless told not to."""
     code = "t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32)\ndist.all_reduce(t)\nt.sum().item()"
-    with dtlib.LiveRanks(2, backend="gloo", timeout=60, check_collectives=True) as live:
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
         pids = live.run("import os\nos.getpid()")
-        with pytest.raises(dtlib.WorkerError, match=r"Detected mismatch between collectives on ranks.*"
-                                                    r"TensorDtypes=Float.*TensorDtypes=Int"):
+        with pytest.raises(dtlib.WorkerError) as caught:
             live.run(code)
+        assert "rank 0 raised RuntimeError: this rank's all_reduce (float32[4]) does not match" in str(caught.value)
+        assert "rank 1 raised RuntimeError: this rank's all_reduce (int32[4]) does not match" in str(caught.value)
+        assert "Detected mismatch between collectives on ranks" in str(caught.value)  # torch's, in the traceback
         assert live.run("t = torch.ones(2)\ndist.all_reduce(t)\nt.tolist()") == [[2.0, 2.0]] * 2  # still alive
     leftovers.assert_clean(pids)
-    with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
-        live.run(code)  # unchecked, the default: no error, whatever rank 1 now holds
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60, check_collectives=False) as live:
+        live.run(code)  # unchecked: no error, whatever rank 1 now holds
     with pytest.raises(TypeError, match="check_collectives must be True or False"):
         dtlib.LiveRanks(2, check_collectives="yes")
 
