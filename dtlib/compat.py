@@ -246,6 +246,17 @@ def fsdp1_cpu_offload_state_dict_works() -> bool:
 FSDP2_ON_CPU = (2, 7)
 
 
+def collective_check_works() -> bool:
+    """Whether torch's DETAIL mode (each collective checked across ranks; live ranks turn it on) runs the course.
+
+    On torch 2.11 the check's wrapper sends a DTensor's all-gather to gloo as ``allgather_into_tensor_coalesced``,
+    which gloo lacks: ``full_tensor()`` raises "Backend gloo does not support allgather_into_tensor_coalesced".
+    2.13 runs it; 2.12 was never tried here, so it is counted with 2.11 (``tests/test_compat.py`` runs the
+    DTensor under DETAIL on the installed torch and holds this answer to it).
+    """
+    return torch_version() >= (2, 13)
+
+
 def fsdp2_runs_on_cpu() -> bool:
     """True where ``fully_shard`` can train on the CPU with gloo (torch >= 2.7); GPUs need only 2.6."""
     return torch_version() >= FSDP2_ON_CPU

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "tests" / "data" / "torch_names.txt"
 PREFIX = "torch.distributed"
 MAGIC = re.compile(r"^(\s*|.*=\s*)[%!].*$")
-#: What a %%ranks cell finds bound without importing it (dtlib/live/rank.py).
+#: What a %%ranks cell finds bound without importing it (dtlib/live/server.py).
 LIVE_NAMES = {"dist": PREFIX}
 
 

@@ -217,3 +217,27 @@ def test_ddp_under_detail_mode_on_gloo_trains_instead_of_crashing(monkeypatch):
     assert grads[0] == grads[1] == [[4.5] * 4] * 2  # d(sum)/dW: the mean over ranks of 3 rows of 1s and of 2s
     with pytest.raises(dtlib.WorkerError, match="SIGSEGV"):
         dtlib.spawn(_ddp_step_under_detail, 2, args=(False,), output="none")
+
+
+def _dtensor_under_detail(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    try:
+        return distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).full_tensor().tolist()
+    except RuntimeError as err:
+        return str(err)
+
+
+@pytest.mark.timeout(60)
+def test_the_collective_check_is_on_by_default_exactly_where_it_runs_a_dtensor(monkeypatch):
+    """Live ranks turn DETAIL on by default only where this torch's check runs a DTensor's all-gather on gloo."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    seen = dtlib.spawn(_dtensor_under_detail, 2, output="none")[0]
+    assert (seen == [0.0, 1.0, 2.0, 3.0]) == compat.collective_check_works(), seen
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")  # unchecked live ranks keep the kernel's setting
+    with dtlib.LiveRanks(2, backend="gloo") as live:
+        assert live.check_collectives == compat.collective_check_works()
+        assert (live.run("import os\nos.environ.get('TORCH_DISTRIBUTED_DEBUG')")[0] == "DETAIL") == \
+            live.check_collectives

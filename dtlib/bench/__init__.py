@@ -9,3 +9,11 @@ below declares only its columns (``dtlib.bench._table`` writes every table and e
   strategy against strategy.
 - ``check`` (``dtlib.bench.targets``): every speed target against its limit, with repeats; exits 1 on a miss.
 """
+
+from types import ModuleType
+
+from dtlib._lazy import submodule
+
+
+def __getattr__(name: str) -> ModuleType:
+    return submodule(__name__, name)  # dtlib.bench.ddp in a cell, beside dtlib.train.ddp, without importing it first

@@ -29,7 +29,7 @@ from dtlib.bench._table import format_table as _format_table
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.timing import slowest_median
-from dtlib.ring import send_recv as collectives
+from dtlib.ring import send_recv
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 
@@ -103,7 +103,7 @@ def _operation(op: str, algo: str, size_bytes: int, world_size: int, device: tor
     if op == "allreduce":
         buffer = torch.ones(count, device=device)
         if algo == "ring":
-            return lambda: collectives.ring_all_reduce(buffer)
+            return lambda: send_recv.ring_all_reduce(buffer)
         return lambda: dist.all_reduce(buffer)
     if op == "allgather":
         shard, gathered = torch.ones(count // world_size, device=device), torch.empty(count, device=device)

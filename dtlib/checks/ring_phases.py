@@ -18,8 +18,7 @@ from typing import Any
 from dtlib.checks.skeleton import Answer, RankExercise, judge
 from dtlib.feedback import Feedback
 from dtlib.measure.counting import count_collectives
-from dtlib.ring import chunk_bounds
-from dtlib.ring import send_recv as collectives
+from dtlib.ring import chunk_bounds, send_recv
 
 
 class _StepRefused(Exception):
@@ -46,7 +45,7 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
     import torch
     import torch.distributed as dist
 
-    real, step = collectives.ring_shift, [0]
+    real, step = send_recv.ring_shift, [0]
 
     def shift(send: Any, receive_into: Any, rank: int, world_size: int) -> None:
         sent = _chunk_of(send, views)
@@ -92,19 +91,19 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
         views = list(chunks)  # views of the buffer: the list may hold other tensors afterwards
         seen["before"] = [view.tolist() for view in views]
         extra: dict[str, int] = {}
-        real, collectives.ring_shift = collectives.ring_shift, _checked_shift(views, chunks, extra)
+        real, send_recv.ring_shift = send_recv.ring_shift, _checked_shift(views, chunks, extra)
         try:
             _, calls = count_collectives(phase, chunks, rank, world_size)
         except _StepRefused as err:
             seen["sizes_differ"], calls = str(err), {}
         finally:
-            collectives.ring_shift = real
+            send_recv.ring_shift = real
         seen["calls"] = {call: times - extra.get(call, 0) for call, times in calls.items()
                          if times - extra.get(call, 0)}
         seen["after"] = [view.tolist() for view in views]
         seen["replaced"] = [i for i, (view, now) in enumerate(zip(views, chunks, strict=False)) if view is not now]
 
-    collectives.ring_all_reduce(ours, **{which: watched})
+    send_recv.ring_all_reduce(ours, **{which: watched})
     return {"ours": ours.tolist(), "calls": {}, **seen}
 
 

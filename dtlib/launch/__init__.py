@@ -2,9 +2,8 @@
 (the same call under torchrun), with the job, the workers, their processes, the output relay, shipping
 functions by value, the one place that knows a rank's device, and torchrun helpers.
 
-May import: ``dtlib.compat``, ``dtlib.errors``, ``dtlib.feedback``. Nothing else in dtlib: every other
-package stands on this one. Modules load on first use (``dtlib.launch.torchrun``), so a rank that only
-needs ``spawn`` stays light.
+Every other package stands on this one (what each layer may import: ``docs/architecture.md``). Modules load
+on first use (``dtlib.launch.torchrun``), so a rank that only needs ``spawn`` stays light.
 """
 
 from types import ModuleType

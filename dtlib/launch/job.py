@@ -356,7 +356,7 @@ def _clean_stack(dump: str) -> str:
     """Keep the user's frames of a faulthandler dump: drop dtlib's watchdog thread and
     the frames below ``fn`` (dtlib's worker and multiprocessing's start-up)."""
     marker = f'{os.sep}dtlib{os.sep}launch{os.sep}worker.py", line'
-    live = f'{os.sep}dtlib{os.sep}live{os.sep}rank.py", line'  # a live rank's loop, below the cell it runs
+    live = f'{os.sep}dtlib{os.sep}live{os.sep}server.py", line'  # a live rank's loop, below the cell it runs
     blocks = [b for b in dump.strip().split("\n\n")
               if b.strip() and "_watch_parent" not in b and " in _answer_doctor" not in b]
     kept = []

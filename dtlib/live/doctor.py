@@ -20,7 +20,7 @@ all_reduce #3 (float32[4]); rank 1 finished the cell after all_reduce #2: rank 0
 It compares every field of the collective across the ranks that reached it (finished, waiting or raised
 inside it), says "the same arguments" only when every field was recorded and matched, and names the rest.
 
-Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live.ranks`) and, in each rank, :mod:`dtlib.live.rank`.
+Used by :class:`dtlib.LiveRanks` (:mod:`dtlib.live.ranks`) and, in each rank, :mod:`dtlib.live.server`.
 """
 
 from __future__ import annotations

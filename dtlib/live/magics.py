@@ -28,6 +28,9 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"%ranks: {message}\n{self.format_usage()}")
 
 
+UNCHECKED = " (collectives not checked)"
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="%ranks", add_help=False)
     sub = parser.add_subparsers(dest="command")
@@ -36,7 +39,7 @@ def _parser() -> _Parser:
     start.add_argument("--backend", default="auto")
     start.add_argument("--timeout", type=float, default=30.0)
     # --no-check: no comparing of each collective's call, shapes and dtypes across ranks before it runs
-    start.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    start.add_argument("--check", action=argparse.BooleanOptionalAction, default=None)
     sub.add_parser("push", add_help=False).add_argument("names", nargs="+")
     pull = sub.add_parser("pull", add_help=False)
     pull.add_argument("--quiet", action="store_true")
@@ -71,7 +74,7 @@ class RanksMagics(Magics):
             except ValueError as exc:
                 raise UsageError(f"%ranks start: {exc}") from None
             print(f"{self.live.world_size} live ranks on {self.live.backend}, "
-                  f"started in {self.live.started_in_s:.1f} s{'' if args.check else ' (collectives not checked)'}")
+                  f"started in {self.live.started_in_s:.1f} s{'' if self.live.check_collectives else UNCHECKED}")
         elif args.command == "stop":
             print("stopped the live ranks" if self._stop() else "no live ranks to stop")
         elif args.command == "push":

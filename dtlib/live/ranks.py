@@ -26,16 +26,15 @@ import time
 import weakref
 from typing import Any
 
-from dtlib import arguments
+from dtlib import arguments, compat
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.processes import HeldInterrupts
 from dtlib.launch.shards import LocalShard
 from dtlib.launch.spawn import rank_environment, resolve_backend, resolve_start_method, valid_world_size
-from dtlib.live import doctor as _doctor
-from dtlib.live import rank as _live_rank
-from dtlib.live.job import Ranks, close_quietly
-from dtlib.live.rank import RemoteRepr, ShardsByRank
+from dtlib.live import doctor, server
+from dtlib.live.generation import Generation, close_quietly
+from dtlib.live.server import RemoteRepr, ShardsByRank
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -62,8 +61,9 @@ class LiveRanks:
             ``None`` waits for ever.
         check_collectives: compare every collective's call, shapes and dtypes across ranks before it runs
             (:data:`COLLECTIVE_CHECK`, torch's DETAIL mode), so that a mismatch raises at once, naming both
-            sides, instead of hanging or returning garbage. On by default, as befits a place to learn;
-            ``False`` (``%ranks start N --no-check``) runs collectives as a job does, a little faster.
+            sides, instead of hanging or returning garbage. ``None`` (the default): on, as befits a place to
+            learn, wherever this torch's check works (:func:`dtlib.compat.collective_check_works`: 2.13 and
+            newer); ``False`` (``%ranks start N --no-check``) runs collectives as a job does, a little faster.
 
     Example::
 
@@ -73,17 +73,19 @@ class LiveRanks:
     """
 
     def __init__(self, world_size: int = 2, *, backend: str = "auto", timeout: float | None = 30.0,
-                 check_collectives: bool = True) -> None:
+                 check_collectives: bool | None = None) -> None:
         self.world_size, self.backend, self.timeout = self.settings(world_size, backend, timeout)
-        if not isinstance(check_collectives, bool):
-            raise TypeError(f"check_collectives must be True or False, got {check_collectives!r}")
+        if check_collectives is not None and not isinstance(check_collectives, bool):
+            raise TypeError(f"check_collectives must be True, False or None, got {check_collectives!r}")
+        #: whether each collective is checked across ranks first (None asked for: where this torch can)
+        self.check_collectives = compat.collective_check_works() if check_collectives is None else check_collectives
         self._env = rank_environment(backend, self.backend)  # CPU ranks on a GPU machine see no GPU
-        if check_collectives:  # torch's own check: every collective's op, shapes and dtypes compared across ranks
+        if self.check_collectives:  # torch's own check: every collective's op, shapes and dtypes compared across ranks
             self._env[COLLECTIVE_CHECK[0]] = COLLECTIVE_CHECK[1]
         self._method = resolve_start_method("auto")
         self._cells = 0
         self._sources: dict[str, list[str]] = {}
-        self._holder: list[Ranks | None] = [None]
+        self._holder: list[Generation | None] = [None]
         self._finalizer = weakref.finalize(self, close_quietly, self._holder)
         self._busy = threading.RLock()  # held by the thread inside a call: only it drives the ranks' event loop
         self._closing = threading.Event()  # close() from another thread asked that call to stop
@@ -99,7 +101,7 @@ class LiveRanks:
     # -- life -----------------------------------------------------------------
     def _start(self) -> float:
         began = time.monotonic()
-        ranks = Ranks(self.world_size, self.backend, self._method, self._env)
+        ranks = Generation(self.world_size, self.backend, self._method, self._env)
         self._holder[0] = ranks
         owing = ranks.wait(set(range(self.world_size)), began + START_TIMEOUT_S)
         dead = ranks.dead()
@@ -112,7 +114,7 @@ class LiveRanks:
         ranks.flush_output()
         return time.monotonic() - began
 
-    def _ranks(self) -> Ranks:
+    def _ranks(self) -> Generation:
         ranks = self._holder[0]
         if ranks is None:
             raise RuntimeError("these live ranks are closed; start new ones with dtlib.LiveRanks(...)")
@@ -184,7 +186,7 @@ class LiveRanks:
         if not isinstance(code, str):
             raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
         self._cells += 1
-        filename = _live_rank.CELL_FILENAME.format(number=self._cells)
+        filename = server.CELL_FILENAME.format(number=self._cells)
         ast.parse(code, filename)  # a syntax error is the same on every rank: say it here
         self._sources[filename] = code.splitlines()
         return self._call(("run", (code, self._cells)), timeout, "run")
@@ -254,7 +256,7 @@ class LiveRanks:
         ranks.flush_output()
         if ranks.dead():
             failures = _unique(ranks.dead() + self._errors(ranks))
-            lines, verdict = _doctor.explain(self._states(ranks, owing), ranks.ask_doctor())
+            lines, verdict = doctor.explain(self._states(ranks, owing), ranks.ask_doctor())
             self._restart()
             raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {LOST[:1].upper()}{LOST[1:]}.")
         errors = self._errors(ranks)
@@ -271,41 +273,41 @@ class LiveRanks:
             values.append(self._unpickle(rank, ranks.answers.pop(rank)[1]))  # N large values peaks near N + 1
         return values
 
-    def _after_interrupt(self, ranks: Ranks, everyone: set[int]) -> str:
+    def _after_interrupt(self, ranks: Generation, everyone: set[int]) -> str:
         owing = everyone - set(ranks.answers)
         last = ranks.ask_doctor()
         stuck = ranks.interrupt(owing) if owing else set()
         ranks.flush_output()
         states = {rank: "running" if rank in stuck else "finished" for rank in everyone}
-        if stuck or ranks.dead() or _doctor.group_is_broken(states, last):
+        if stuck or ranks.dead() or doctor.group_is_broken(states, last):
             self._restart()
             return f"{LOST}."
         return "every rank stopped its cell and kept its variables."
 
-    def _stop(self, ranks: Ranks, owing: set[int]) -> tuple[list[str], str, dict[int, str], str]:
+    def _stop(self, ranks: Generation, owing: set[int]) -> tuple[list[str], str, dict[int, str], str]:
         """Explain why ``owing`` ranks are still in the cell, then stop them: by an interrupt when
         none waits inside a collective (SIGINT cannot reach a rank blocked in gloo or NCCL), else
         by restarting every rank. Returns the doctor's lines and verdict, the stacks, and the outcome."""
         states = self._states(ranks, owing)
         last = ranks.ask_doctor()
         stacks = {rank: self._annotate(stack) for rank, stack in ranks.job.collect_stacks(ranks=sorted(owing)).items()}
-        lines, verdict = _doctor.explain(states, last, stacks)
+        lines, verdict = doctor.explain(states, last, stacks)
         blocked = any(last.get(rank) is not None and not last[rank].done for rank in owing)
         stuck = owing if blocked else ranks.interrupt(owing)
         ranks.flush_output()
         after = {rank: "running" if rank in stuck else "finished" for rank in range(self.world_size)}
-        if stuck or ranks.dead() or _doctor.group_is_broken(after, ranks.ask_doctor()):
+        if stuck or ranks.dead() or doctor.group_is_broken(after, ranks.ask_doctor()):
             self._restart()
             return lines, verdict, stacks, f"{LOST}."
         return lines, verdict, stacks, "each rank's cell was interrupted; the ranks kept their variables."
 
-    def _states(self, ranks: Ranks, owing: set[int]) -> dict[int, str]:
+    def _states(self, ranks: Generation, owing: set[int]) -> dict[int, str]:
         """Each rank's state for the doctor: died, running (still in the cell), failed or finished."""
         dead = {failure.rank for failure in ranks.dead()}
         return {rank: "died" if rank in dead else "running" if rank in owing else
                 "failed" if ranks.answers[rank][0] == "error" else "finished" for rank in range(self.world_size)}
 
-    def _errors(self, ranks: Ranks) -> list[RankFailure]:
+    def _errors(self, ranks: Generation) -> list[RankFailure]:
         failures = []
         for rank, (status, body) in sorted(ranks.answers.items()):
             if status == "error":

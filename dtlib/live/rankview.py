@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dtlib.launch.shards import LocalMesh, LocalShard, describe
-from dtlib.live.rank import RemoteRepr
+from dtlib.live.server import RemoteRepr
 
 
 def _text(value: Any) -> str:

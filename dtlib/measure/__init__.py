@@ -1,8 +1,6 @@
 """Counting and measuring inside ranks: collectives counted as torch dispatches them and a log of every
 call, bytes each collective moves by group, bytes held for parameters, gradients and optimizer state against
 the ZeRO formulas, the peak of a step by category, bytes saved for backward, and step times.
-
-May import: ``dtlib.launch``, ``dtlib.compat``, ``dtlib.errors``.
 """
 
 from types import ModuleType

@@ -31,7 +31,7 @@ def starting_values(rank: int, world_size: int, device: torch.device | str | Non
 Phase = Callable[[list[torch.Tensor], int, int], None]
 
 
-# GPU run must confirm: on NCCL, one GPU per rank, the ring equals dist.all_reduce (tests/ring/test_collectives.py).
+# GPU run must confirm: on NCCL, one GPU per rank, the ring equals dist.all_reduce (tests/ring/test_send_recv.py).
 def ring_shift(send: torch.Tensor, receive_into: torch.Tensor, rank: int, world_size: int) -> None:
     """One ring step: send ``send`` to rank+1 while receiving ``receive_into`` from rank-1.
 

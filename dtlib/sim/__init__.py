@@ -1,8 +1,6 @@
 """Your cluster, simulated: a Llama-shaped model's training step on 8 to 1,024 ranks, run in one process on
 torch's fake backend and fake tensors, its memory per rank and its collectives measured as on live ranks,
 and the same step on live ranks to prove it (notebook 14).
-
-May import: ``dtlib.measure``, ``dtlib.launch``, ``dtlib.arguments``, ``dtlib.compat``, ``dtlib.errors``.
 """
 
 from types import ModuleType

@@ -3,8 +3,7 @@ strategies side by side and under torchrun (``python -m dtlib.train``), their ch
 guide that says which strategy fits a model.
 
 The lesson's own training code lives in the notebooks; these runners exist to compare, benchmark and
-launch. May import: ``dtlib.measure``, ``dtlib.ring``, ``dtlib.launch``, ``dtlib.compat``,
-``dtlib.errors``, ``dtlib.feedback``.
+launch.
 """
 
 from types import ModuleType

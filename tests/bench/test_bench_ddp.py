@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from dtlib.bench import ddp as bench_ddp
+from dtlib.bench import ddp
 
-ROWS = [bench_ddp.Row("1 rank, whole global batch", 1, 2048, 40.0, 0, 0.0, 0.0, 0.5),
-        bench_ddp.Row("torch DDP, buckets (default 25 MB)", 2, 1024, 25.0, 2, 3.05, 0.55, 0.5)]
+ROWS = [ddp.Row("1 rank, whole global batch", 1, 2048, 40.0, 0, 0.0, 0.0, 0.5),
+        ddp.Row("torch DDP, buckets (default 25 MB)", 2, 1024, 25.0, 2, 3.05, 0.55, 0.5)]
 
 
 def test_table_shows_each_setting_and_its_speed_up_over_one_rank():
-    title, header, *lines = bench_ddp.format_table(ROWS).splitlines()
+    title, header, *lines = ddp.format_table(ROWS).splitlines()
     assert title.startswith("# dtlib.bench ddp: torch ") and "step 0 skipped" in title
     assert header.startswith("# setting") and header.split()[-3:] == ["MiB/step", "hidden", "loss"]
     assert [line[2:48].strip() for line in lines] == [row.setting for row in ROWS]  # the setting column: 46 wide
@@ -21,7 +21,7 @@ def test_table_shows_each_setting_and_its_speed_up_over_one_rank():
 
 
 def test_records_are_the_rows_fields():
-    records = bench_ddp.as_records(ROWS)
+    records = ddp.as_records(ROWS)
     assert records[1] == {"setting": "torch DDP, buckets (default 25 MB)", "world_size": 2, "per_rank_batch": 1024,
                           "step_ms": 25.0, "allreduce_calls_per_step": 2, "allreduce_mb_per_step": 3.05,
                           "hidden_share": 0.55, "final_loss": 0.5}
@@ -41,10 +41,10 @@ def test_the_one_rank_baseline_runs_on_the_backend_of_the_ranks_it_is_compared_w
 
     def recorded_run(config, world_size, **spawn_options):
         backends.append((world_size, spawn_options.get("backend", "auto")))
-        return [bench_ddp.ddp.RankResult(rank, world_size, "gloo", 0, losses=[0.5] * 3, step_times_s=[0.1] * 3,
+        return [ddp.ddp.RankResult(rank, world_size, "gloo", 0, losses=[0.5] * 3, step_times_s=[0.1] * 3,
                                          comm_calls=[1] * 3, comm_bytes=[8] * 3, hidden_share=[0.5] * 3)
                 for rank in range(world_size)]
 
-    monkeypatch.setattr(bench_ddp.ddp, "run", recorded_run)
-    bench_ddp.measure(world_size=2, steps=3)
+    monkeypatch.setattr(ddp.ddp, "run", recorded_run)
+    ddp.measure(world_size=2, steps=3)
     assert backends == [(1, "gloo")] + [(2, "gloo")] * 3

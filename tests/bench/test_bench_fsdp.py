@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from dtlib.bench import fsdp as bench_fsdp
+import dtlib.bench.fsdp
 from dtlib.train import fsdp_compare, models
 from dtlib.train.fsdp_compare import StrategyRow
 
@@ -36,7 +36,7 @@ def _cells(line: str) -> tuple[str, list[str]]:
 
 
 def test_format_table_has_a_header_and_one_line_per_row():
-    lines = bench_fsdp.format_table(ROWS).splitlines()
+    lines = dtlib.bench.fsdp.format_table(ROWS).splitlines()
     assert lines[0].startswith("# dtlib.bench fsdp:") and "world_size=2" in lines[0]
     assert lines[1].startswith("# setting") and lines[1].split()[-2:] == ["step", "ms"]
     assert len(lines) == 2 + len(ROWS)
@@ -52,14 +52,14 @@ def test_format_table_has_a_header_and_one_line_per_row():
 
 def test_gpu_ranks_add_cudas_peak_as_a_last_column():
     rows = [replace(ROWS[0], cuda_memory={"allocated": 4100, "peak": 9000, "reserved": 16384}), ROWS[1]]
-    lines = bench_fsdp.format_table(rows).splitlines()
+    lines = dtlib.bench.fsdp.format_table(rows).splitlines()
     assert lines[1].split()[-2:] == ["CUDA", "peak"]
     assert [_cells(line)[1][-1] for line in lines[2:]] == ["9000", "-"]  # a row without the allocator says "-"
-    assert "CUDA" not in bench_fsdp.format_table(ROWS)  # CPU ranks: no such column
+    assert "CUDA" not in dtlib.bench.fsdp.format_table(ROWS)  # CPU ranks: no such column
 
 
 def test_records_carry_the_bytes_sent_per_rank():
-    records = bench_fsdp.as_records(ROWS)
+    records = dtlib.bench.fsdp.as_records(ROWS)
     assert [record["label"] for record in records] == [row.label for row in ROWS]
     assert [record["bytes_sent_per_rank"] for record in records] == [1000, 1500, 1450]
     assert records[2]["peak"] is None and records[1]["comm"] == ROWS[1].comm
@@ -91,6 +91,7 @@ def test_measure_refuses_a_world_size_that_does_not_divide_the_batch(monkeypatch
         raise AssertionError("measure started ranks for a world size it should refuse")
 
     monkeypatch.setattr(fsdp_compare, "strategies", no_processes)
+    batch = dtlib.bench.fsdp.GLOBAL_BATCH
     with pytest.raises(ValueError, match=rf"^world_size={world_size} cannot split the comparison's global batch of "
-                                         rf"{bench_fsdp.GLOBAL_BATCH} samples evenly: use 1, 2, 4, 8 or 16 ranks$"):
-        bench_fsdp.measure(world_size)
+                                         rf"{batch} samples evenly: use 1, 2, 4, 8 or 16 ranks$"):
+        dtlib.bench.fsdp.measure(world_size)

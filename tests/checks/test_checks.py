@@ -13,7 +13,7 @@ from dtlib import checks
 from dtlib.checks import training
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure.counting import rank_without_communication, spawn_counting
-from dtlib.ring import send_recv as collectives
+from dtlib.ring import send_recv
 
 
 def _assert_verdict(feedback, ok, fragments):
@@ -161,14 +161,14 @@ def _sum_by_arithmetic(rank, world_size):
 
 
 def _every_call(rank, world_size):
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     value = torch.ones(2)
     dist.all_reduce(value)
     dist.all_reduce(value)
     dist.broadcast(value, src=0)
     dist.all_gather([torch.empty(2) for _ in range(world_size)], value)
-    collectives.ring_shift(value, torch.empty(2), rank, world_size)
+    send_recv.ring_shift(value, torch.empty(2), rank, world_size)
     dist.barrier()
     return rank
 
@@ -392,12 +392,12 @@ def test_average_with_reduce_op_avg_is_right_where_gloo_has_it_and_explained_whe
 def _gather_by_adding(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive] += incoming  # wrong: the all-gather phase copies
 
 
@@ -408,77 +408,77 @@ def _gather_nothing(chunks, rank, world_size):
 def _gather_wrong_chunks(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):
         send, receive = (rank + step) % world_size, (rank - 1 - step) % world_size  # wrong: sends rank + step
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive].copy_(incoming)
 
 
 def _gather_the_notebook_stub(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for _ in range(world_size - 1):
         send = receive = rank  # notebook 03's starting point
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive].copy_(incoming)
 
 
 def _gather_without_copy(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):  # notebook 03's solution without chunks[receive].copy_(incoming)
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
 
 
 def _gather_by_assignment(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive] = incoming  # wrong: replaces the list entry, the buffer never sees it
 
 
 def _scatter_without_add(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):  # dtlib's reduce-scatter without chunks[receive] += incoming
         send, receive = (rank - 1 - step) % world_size, (rank - 2 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
 
 
 def _rank_0_skips_the_ring(chunks, rank, world_size):
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     if rank != 0:
-        collectives.ring_all_gather_phase(chunks, rank, world_size)
+        send_recv.ring_all_gather_phase(chunks, rank, world_size)
 
 
 def _gather_for_four_ranks(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(3):  # wrong: the notebook's 4 ranks, hard-coded
         send, receive = (rank - step) % 4, (rank - 1 - step) % 4
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive].copy_(incoming)
 
 
@@ -490,22 +490,22 @@ def _gather_by_broadcast(chunks, rank, world_size):
 
 
 def _gather_straight_into_the_chunk(chunks, rank, world_size):
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):  # right, written another way: receive into the chunk itself
-        collectives.ring_shift(chunks[(rank - step) % world_size], chunks[(rank - 1 - step) % world_size], rank,
+        send_recv.ring_shift(chunks[(rank - step) % world_size], chunks[(rank - 1 - step) % world_size], rank,
                                world_size)
 
 
 def _gather_by_passing_on_what_arrived(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     outgoing = chunks[rank].clone()  # right, written another way: pass on the tensor that arrived last
     for step in range(1, world_size):
         incoming = torch.empty_like(chunks[(rank - step) % world_size])
-        collectives.ring_shift(outgoing, incoming, rank, world_size)
+        send_recv.ring_shift(outgoing, incoming, rank, world_size)
         chunks[(rank - step) % world_size].copy_(incoming)
         outgoing = incoming
 
@@ -513,22 +513,22 @@ def _gather_by_passing_on_what_arrived(chunks, rank, world_size):
 def _gather_leftwards(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):  # wrong: the chunks of the ring that runs the other way
         send, receive = (rank + step) % world_size, (rank + 1 + step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send], incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
         chunks[receive].copy_(incoming)
 
 
 def _junk_shifts_then_the_formula(chunks, rank, world_size):
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for _ in range(world_size - 1):  # a probe's: shifts that carry nothing, then numbers that know the inputs
-        collectives.ring_shift(torch.zeros(1, dtype=chunks[0].dtype), torch.empty(1, dtype=chunks[0].dtype), rank,
+        send_recv.ring_shift(torch.zeros(1, dtype=chunks[0].dtype), torch.empty(1, dtype=chunks[0].dtype), rank,
                                world_size)
     start, total = 0, sum(10.0**r for r in range(world_size))  # the inputs of an older checker
     for chunk in chunks:
@@ -537,29 +537,29 @@ def _junk_shifts_then_the_formula(chunks, rank, world_size):
 
 
 def _gather_twice(chunks, rank, world_size):
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
-    collectives.ring_all_gather_phase(chunks, rank, world_size)
-    collectives.ring_all_gather_phase(chunks, rank, world_size)  # right again, at twice the bytes
+    send_recv.ring_all_gather_phase(chunks, rank, world_size)
+    send_recv.ring_all_gather_phase(chunks, rank, world_size)  # right again, at twice the bytes
 
 
 def _gather_sending_copies(chunks, rank, world_size):  # right: a copy of the chunk carries the same numbers
     import torch
 
-    from dtlib.ring import send_recv as collectives
+    from dtlib.ring import send_recv
 
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
         incoming = torch.empty_like(chunks[receive])
-        collectives.ring_shift(chunks[send].clone(), incoming, rank, world_size)
+        send_recv.ring_shift(chunks[send].clone(), incoming, rank, world_size)
         chunks[receive].copy_(incoming)
 
 
 RING = [
     (_gather_sending_copies, "all_gather", True, ["all-gather phase works"]),
-    (collectives.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5",
+    (send_recv.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5",
                                                              "on new numbers each time"]),
-    (collectives.ring_reduce_scatter_phase, "reduce_scatter", True, ["reduce-scatter phase works"]),
+    (send_recv.ring_reduce_scatter_phase, "reduce_scatter", True, ["reduce-scatter phase works"]),
     (_gather_by_adding, "all_gather", False, ["added twice"]),
     (_gather_nothing, "all_gather", False, ["never reached it", "never called ring_shift"]),
     (_gather_without_copy, "all_gather", False, ["what arrived never landed in chunks: copy it in with copy_"]),

@@ -219,9 +219,9 @@ def test_a_module_called_twice_and_experts_called_per_piece_pass():
 
 
 def test_each_check_draws_new_data_so_no_answer_can_rebuild_other_ranks_experts():
-    from dtlib.checks import experts as module
+    from dtlib.checks import experts
 
-    first, second = module._build(3, "cpu", 1), module._build(3, "cpu", 2)
+    first, second = experts._build(3, "cpu", 1), experts._build(3, "cpu", 2)
     assert not torch.equal(first[0], second[0]) and not torch.equal(first[1].weight, second[1].weight)
     x, router, _ = moe_inputs(0, 3, "cpu", seed=5)
     chosen = router(x).topk(2, dim=-1).indices

@@ -106,9 +106,9 @@ def test_a_hanging_job_is_stopped_at_the_timeout():
 
 
 def test_train_without_a_runner_name_says_how():
-    from dtlib.train import cli as train
+    from dtlib.train import cli
 
-    assert train.main([]) == 2 and train.main(["lightning"]) == 2
+    assert cli.main([]) == 2 and cli.main(["lightning"]) == 2
 
 
 @pytest.mark.parametrize("command, ok, says", [

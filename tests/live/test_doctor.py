@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dtlib
-from dtlib.live import doctor as _doctor
+from dtlib.live import doctor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,13 +106,13 @@ def _rank(*entries: dict, noted: dict | None = None, members: dict | None = None
           world_size: int = 2):
     """What a rank answers the doctor: its recorder's dump, with what it noted (None: nothing noted)."""
     dump = {"entries": list(entries), "pg_config": {"": {"name": "", "desc": "", "ranks": "[]"}}}
-    return _doctor.from_flight_recorder(dump, noted, {"0": tuple(range(world_size)), **(members or {})}, raised)
+    return doctor.from_flight_recorder(dump, noted, {"0": tuple(range(world_size)), **(members or {})}, raised)
 
 
 def test_a_different_reduce_op_is_named():
     last = {0: _rank(_entry(1, "all_reduce", [[4]], [[4]], False), noted={("0", 1): (("op", "SUM"),)}),
             1: _rank(_entry(1, "all_reduce", [[4]], [[4]], True), noted={("0", 1): (("op", "MAX"),)})}
-    lines, verdict = _doctor.explain({0: "running", 1: "finished"}, last)
+    lines, verdict = doctor.explain({0: "running", 1: "finished"}, last)
     assert lines == ["rank 0 waits in all_reduce #1 (float32[4])", "rank 1 finished the cell after all_reduce #1 "
                      "(float32[4])"]
     assert verdict == ("the ranks disagree at collective #1: rank 0 calls all_reduce (float32[4], op=SUM), rank 1 "
@@ -125,7 +125,7 @@ def test_a_group_built_with_other_ranks_on_each_rank_is_named():
     last = {0: _rank(_entry(1, "all_reduce", [[4]], [[4]], False, group=group), members={"1": (0, 1)}),
             1: _rank(_entry(1, "all_reduce", [[4]], [[4]], False, group=group), members={"1": (1, 2)}),
             2: _rank(_entry(1, "all_reduce", [[4]], [[4]], False, group=group), members={"1": (1, 2)})}
-    verdict = _doctor.explain({0: "running", 1: "running", 2: "running"}, last)[1]
+    verdict = doctor.explain({0: "running", 1: "running", 2: "running"}, last)[1]
     assert verdict == ("the ranks disagree at collective #1 on group [0, 1]: rank 0 calls all_reduce (float32[4]) on "
                        "group [0, 1], rank 1 calls all_reduce (float32[4]) on group [1, 2]")
 
@@ -138,16 +138,16 @@ def test_a_group_built_with_other_ranks_on_each_rank_is_named():
 def test_different_sizes_or_dtypes_are_named(outputs, dtype, calls):
     last = {0: _rank(_entry(1, "all_gather", [[4]], outputs[0], False)),
             1: _rank(_entry(1, "all_gather", [[4]], outputs[1], False, dtype=dtype))}
-    assert _doctor.explain({0: "running", 1: "running"}, last)[1] == f"the ranks disagree at collective #1: {calls}"
+    assert doctor.explain({0: "running", 1: "running"}, last)[1] == f"the ranks disagree at collective #1: {calls}"
 
 
 def test_the_same_arguments_only_when_every_field_was_recorded_and_matched():
     broadcast = _entry(1, "broadcast", [[4]], [[4]], False)
     same = {rank: _rank(broadcast, noted={("0", 1): (("src", "0"),)}) for rank in (0, 1)}
-    assert _doctor.explain({0: "running", 1: "running"}, same)[1].startswith(
+    assert doctor.explain({0: "running", 1: "running"}, same)[1].startswith(
         "every rank waits in collective #1 with the same arguments: it is stuck below Python")
     unnoted = {rank: _rank(broadcast) for rank in (0, 1)}  # e.g. a call made without the notes installed
-    verdict = _doctor.explain({0: "running", 1: "running"}, unnoted)[1]
+    verdict = doctor.explain({0: "running", 1: "running"}, unnoted)[1]
     assert verdict.startswith("every rank waits in collective #1 with the same call, tensors, output sizes and group "
                               "(src was not recorded: check on every rank that it is the same)"), verdict
     assert "same arguments" not in verdict
@@ -163,17 +163,17 @@ def test_each_ranks_state_is_named_finished_raised_inside_never_called():
                      world_size=4),
             3: _rank(before, noted=noted, world_size=4)}
     states = {0: "running", 1: "finished", 2: "failed", 3: "finished"}
-    lines, verdict = _doctor.explain(states, last)
+    lines, verdict = doctor.explain(states, last)
     assert lines == ["rank 0 waits in all_reduce #3 (float32[4])",
                      "rank 1 finished the cell after all_reduce #3 (float32[4])",
                      "rank 2 raised ValueError inside all_reduce #3",
                      "rank 3 finished the cell after all_reduce #2 (float32[4])"]
     assert verdict.startswith("rank 0 waits in collective #3, inside which rank 2 raised an error"), verdict
     last[2], states[2] = _rank(before, waiting, noted=noted, world_size=4), "running"  # rank 2 waits too: rank 3 ...
-    assert _doctor.explain(states, last)[1].startswith("ranks 0 and 2 are alone in collective #3: rank 3 never called "
+    assert doctor.explain(states, last)[1].startswith("ranks 0 and 2 are alone in collective #3: rank 3 never called "
                                                        "it")  # ... never called it; rank 1 finished it: not missing
     last[3], states[3] = _rank(before, noted=noted, world_size=4), "failed"  # raised, but not inside the call
-    assert "rank 3 raised an error before calling it" in _doctor.explain(states, last)[1]
+    assert "rank 3 raised an error before calling it" in doctor.explain(states, last)[1]
 
 
 def test_profiling_names_become_the_torch_distributed_call():
@@ -182,10 +182,10 @@ def test_profiling_names_become_the_torch_distributed_call():
                             "barrier"), ("nccl:_allgather_base", "all_gather_into_tensor"),
                             ("gloo:all_reduce", "all_reduce")]:
         entry = {**_entry(1, "x", [[4]], [[4]], True), "profiling_name": profiling, "frames": []}
-        assert _doctor.from_flight_recorder({"entries": [entry]}).op == call
+        assert doctor.from_flight_recorder({"entries": [entry]}).op == call
     gloo_reduce_scatter = _entry(1, "all_reduce", [[2]], [[2]], True, stack=(
         "reduce_scatter_single", "reduce_scatter_tensor"))  # as torch 2.13 records it: the outermost frame is the call
-    assert _doctor.from_flight_recorder({"entries": [gloo_reduce_scatter]}).op == "reduce_scatter_tensor"
+    assert doctor.from_flight_recorder({"entries": [gloo_reduce_scatter]}).op == "reduce_scatter_tensor"
 
 
 # -- the oracle: a real recorder, and what each rank notes beside it ---------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dtlib
-from dtlib.live import doctor as _doctor
+from dtlib.live import doctor
 from dtlib.live.doctor import Collective
 from dtlib.live.rankview import RankValues, compare
 
@@ -92,9 +92,19 @@ def test_mismatched_collectives_are_named_by_number(unchecked):
     assert unchecked.run("rank") == [0, 1]
 
 
-def test_checked_ranks_refuse_a_mismatch_before_any_data_moves(ranks):
-    """By default each collective is compared across ranks first: a mismatch raises at once on every rank,
-    each naming its own call, and the ranks keep their variables (nothing was sent)."""
+@pytest.fixture(scope="module")
+def checked():
+    live = dtlib.LiveRanks(2, backend="gloo", timeout=60, check_collectives=True)  # the default from torch 2.13
+    try:
+        yield live
+    finally:
+        live.close()
+
+
+def test_checked_ranks_refuse_a_mismatch_before_any_data_moves(checked):
+    """Each collective is compared across ranks first: a mismatch raises at once on every rank, each naming
+    its own call, and the ranks keep their variables (nothing was sent)."""
+    ranks = checked
     ranks.run("kept = rank + 70")
     for code, mine in ((MISMATCHED, ("all_reduce (float32[3])", "barrier")),
                        (SHORTER, ("all_reduce (float32[4])", "all_reduce (float32[3])"))):
@@ -237,7 +247,7 @@ def _core(record: Collective | None) -> tuple | None:
      "recorded: check on every rank that it is the same)"),
 ])
 def test_the_doctor_finds_where_the_ranks_disagree(states, last, verdict):
-    lines, found = _doctor.explain(states, last)
+    lines, found = doctor.explain(states, last)
     assert found.startswith(verdict), found
     assert len(lines) == len(states)
 
@@ -265,7 +275,7 @@ def _stack(call: str) -> str:
 ])
 def test_the_doctor_reads_a_blocked_send_or_recv_from_the_stacks(stacks, lines, verdict):
     """gloo's Flight Recorder records no point-to-point call: the stacks say where such a rank waits."""
-    found_lines, found = _doctor.explain({0: "running", 1: "running"}, {0: None, 1: None}, stacks)
+    found_lines, found = doctor.explain({0: "running", 1: "running"}, {0: None, 1: None}, stacks)
     assert found_lines == lines
     assert found.startswith(verdict), found
 
@@ -285,9 +295,9 @@ def test_a_send_first_ring_on_live_ranks_is_named_by_the_doctor_and_its_fix_runs
 
 
 def test_a_group_is_broken_when_a_rank_is_stuck_or_the_ranks_did_different_numbers_of_collectives():
-    assert _doctor.group_is_broken({0: "running", 1: "finished"}, {0: None, 1: None})
-    assert _doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 1, True)})
-    assert not _doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 2, True)})
+    assert doctor.group_is_broken({0: "running", 1: "finished"}, {0: None, 1: None})
+    assert doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 1, True)})
+    assert not doctor.group_is_broken({0: "finished", 1: "finished"}, {0: _c("x", 2, True), 1: _c("x", 2, True)})
 
 
 def test_flight_recorder_entries_become_collectives():
@@ -296,11 +306,11 @@ def test_flight_recorder_entries_become_collectives():
          "input_sizes": [[4]], "input_dtypes": ["Float"], "retired": True, "process_group": ("0", "default_pg")},
         {"record_id": 1, "collective_seq_id": 2, "profiling_name": "gloo:broadcast", "time_created_ns": 2,
          "input_sizes": [[2, 3]], "input_dtypes": ["BFloat16"], "retired": False, "process_group": ("1", "tp")}]}
-    assert _core(_doctor.from_flight_recorder(dump)) == ("broadcast", 2, "tp", ("bfloat16[2, 3]",), False)
-    assert _doctor.from_flight_recorder(dump).describe() == "broadcast #2 (bfloat16[2, 3]) on group tp"
-    assert _core(_doctor.from_flight_recorder(dump).others[0]) == ("all_reduce", 1, "default_pg", ("float32[4]",),
+    assert _core(doctor.from_flight_recorder(dump)) == ("broadcast", 2, "tp", ("bfloat16[2, 3]",), False)
+    assert doctor.from_flight_recorder(dump).describe() == "broadcast #2 (bfloat16[2, 3]) on group tp"
+    assert _core(doctor.from_flight_recorder(dump).others[0]) == ("all_reduce", 1, "default_pg", ("float32[4]",),
                                                                    True)  # its newest on every other group
-    assert _doctor.from_flight_recorder({"entries": []}) is None
+    assert doctor.from_flight_recorder({"entries": []}) is None
 
 
 # -- side by side ----------------------------------------------------------------------------
@@ -396,11 +406,11 @@ def test_under_nccl_the_oldest_unfinished_record_is_where_the_rank_waits():
     dump = {"entries": [_nccl_entry(0, "nccl:all_reduce", 1, "completed", p2p=False),
                         _nccl_entry(1, "nccl:send 0->1", 1, "scheduled"),
                         _nccl_entry(2, "nccl:recv 0<-1", 2, "scheduled")]}
-    assert _core(_doctor.from_flight_recorder(dump)) == ("send", 1, "default_pg", ("float32[4]",), False)
+    assert _core(doctor.from_flight_recorder(dump)) == ("send", 1, "default_pg", ("float32[4]",), False)
     dump["entries"][1].update(state="completed", retired=True)
-    assert _core(_doctor.from_flight_recorder(dump)) == ("recv", 2, "default_pg", ("float32[4]",), False)
+    assert _core(doctor.from_flight_recorder(dump)) == ("recv", 2, "default_pg", ("float32[4]",), False)
     dump["entries"][2].update(state="completed", retired=True)
-    assert _doctor.from_flight_recorder(dump).describe() == "recv #2 (float32[4])"  # all done: the newest
+    assert doctor.from_flight_recorder(dump).describe() == "recv #2 (float32[4])"  # all done: the newest
 
 
 def test_a_send_first_ring_under_nccl_is_named_from_nccls_records():
@@ -408,23 +418,23 @@ def test_a_send_first_ring_under_nccl_is_named_from_nccls_records():
     the words gloo's stacks give (notebook 02 checks that output, whichever backend runs it)."""
     last = {0: _c("send", 1, False, "float32[4]"), 1: _c("send", 1, False, "float32[4]")}
     stacks = {0: _stack("tolist"), 1: _stack("tolist")}
-    lines, verdict = _doctor.explain({0: "running", 1: "running"}, last, stacks)
+    lines, verdict = doctor.explain({0: "running", 1: "running"}, last, stacks)
     assert lines == ["rank 0 waits in send", "rank 1 waits in send"]
     assert verdict.startswith("every running rank waits in a blocking send, and none in a recv")
     last[1] = _c("recv", 1, False, "float32[4]")
-    assert _doctor.explain({0: "running", 1: "running"}, last, stacks)[1].startswith(
+    assert doctor.explain({0: "running", 1: "running"}, last, stacks)[1].startswith(
         "the ranks wait in sends and recvs that do not pair up")
 
 
 def test_without_nccls_records_the_doctor_says_so_instead_of_a_verdict():
-    last = {0: _doctor.NO_NCCL_RECORD, 1: _doctor.NO_NCCL_RECORD}
-    lines, verdict = _doctor.explain({0: "running", 1: "finished"}, last, {0: _stack("tolist")})
+    last = {0: doctor.NO_NCCL_RECORD, 1: doctor.NO_NCCL_RECORD}
+    lines, verdict = doctor.explain({0: "running", 1: "finished"}, last, {0: _stack("tolist")})
     assert lines == ["rank 0 runs Python code (no record of its NCCL calls)",
                      "rank 1 finished the cell (no record of its NCCL calls)"]
     assert verdict.startswith("no verdict: under NCCL") and "rank 0" in verdict
-    assert _doctor.explain({0: "running", 1: "running"}, last, {0: _stack("send"), 1: _stack("send")})[1].startswith(
+    assert doctor.explain({0: "running", 1: "running"}, last, {0: _stack("send"), 1: _stack("send")})[1].startswith(
         "every running rank waits in a blocking send")  # a CPU stuck in send is still read from its stack
-    assert not _doctor.group_is_broken({0: "finished", 1: "finished"}, last)
+    assert not doctor.group_is_broken({0: "finished", 1: "finished"}, last)
 
 
 def test_a_rank_under_nccl_reads_nccls_recorder_or_says_it_has_none(monkeypatch):
@@ -437,13 +447,13 @@ def test_a_rank_under_nccl_reads_nccls_recorder_or_says_it_has_none(monkeypatch)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *a: pickle.dumps({"entries": []}), raising=False)
     monkeypatch.delattr(c10d, "_dump_nccl_trace", raising=False)
-    assert _doctor.last_collectives() is _doctor.NO_NCCL_RECORD
+    assert doctor.last_collectives() is doctor.NO_NCCL_RECORD
     dump = {"entries": [_nccl_entry(0, "nccl:send 0->1", 1, "scheduled"), _nccl_entry(1, "nccl:recv 0<-1", 2,
                                                                                           "scheduled")]}
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a: pickle.dumps(dump), raising=False)
-    assert _core(_doctor.last_collectives()) == ("send", 1, "default_pg", ("float32[4]",), False)
+    assert _core(doctor.last_collectives()) == ("send", 1, "default_pg", ("float32[4]",), False)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # gloo alone: NCCL's dump is not read
-    assert _doctor.last_collectives() is None
+    assert doctor.last_collectives() is None
 
 
 def _recorded(rank, world_size):
@@ -520,7 +530,7 @@ def test_collectives_that_disagree_across_ranks_raise_naming_both_sides(leftover
     """A float32 all-reduce on rank 0 against an int32 one on rank 1 returned garbage with no word; live ranks
     now compare each collective's signature across ranks first (torch's DETAIL mode), unless told not to."""
     code = "t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32)\ndist.all_reduce(t)\nt.sum().item()"
-    with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60, check_collectives=True) as live:
         pids = live.run("import os\nos.getpid()")
         with pytest.raises(dtlib.WorkerError) as caught:
             live.run(code)
@@ -531,7 +541,7 @@ def test_collectives_that_disagree_across_ranks_raise_naming_both_sides(leftover
     leftovers.assert_clean(pids)
     with dtlib.LiveRanks(2, backend="gloo", timeout=60, check_collectives=False) as live:
         live.run(code)  # unchecked: no error, whatever rank 1 now holds
-    with pytest.raises(TypeError, match="check_collectives must be True or False"):
+    with pytest.raises(TypeError, match="check_collectives must be True, False or None"):
         dtlib.LiveRanks(2, check_collectives="yes")
 
 

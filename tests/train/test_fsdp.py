@@ -594,8 +594,8 @@ def test_gradient_bytes_are_whole_while_the_sync_is_held_back_and_sharded_after(
 
 def _bookkeeping_per_step(rank: int, world_size: int) -> dict[str, object]:
     """In a rank: train FSDP2 for 5 steps, noting the step each of the runner's own measurements ran in."""
-    from dtlib.measure import memory as memory_module
-    from dtlib.train import fsdp as fsdp_runner
+    from dtlib.measure import memory
+    from dtlib.train import fsdp
 
     steps: list[int] = []
     current = {"step": -1}
@@ -612,11 +612,11 @@ def _bookkeeping_per_step(rank: int, world_size: int) -> dict[str, object]:
         current["step"] += 1
         return real_zero_grad(self, *args, **kwargs)
 
-    memory_module.measured = counted(memory_module.measured)
-    fsdp_runner.saved_for_backward = counted(fsdp_runner.saved_for_backward)
+    memory.measured = counted(memory.measured)
+    fsdp.saved_for_backward = counted(fsdp.saved_for_backward)
     torch.optim.Optimizer.zero_grad = zero_grad
     current["step"] = 0
-    result = fsdp_runner.train(rank, world_size, FSDPConfig(steps=5))
+    result = fsdp.train(rank, world_size, FSDPConfig(steps=5))
     return {"steps": steps, "times": len(result.step_times_s), "saved": result.saved_for_backward_bytes,
             "at_rest": sum(result.memory_at_rest.values()), "after_forward": result.parameters_after_forward}
 

@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dtlib
 from dtlib import compat
 from dtlib.launch.files import write_digests
-from dtlib.train import common as runs
-from dtlib.train import data, fsdp, fsdp_checkpoint, fsdp_wrap, models
+from dtlib.train import common, data, fsdp, fsdp_checkpoint, fsdp_wrap, models
 from dtlib.train.fsdp import FSDPConfig
 
 SAVED_AT = 3
@@ -33,7 +32,7 @@ CASES = [(api, kind) for api in ("fsdp2", "fsdp1") for kind in ("sharded", "full
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """``{(api, kind): (directory, losses, printed)}``: ``runs.stop_and_resume`` on 2 ranks, 6 steps, stopped
+    """``{(api, kind): (directory, losses, printed)}``: ``common.stop_and_resume`` on 2 ranks, 6 steps, stopped
     after SAVED_AT; its checkpoint directory is kept to look at, and the ranks' output relayed and caught."""
     out = {}
     for api, kind in CASES:
@@ -42,8 +41,8 @@ def resumed(tmp_path_factory):
         printed = io.StringIO()
         with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed), \
                 contextlib.redirect_stderr(printed):
-            patch.setattr(runs, "tempfile", kept)  # only stop_and_resume() sees it
-            losses = runs.stop_and_resume(fsdp.run, FSDPConfig(api=api, checkpoint_kind=kind), steps=6,
+            patch.setattr(common, "tempfile", kept)  # only stop_and_resume() sees it
+            losses = common.stop_and_resume(fsdp.run, FSDPConfig(api=api, checkpoint_kind=kind), steps=6,
                                           stop_after=SAVED_AT, location="checkpoint_dir", output="all")
         out[api, kind] = directory, losses, printed.getvalue()
     return out

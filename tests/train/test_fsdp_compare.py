@@ -10,8 +10,7 @@ import torch
 
 from dtlib import compat
 from dtlib.measure import memory
-from dtlib.train import common as runs
-from dtlib.train import fsdp, fsdp_compare, models
+from dtlib.train import common, fsdp, fsdp_compare, models
 from dtlib.train.fsdp import FSDPConfig
 from dtlib.train.fsdp_compare import StrategyRow, bytes_sent_per_rank
 
@@ -27,7 +26,7 @@ def test_resume_rejects_a_bad_stop_after(monkeypatch, stop_after, steps):
     monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
     monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
     with pytest.raises(ValueError, match=rf"need 0 < stop_after < steps, got {stop_after} and {steps}"):
-        runs.stop_and_resume(fsdp.run, FSDPConfig(), steps=steps, stop_after=stop_after,  # spawn never ran
+        common.stop_and_resume(fsdp.run, FSDPConfig(), steps=steps, stop_after=stop_after,  # spawn never ran
                              location="checkpoint_dir")
 
 

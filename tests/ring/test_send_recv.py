@@ -10,18 +10,18 @@ import torch.distributed as dist
 
 import dtlib
 from dtlib import ring
-from dtlib.ring import send_recv as collectives
+from dtlib.ring import send_recv
 
 
 def test_starting_values_say_which_rank_and_slot_they_came_from():
-    assert collectives.starting_values(2, 4).tolist() == [20.5, 21.5, 22.5, 23.5]
-    assert collectives.starting_values(0, 3, device="meta").device.type == "meta"  # made on the rank's device
+    assert send_recv.starting_values(2, 4).tolist() == [20.5, 21.5, 22.5, 23.5]
+    assert send_recv.starting_values(0, 3, device="meta").device.type == "meta"  # made on the rank's device
 
 
 def _ring_against_oracles(rank, world_size, length):
     generator = torch.Generator().manual_seed(rank)
     data = torch.randn(length, generator=generator, dtype=torch.float64).to(dtlib.rank_device())  # NCCL: its GPU
-    ours = collectives.ring_all_reduce(data.clone())
+    ours = send_recv.ring_all_reduce(data.clone())
     theirs = data.clone()
     dist.all_reduce(theirs)
     return {"input": data.tolist(), "ours": ours.tolist(), "theirs": theirs.tolist()}
@@ -41,8 +41,8 @@ def test_send_recv_ring_equals_dist_all_reduce_and_the_simulator(world_size, len
 def _ring_on_a_matrix(rank, world_size):
     matrix = torch.full((3, 4), float(rank + 1), device=dtlib.rank_device())  # (3, 4), contiguous
     column_major = torch.full((4, 3), float(rank + 1), device=dtlib.rank_device()).t()  # (3, 4), not contiguous
-    collectives.ring_all_reduce(matrix)
-    collectives.ring_all_reduce(column_major)
+    send_recv.ring_all_reduce(matrix)
+    send_recv.ring_all_reduce(column_major)
     return matrix.tolist(), column_major.tolist()
 
 
@@ -64,7 +64,7 @@ def _shifts_as_posted(rank, world_size):
     dist.batch_isend_irecv = recording
     try:
         received = torch.empty(2, device=dtlib.rank_device())
-        collectives.ring_shift(torch.full((2,), float(rank), device=received.device), received, rank, world_size)
+        send_recv.ring_shift(torch.full((2,), float(rank), device=received.device), received, rank, world_size)
     finally:
         dist.batch_isend_irecv = original
     return posted, received.tolist()

@@ -8,39 +8,40 @@ import time
 import nbformat
 import pytest
 
-from dtlib.bench import targets as check
+from dtlib.bench import targets
 from dtlib.bench.__main__ import main
 
 
 def test_the_best_attempt_counts_against_the_limit():
-    result = check.best_of("spawn", "a ratio", 1.15, "x", [1.4, 1.1, 1.3])
+    result = targets.best_of("spawn", "a ratio", 1.15, "x", [1.4, 1.1, 1.3])
     assert result.measured == 1.1 and result.met and result.attempts == (1.4, 1.1, 1.3)
-    assert not check.best_of("forkserver", "seconds", 0.15, "s", [0.2, 0.16]).met
+    assert not targets.best_of("forkserver", "seconds", 0.15, "s", [0.2, 0.16]).met
     with pytest.raises(ValueError, match="no attempt"):
-        check.best_of("ring", "a ratio", 2.0, "x", [])
+        targets.best_of("ring", "a ratio", 2.0, "x", [])
 
 
 def test_the_table_prints_every_target_and_names_the_misses():
-    results = [check.best_of("spawn", "ratio", 1.15, "x", [1.1]), check.best_of("forkserver", "s", 0.15, "s", [0.2])]
-    table = check.format_table(results)
+    results = [targets.best_of("spawn", "ratio", 1.15, "x", [1.1]),
+               targets.best_of("forkserver", "s", 0.15, "s", [0.2])]
+    table = targets.format_table(results)
     assert "spawn" in table and "1.1x" in table and "met" in table
     assert "MISSED" in table and table.endswith("1 of 2 targets met; missed: forkserver")
 
 
 def test_bad_choices_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="unknown target.*bogus"):
-        check.run(["bogus"])
+        targets.run(["bogus"])
     with pytest.raises(ValueError, match="repeats must be >= 1"):
-        check.run(["simulator"], repeats=0)
+        targets.run(["simulator"], repeats=0)
     with pytest.raises(FileNotFoundError, match="no notebooks"):
-        check.run(["notebooks"], notebooks=check.Path("/nonexistent"))
+        targets.run(["notebooks"], notebooks=targets.Path("/nonexistent"))
 
 
 @pytest.mark.timeout(120)
 def test_the_simulator_target_is_measured_with_its_repeats_within_the_calls_own_time():
     """Oracle: the clock around the call; its attempts run one after another inside it."""
     start = time.perf_counter()
-    (result,) = check.run(["simulator"], repeats=2)
+    (result,) = targets.run(["simulator"], repeats=2)
     elapsed = time.perf_counter() - start
     assert result.name == "simulator" and len(result.attempts) == 2 and result.limit == 2.0
     assert result.measured == min(result.attempts) and 0 < sum(result.attempts) <= elapsed
@@ -54,7 +55,7 @@ def test_a_notebook_is_timed_in_a_fresh_kernel_in_its_folder(tmp_path):
                                                nbformat.v4.new_code_cell("import time; time.sleep(0.5)")])
     nbformat.write(notebook, tmp_path / "nb.ipynb")
     start = time.perf_counter()
-    seconds = check.notebook_seconds(tmp_path / "nb.ipynb")
+    seconds = targets.notebook_seconds(tmp_path / "nb.ipynb")
     assert 0.5 <= seconds <= time.perf_counter() - start
 
 
@@ -63,12 +64,12 @@ def test_a_measurement_that_gives_two_targets_runs_once_and_only_the_asked_ones_
 
     def fake(repeats):
         calls.append(repeats)
-        return [check.best_of("overhead", "x", 1.05, "x", [1.0]), check.best_of("ring", "x", 2.0, "x", [1.5])]
+        return [targets.best_of("overhead", "x", 1.05, "x", [1.0]), targets.best_of("ring", "x", 2.0, "x", [1.5])]
 
-    monkeypatch.setitem(check.TARGETS, "overhead", fake)
-    monkeypatch.setitem(check.TARGETS, "ring", fake)
-    assert [r.name for r in check.run(["overhead", "ring"], repeats=2)] == ["overhead", "ring"]
-    assert [r.name for r in check.run(["ring"])] == ["ring"]
+    monkeypatch.setitem(targets.TARGETS, "overhead", fake)
+    monkeypatch.setitem(targets.TARGETS, "ring", fake)
+    assert [r.name for r in targets.run(["overhead", "ring"], repeats=2)] == ["overhead", "ring"]
+    assert [r.name for r in targets.run(["ring"])] == ["ring"]
     assert calls == [2, 3]
 
 

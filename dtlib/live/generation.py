@@ -1,7 +1,7 @@
 """The kernel's side of one generation of live ranks: their job, and their answers.
 
 :class:`dtlib.LiveRanks` starts a generation, sends it commands and, when a collective leaves the
-process group unusable, closes it and starts the next. The ranks' side is :mod:`dtlib.live.rank`.
+process group unusable, closes it and starts the next. The ranks' side is :mod:`dtlib.live.server`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from dtlib.errors import RankFailure
 from dtlib.launch.job import Job, RankState
 from dtlib.launch.processes import HeldInterrupts, end_tree, send
 from dtlib.launch.spawn import finish, start_job
-from dtlib.live import doctor as _doctor
-from dtlib.live import rank as _live_rank
+from dtlib.live import doctor, server
 
 INTERRUPT_WAIT_S = 2.0  # after SIGINT, how long a rank may take to stop its cell before the ranks restart
 DOCTOR_WAIT_S = 1.0  # how long to wait for the ranks' Flight Recorder answers
@@ -26,20 +25,20 @@ ERROR_GRACE_S = 1.0  # after one rank's error, how long the others may take to f
 EXIT_GRACE_S = 10.0  # at close, how long ranks may take to leave their process group
 
 
-class Ranks:
+class Generation:
     """One generation of live ranks: the job, and what each rank answered to the current command."""
 
     def __init__(self, world_size: int, backend: str, method: str, env: dict[str, str] | None = None) -> None:
         self.job = Job(world_size, "all", method, channels=2)
         self.answers: dict[int, tuple[str, Any]] = {}
         self.doctor: dict[int, Any] = {}
-        payload = cloudpickle.dumps((_live_rank.serve, (), {}))
+        payload = cloudpickle.dumps((server.serve, (), {}))
         try:
-            start_job(self.job, method, payload, {}, backend, env={**_doctor.FR_ENV, **(env or {})})
+            start_job(self.job, method, payload, {}, backend, env={**doctor.FR_ENV, **(env or {})})
             for state in self.job.ranks:
-                commands, doctor = state.channels
+                commands, answers = state.channels
                 self.job.watch(state, commands, self._take_answer)
-                self.job.watch(state, doctor, self._take_doctor)
+                self.job.watch(state, answers, self._take_doctor)
         except BaseException:
             self.close()
             raise
@@ -93,7 +92,7 @@ class Ranks:
         self.job.step(0.0)
         self.job.relay.flush(final=True)
 
-    def ask_doctor(self) -> dict[int, _doctor.Collective | None]:
+    def ask_doctor(self) -> dict[int, doctor.Collective | None]:
         self.doctor.clear()
         for state in self.job.ranks:
             try:
@@ -135,7 +134,7 @@ class Ranks:
         held.deliver()
 
 
-def close_quietly(holder: list[Ranks | None]) -> None:
+def close_quietly(holder: list[Generation | None]) -> None:
     """At garbage collection or interpreter exit: no rank outlives the kernel."""
     ranks, holder[0] = holder[0], None
     if ranks is not None:
