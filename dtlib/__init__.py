@@ -5,11 +5,11 @@ errors. The packages, one concern each, top layer first (each imports only from 
 
 - ``bench``: ``python -m dtlib.bench <what>``; nothing imports it;
 - ``checks``, ``plots`` and ``examples``: exercise checkers, drawings, scripts for torchrun;
-- ``train``: models, data, the DDP and FSDP runners, ``python -m dtlib.train``;
+- ``train`` and ``sim``: models, data, the DDP and FSDP runners, ``python -m dtlib.train``; the simulated cluster;
 - ``measure`` and ``ring``: counting and measuring inside ranks; the ring simulator and the real ring;
 - ``live``: live ranks, the hang doctor, ``%%ranks``;
 - ``launch``: ``spawn``, ``run``, the workers, a rank's device, torchrun;
-- ``compat``, ``errors``, ``feedback``: torch versions, exceptions, a checker's verdict.
+- ``compat``, ``errors``, ``arguments``: torch versions, exceptions, checked arguments.
 
 Packages load on first use (``dtlib.plots``, ``dtlib.train.fsdp``), so ``import dtlib`` stays light inside
 every rank.

@@ -1,6 +1,6 @@
 """Exercise checkers: each says what is right or, precisely, what is wrong.
 
-A checker returns :class:`dtlib.feedback.Feedback`; the notebook shows it as the cell's value.
+A checker returns :class:`dtlib.checks.feedback.Feedback`; the notebook shows it as the cell's value.
 Checkers never raise on a wrong answer: a wrong answer is the normal case.
 
 Example::
@@ -21,11 +21,11 @@ One module per kind of exercise, every checker named here:
 from dtlib.checks.answers import backend_choice, fsdp_memory, strategy_choice, torchrun_command
 from dtlib.checks.cluster import largest_micro_batch, smallest_pipeline
 from dtlib.checks.experts import expert_parallel_moe
+from dtlib.checks.feedback import Feedback
 from dtlib.checks.parallel import mesh_for_nodes, pipeline_micro_batches, softmax_merge, tensor_parallel_mlp
 from dtlib.checks.ranks import average_of_ranks, fixed_barrier, sum_of_ranks
 from dtlib.checks.ring_phases import ring_phase
 from dtlib.checks.training import fsdp_wrap, gradient_hook
-from dtlib.feedback import Feedback
 
 __all__ = ["Feedback", "average_of_ranks", "backend_choice", "expert_parallel_moe", "fixed_barrier", "fsdp_memory",
            "fsdp_wrap", "gradient_hook", "largest_micro_batch", "mesh_for_nodes", "pipeline_micro_batches",

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dtlib.feedback import Feedback
+from dtlib.checks.feedback import Feedback
 from dtlib.launch import torchrun
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory

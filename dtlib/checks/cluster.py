@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtlib.checks._numbers import whole_answer
-from dtlib.feedback import Feedback
+from dtlib.checks.feedback import Feedback
 from dtlib.sim.llama import LLAMA
 from dtlib.sim.step import Simulated, simulate
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError
-from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.measure.counting import watching
 

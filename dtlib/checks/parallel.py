@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtlib.checks._numbers import whole_answer
+from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import CALL_NAMES, watching
+from dtlib.measure.stages import pipeline_bubble
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
 
@@ -410,15 +411,6 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
                               "halves (section 5), the same bytes on a ring; one dist.all_reduce(y) does both in one "
                               "call.")
     return verdict
-
-
-def pipeline_bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """The idle share of a pipeline step with equal stages and free communication: (p - 1) / (v m + p - 1) for
-    p stages' ranks, m micro-batches and v stages per rank (1 for GPipe and 1F1B; 2 or more interleaved).
-    Example: ``pipeline_bubble(4, 8)`` is 3 / 11."""
-    if stages < 1 or micro_batches < 1 or chunks < 1:
-        raise ValueError(f"stages, micro_batches and chunks must be >= 1, got {stages}, {micro_batches}, {chunks}")
-    return (stages - 1) / (chunks * micro_batches + stages - 1)
 
 
 def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, batch: int = 64) -> Feedback:

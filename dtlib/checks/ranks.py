@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dtlib.checks._numbers import constant_factor
+from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import (
     UNREADABLE,
     Answer,
@@ -32,7 +33,6 @@ from dtlib.checks.skeleton import (
     same_collectives_hang,
 )
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
-from dtlib.feedback import Feedback
 
 #: The collectives that move a rank's data to others (a barrier and a receive carry none of the rank's own).
 _SENDING = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter",

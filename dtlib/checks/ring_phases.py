@@ -15,8 +15,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import Answer, RankExercise, judge
-from dtlib.feedback import Feedback
 from dtlib.measure.counting import count_collectives
 from dtlib.ring import chunk_bounds, send_recv
 

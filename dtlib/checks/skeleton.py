@@ -16,7 +16,7 @@ process (random, rank-dependent), hands rank ``r`` its own on ``dtlib.rank_devic
 right value from all of them in one process (``expected``, the oracle). Each collective a rank calls is
 recorded (:class:`Carried`: what it sent, what it received), so hints and ``moved`` can say what it carried.
 
-Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.feedback.Feedback`.
+Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from dtlib.checks.feedback import Feedback
 from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.launch.pickling import CannotSend
 from dtlib.launch.spawn import spawn

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dtlib.checks._numbers import constant_divisor
+from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
 from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.feedback import Feedback
-from dtlib.launch.entry import rank_device
+from dtlib.launch.entry import device_ids, rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
 from dtlib.measure.counting import CALL_NAMES, count_collectives, rank_without_communication, watching
@@ -81,7 +81,7 @@ def _your_hook_against_ddp(hook: Callable[[Any], Any], seed: int, rank: int, wor
         param.register_hook(_watched(hook, report))
     _, calls = count_collectives(lambda: models.loss_fn("mlp", yours(x[mine]), y[mine]).backward())
     reference = DistributedDataParallel(models.build("mlp", seed=0).to(device),
-                                        device_ids=[device.index] if device.type == "cuda" else None)
+                                        device_ids=device_ids(device))
     models.loss_fn("mlp", reference(x[mine]), y[mine]).backward()
     local = models.build("mlp", seed=0).to(device)
     models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
@@ -384,7 +384,7 @@ def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: in
         if next(module.parameters(recurse=False), None) is not None:
             module.register_forward_hook(record)
     reference = DistributedDataParallel(models.build("transformer", seed=0).to(device),
-                                        device_ids=[device.index] if device.type == "cuda" else None)
+                                        device_ids=device_ids(device))
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
     batches = data.batches(data.tokens(64), world_size, rank, batch_size=4)
     losses: dict[str, list[float]] = {"yours": [], "ddp": []}

@@ -167,6 +167,15 @@ def _cycles_per_second(device: torch.device) -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
+def pipeline_bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle share of a pipeline step with equal stages and free communication: (p - 1) / (v m + p - 1) for
+    p stages' ranks, m micro-batches and v stages per rank (1 for GPipe and 1F1B; 2 or more interleaved).
+    Example: ``pipeline_bubble(4, 8)`` is 3 / 11."""
+    if stages < 1 or micro_batches < 1 or chunks < 1:
+        raise ValueError(f"stages, micro_batches and chunks must be >= 1, got {stages}, {micro_batches}, {chunks}")
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
+
+
 def bubble(spans_per_rank: Sequence[Sequence[Span]]) -> float:
     """The share of the ranks' time idle between the step's first start and its last end, all ranks together:
     1 - (time busy, summed over ranks) / (ranks x the step's length). Example: two ranks busy 3 s each

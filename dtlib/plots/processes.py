@@ -8,14 +8,14 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from dtlib.launch.sysinfo import MachineInfo
+from dtlib.measure.machine import MachineInfo
 from dtlib.plots._style import COLORS, _arrow, _box, _canvas
 
 
 def machine(info: MachineInfo) -> Figure:
     """This machine as the course sees it: CPU cores, GPUs, and the backends torch has.
 
-    Example: ``dtlib.plots.machine(dtlib.launch.sysinfo.machine_info())``.
+    Example: ``dtlib.plots.machine(dtlib.measure.machine.machine_info())``.
     """
     fig, ax = _canvas(9, 3.6, "What this machine offers for distributed training")
     cores = max(1, info.usable_cpus)

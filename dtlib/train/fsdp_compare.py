@@ -18,6 +18,7 @@ from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
+from dtlib.ring.cost import BUS_FACTOR
 from dtlib.train import fsdp_checkpoint, fsdp_wrap, models
 from dtlib.train.common import slowest_median_step_s
 from dtlib.train.fsdp import FSDPConfig, FSDPResult, run
@@ -105,9 +106,9 @@ def bytes_sent_per_rank(row: StrategyRow) -> float:
     sent = 0.0
     for kind, totals in row.comm.items():
         if kind == "all_reduce":
-            sent += totals["bytes"] * 2 * (r - 1) / r
+            sent += totals["bytes"] * BUS_FACTOR["allreduce"](r)
         else:
-            sent += totals["bytes"] * (g - 1) / g
+            sent += totals["bytes"] * BUS_FACTOR["allgather"](g)  # a reduce-scatter's share is the same
     return sent
 
 

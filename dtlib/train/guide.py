@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from dtlib.arguments import finite, whole
 from dtlib.measure import memory
+from dtlib.ring.cost import BUS_FACTOR
 
 ACTIVATION_RESERVE = 0.3  # share of each GPU kept for activations, buffers and fragmentation
 CHECKPOINTING_RESERVE = 0.1  # what is left with activation checkpointing; the buffers' share with activation_gb
@@ -141,12 +142,12 @@ def cross_node_gb(num_params: float, num_gpus: int, nodes: int, *, mixed_precisi
     if nodes == 1:
         return dict.fromkeys(CHOICES, 0.0)
     per_node = num_gpus // nodes
-    spread = (num_gpus - 1) / num_gpus
+    spread = BUS_FACTOR["allgather"](num_gpus)  # the ring: (N - 1) / N of the bytes cross each link
     flat = num_params / per_node / 1e9  # a collective over all N: one crossing per node, over its g links
     ddp = 2 * spread * 4 * flat
     return {"DDP": ddp, "DDP + activation checkpointing": ddp,
             "FSDP, no reshard after forward": spread * (compute + 4) * flat,
-            "HSDP": 2 * (nodes - 1) / nodes * 4 * num_params / per_node / 1e9,
+            "HSDP": BUS_FACTOR["allreduce"](nodes) * 4 * num_params / per_node / 1e9,
             "FSDP full sharding": spread * (2 * compute + 4) * flat,
             "FSDP full sharding" + CHECKPOINTING: spread * (2 * compute + 4) * flat,
             OFFLOAD: spread * (2 * compute + 4) * flat,
@@ -185,11 +186,11 @@ def network_seconds(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_p
     """
     compute = bytes_per_param(mixed_precision)["compute_bytes"]
     per_node = num_gpus // nodes
-    spread = (num_gpus - 1) / num_gpus
+    spread = BUS_FACTOR["allgather"](num_gpus)  # the ring: (N - 1) / N of the bytes cross each link
     ring = {"DDP": 2 * spread * 4 * num_params / 1e9,
             "FSDP, no reshard after forward": spread * (compute + 4) * num_params / 1e9,
-            "HSDP": ((per_node - 1) / per_node * (2 * compute + 4) * num_params
-                     + (2 * (nodes - 1) / nodes * 4 * num_params / per_node if nodes > 1 else 0)) / 1e9,
+            "HSDP": (BUS_FACTOR["allgather"](per_node) * (2 * compute + 4) * num_params
+                     + BUS_FACTOR["allreduce"](nodes) * 4 * num_params / per_node) / 1e9,
             "FSDP full sharding": spread * (2 * compute + 4) * num_params / 1e9}
     ring["DDP" + CHECKPOINTING] = ring["DDP"]
     ring["FSDP full sharding" + CHECKPOINTING] = ring[OFFLOAD] = ring["FSDP full sharding"]

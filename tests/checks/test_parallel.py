@@ -142,15 +142,6 @@ def test_pipeline_micro_batches_takes_numpy_integers_and_other_settings():
     assert not checks.pipeline_micro_batches(8, stages=2, target=0.1, batch=16).ok  # 1/9 = 11.1%
 
 
-def test_the_bubble_formula():
-    from dtlib.checks.parallel import pipeline_bubble
-
-    assert pipeline_bubble(4, 8) == 3 / 11 and pipeline_bubble(1, 5) == 0.0
-    assert pipeline_bubble(4, 8, chunks=2) == 3 / 19  # interleaved: the bubble divides by about v
-    with pytest.raises(ValueError, match="must be >= 1"):
-        pipeline_bubble(0, 8)
-
-
 # -- right numbers reached without tensor parallelism, and right answers written other ways (review of 09) --
 
 

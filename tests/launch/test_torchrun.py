@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtlib import checks
-from dtlib.feedback import Feedback
+from dtlib.checks.feedback import Feedback
 from dtlib.launch import torchrun
 
 

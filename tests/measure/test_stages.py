@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtlib
-from dtlib.measure.stages import StageClock, _cycles_per_second, bubble, in_flight_peak
+from dtlib.measure.stages import StageClock, _cycles_per_second, bubble, in_flight_peak, pipeline_bubble
 from dtlib.measure.timing import DeviceClock
 
 
@@ -244,3 +244,10 @@ def test_on_nccl_the_last_stage_starts_after_the_first_forward_arrives():
     # each rank puts its events on the CPU's clock through its own reference: allow it a millisecond or two
     assert last[0][3] >= first[0][4] - 0.002 and all(end - start >= 0.009 for *_, start, end in first + last)
     assert 0 < bubble([first, last]) < 1
+
+
+def test_the_bubble_formula():
+    assert pipeline_bubble(4, 8) == 3 / 11 and pipeline_bubble(1, 5) == 0.0
+    assert pipeline_bubble(4, 8, chunks=2) == 3 / 19  # interleaved: the bubble divides by about v
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pipeline_bubble(0, 8)

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from dtlib import plots  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
-from dtlib.launch import sysinfo
+from dtlib.measure import machine
 
 
 def _texts(fig) -> str:
@@ -29,7 +29,7 @@ def _close_figures():
 
 
 def test_machine_figure_shows_cores_gpus_and_backends():
-    info = sysinfo.machine_info()
+    info = machine.machine_info()
     text = _texts(plots.machine(info))
     assert f"{info.usable_cpus} usable core" in text
     assert f"GPUs: {info.gpu_count}" in text

@@ -36,7 +36,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from dtlib import plots, ring  # noqa: E402
 from dtlib.bench.bandwidth import Row  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
-from dtlib.launch.sysinfo import MachineInfo  # noqa: E402
+from dtlib.measure.machine import MachineInfo  # noqa: E402
 from dtlib.train import data, fsdp_compare, guide
 from dtlib.train.ddp import RankResult  # noqa: E402
 from dtlib.train.fsdp_compare import StrategyRow  # noqa: E402

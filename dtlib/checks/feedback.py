@@ -1,8 +1,4 @@
-"""What an exercise checker returns: a verdict and a message that says what to do next.
-
-Its own module, so that the modules whose checkers live beside their topic (``guide``,
-``torchrun``) and ``checks``, which gathers them, depend on it and not on each other.
-"""
+"""What an exercise checker returns: a verdict and a message that says what to do next."""
 
 from __future__ import annotations
 

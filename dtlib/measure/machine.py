@@ -2,9 +2,9 @@
 
 Example::
 
-    info = dtlib.launch.sysinfo.machine_info()
+    info = dtlib.measure.machine.machine_info()
     print(info.summary())
-    for line in dtlib.launch.sysinfo.implications(info):
+    for line in dtlib.measure.machine.implications(info):
         print("-", line)
 """
 
