@@ -29,7 +29,7 @@ class RankFailure:
 
 class ChangedFile(ValueError):
     """A file whose SHA-256 is not the one recorded when dtlib wrote it: changed or cut short since
-    (``dtlib.launch.files.verify_digests``); the message names the file. Example: ``except dtlib.ChangedFile``."""
+    (``dtlib.train.checkpoint.verify_digests``); the message names the file. Example: ``except dtlib.ChangedFile``."""
 
 
 #: What a rank's error says when it only followed from another rank leaving: gloo's words for a lost peer.

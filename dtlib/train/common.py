@@ -9,20 +9,17 @@
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from dtlib.arguments import count
-from dtlib.launch.files import verify_digest
 from dtlib.measure.timing import slowest_median
+from dtlib.train.config import FSDPConfig, TrainConfig
 
 
-def validate_counts(config: Any, world_size: Any, names: Sequence[str]) -> None:
+def validate_counts(config: TrainConfig | FSDPConfig, world_size: Any, names: Sequence[str]) -> None:
     """Refuse counts that are not whole numbers (``steps=2.5``, ``global_batch=32.0``, ``True``); store other
     integral types (numpy's) back into ``config`` as ``int``, which torch's samplers need.
 
@@ -36,7 +33,7 @@ def validate_counts(config: Any, world_size: Any, names: Sequence[str]) -> None:
             setattr(config, name, number)
 
 
-def validate_checkpointing(config: Any, location: str, example: str = "") -> None:
+def validate_checkpointing(config: TrainConfig | FSDPConfig, location: str, example: str = "") -> None:
     """Refuse a save or resume without a place to write (``config.<location>``), and a ``save_after_step``
     that is not one of the run's steps, so that nothing would be saved."""
     if (config.save_after_step is not None or config.resume) and not getattr(config, location):
@@ -55,8 +52,9 @@ def slowest_median_step_s(results: Sequence[Any], skip_first: bool = True) -> fl
     return slowest_median((r.step_times_s for r in results), skip=1 if skip_first else 0)
 
 
-def stop_and_resume(run: Callable[..., list[Any]], config: Any, world_size: int = 2, *, steps: int = 6,
-                    stop_after: int = 3, location: str, **spawn_options: Any) -> dict[str, list[float]]:
+def stop_and_resume(run: Callable[..., list[Any]], config: TrainConfig | FSDPConfig, world_size: int = 2, *,
+                    steps: int = 6, stop_after: int = 3, location: str,
+                    **spawn_options: Any) -> dict[str, list[float]]:
     """Rank 0's losses trained ``steps`` straight through, and trained again in two jobs: the first stops
     after ``stop_after`` steps and saves, a new one loads and goes on. The two lists must be equal.
 
@@ -74,20 +72,3 @@ def stop_and_resume(run: Callable[..., list[Any]], config: Any, world_size: int 
                     **spawn_options)[0].losses
         second = run(replace(config, steps=steps, resume=True, **where), world_size, **spawn_options)[0].losses
     return {"straight": straight, "stopped_and_resumed": first + second}
-
-
-def load_file(path: str, map_location: Any, digest: bool = True) -> Any:
-    """``torch.load(path, map_location=..., weights_only=True)``, with ``path`` named in any error: torch's own
-    message for a truncated file ("failed finding central directory") names no file. The error keeps its type.
-
-    With ``digest`` (the default) the file must match the SHA-256 recorded beside it when dtlib saved it
-    (:func:`dtlib.launch.files.write_digest`): a changed or truncated file raises :class:`dtlib.ChangedFile`, a
-    missing record ``FileNotFoundError``, each naming the file. Example: ``load_file("ckpt.pt", "cpu")``.
-    """
-    if digest:
-        verify_digest(path)
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise type(error)(f"{path} could not be loaded (cut short by a save that was killed, or not written by "
-                          f"torch.save?): {error}") from error

@@ -21,49 +21,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlib import compat
 from dtlib.arguments import finite
+from dtlib.launch import entry
 from dtlib.launch.entry import device_ids, rank_device
-from dtlib.launch.entry import run as run_everywhere
-from dtlib.launch.files import write_atomically, write_digest
 from dtlib.measure.commlog import CommLog, hidden_share
 from dtlib.train import data, models
-from dtlib.train.common import load_file, validate_checkpointing, validate_counts
+from dtlib.train.checkpoint import load_file, save_file
+from dtlib.train.common import validate_checkpointing, validate_counts
+from dtlib.train.config import TrainConfig
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP
 
 WRAPPERS = ("ddp", "naive", "bucketed", "none")
 COUNTS = ("steps", "global_batch", "grad_accum", "num_samples", "seed", "threads", "save_after_step")  # ints
-COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
-
-
-@dataclass
-class TrainConfig:
-    """Everything one training run needs; the same object goes to every rank."""
-
-    model: str = "mlp"  # a name from dtlib.train.models.MODELS
-    steps: int = 8
-    global_batch: int = 32  # summed over ranks: each rank takes global_batch / world_size
-    grad_accum: int = 1  # micro-batches per step
-    no_sync: bool = True  # accumulate under no_sync(): one all-reduce per step instead of one per micro-batch
-    lr: float = 0.05
-    momentum: float = 0.9
-    num_samples: int = 512
-    seed: int = 0
-    wrapper: str = "ddp"  # "ddp" (torch), "naive" or "bucketed" (dtlib.train.ddp_scratch), "none"
-    bucket_cap_mb: float | None = None  # None: DDP's default, 25
-    comm_hook: str | None = None  # None (plain all-reduce), "fp16", "bf16", "powersgd"
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    sync_buffers: bool = True  # DDP's buffer sync before forward (forward_sync_buffers / broadcast_buffers)
-    set_epoch: bool = True
-    threads: int = 1  # torch threads per rank on the CPU
-    straggler_ms: float = 0.0  # the last rank idles this long at the start of each step: a slow rank
-    save_after_step: int | None = None  # save a checkpoint to checkpoint_path after this many steps
-    resume: bool = False  # start from the checkpoint at checkpoint_path
-    checkpoint_path: str | None = None
 
 
 @dataclass
@@ -96,8 +69,6 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
     if config.wrapper not in WRAPPERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {config.wrapper!r}")
-    if config.comm_hook not in COMM_HOOKS:
-        raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {config.comm_hook!r}")
     validate_counts(config, world_size, COUNTS)  # 2.5 or 32.0 would fail later inside every rank
     if world_size < 1 or config.steps < 1 or config.grad_accum < 1 or config.global_batch < 1:
         raise ValueError(f"world_size, steps, grad_accum and global_batch must all be >= 1, got {world_size}, "
@@ -130,36 +101,11 @@ def _wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Mod
                                "static_graph": config.static_graph, **compat.ddp_buffer_sync(config.sync_buffers)}
     if config.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = config.bucket_cap_mb
-    if config.comm_hook == "powersgd" and dist.get_backend() == "gloo":
-        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        if (config.bucket_cap_mb or 25.0) < grad_mb:
-            raise ValueError(f"PowerSGD on gloo needs every gradient in one bucket: set bucket_cap_mb >= "
-                             f"{grad_mb:.1f}. Its callbacks start all-reduces from gloo's threads, and with "
-                             "several buckets the ranks can issue them in different orders (a collective mismatch)")
     ddp = DistributedDataParallel(model, device_ids=device_ids(device), **options)
-    state, inner = _comm_hook(config.comm_hook)
-
-    def hook(hook_state, bucket):  # noqa: ANN001 - DDP rejects string annotations (from __future__)
-        return inner(hook_state, bucket)
-
-    # Every all-reduce then goes through Python, where CommLog times it. Under its own name: DDP refuses a hook
-    # named bf16_compress_hook without CUDA and NCCL, though gloo reduces bf16 tensors on the CPU.
-    ddp.register_comm_hook(state, hook)
+    # torch's allreduce_hook is what DDP does in C++, written in Python: every all-reduce then goes through
+    # Python, where CommLog times it. (Compression hooks are notebook 04's, in a cell.)
+    ddp.register_comm_hook(None, allreduce_hook)
     return ddp
-
-
-def _comm_hook(name: str | None) -> tuple[Any, Any]:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if name is None:
-        return None, default_hooks.allreduce_hook  # what DDP does in C++, written in Python
-    if name == "fp16":
-        return None, default_hooks.fp16_compress_hook
-    if name == "bf16":
-        return None, default_hooks.bf16_compress_hook
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                        min_compression_rate=1)
-    return state, powerSGD_hook.powerSGD_hook
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -242,13 +188,11 @@ def _record_step(result: RankResult, log: CommLog, step: int, step_start: float,
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str, rank: int) -> None:
     """Rank 0 writes, everyone waits: no rank reads a half-written file, and only one copy is written.
 
-    The file is written beside ``path`` and renamed onto it: a save that fails (a full disk) raises
-    ``OSError`` and leaves the previous checkpoint whole. Its SHA-256 goes beside it (``path.sha256``), which
-    :func:`dtlib.train.common.load_file` checks: a changed or truncated file is refused by name."""
+    :func:`dtlib.train.checkpoint.save_file` writes it whole or not at all (a save that fails, a full disk,
+    raises ``OSError`` and leaves the previous checkpoint whole) and records its SHA-256, which
+    :func:`dtlib.train.checkpoint.load_file` checks: a changed or truncated file is refused by name."""
     if rank == 0:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-        write_atomically(path, lambda file: torch.save(state, file))
-        write_digest(path)
+        save_file(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
     if dist.is_initialized():
         dist.barrier()
 
@@ -261,7 +205,7 @@ def run(config: TrainConfig, world_size: int = 2, **spawn_options: Any) -> list[
     """
     validate(config, world_size)
 
-    return run_everywhere(train, world_size, args=(config,), **spawn_options)
+    return entry.run(train, world_size, args=(config,), **spawn_options)
 
 
 def train_single(config: TrainConfig, world_size: int = 1) -> RankResult:

@@ -28,13 +28,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib import compat
+from dtlib.launch import entry
 from dtlib.launch.entry import rank_device
-from dtlib.launch.entry import run as run_everywhere
 from dtlib.measure import memory
 from dtlib.measure.commlog import SIZED_BY, CommLog
 from dtlib.measure.fsdp import instrument_blocks, parameter_peak, saved_for_backward, shard_example
 from dtlib.train import data, fsdp_checkpoint, models
 from dtlib.train.common import validate_checkpointing, validate_counts
+from dtlib.train.config import FSDPConfig
 from dtlib.train.fsdp_wrap import HYBRID, build
 
 __all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "parameter_peak", "run", "run_many",
@@ -43,39 +44,6 @@ __all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "parameter_peak", "
 APIS = ("fsdp2", "fsdp1", "ddp")
 # FSDP1's ShardingStrategy names, lower case; "hybrid_shard_zero2" is its _HYBRID_SHARD_ZERO2.
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
-
-
-@dataclass
-class FSDPConfig:
-    """One run's settings; the same object goes to every rank. FSDP1 names map onto FSDP2 (see README)."""
-
-    api: str = "fsdp2"  # "fsdp2" (fully_shard), "fsdp1" (FullyShardedDataParallel) or "ddp"
-    model: str = "transformer"  # a dtlib.train.models name with identical .blocks (the sharding units)
-    strategy: str = "full_shard"  # FSDP1's ShardingStrategy, lower case; FSDP2 maps it (module docstring)
-    reshard_after_forward: bool | int | None = None  # FSDP2 only: overrides what strategy implies
-    # FSDP2: the root's reshard_after_forward. "blocks": the blocks' setting (so full_shard reshards the root
-    # too); None: fully_shard's own default, which keeps the root gathered after forward (one all-gather less).
-    root_reshard_after_forward: bool | int | None | str = "blocks"
-    shard_group_size: int = 2  # hybrid_shard: ranks per shard group (the rest replicate)
-    mixed_precision: bool = False  # bf16 parameters in compute, fp32 gradient reduction
-    cpu_offload: bool = False
-    auto_wrap: str = "transformer"  # FSDP1: "transformer" (one unit per Block) or "size"
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    meta_init: bool = False  # FSDP2: build on the meta device; only rank 0 ever holds full weights
-    # Explicit prefetch. FSDP1: forward_prefetch=True, backward_prefetch=BACKWARD_PRE; FSDP2: each block
-    # set_modules_to_forward_prefetch([next block]) and set_modules_to_backward_prefetch([previous block]).
-    prefetch: bool = False
-    steps: int = 4
-    global_batch: int = 16
-    grad_accum: int = 1
-    lr: float = 1e-2  # Adam
-    num_samples: int = 256
-    seed: int = 0
-    threads: int = 1
-    save_after_step: int | None = None
-    resume: bool = False
-    checkpoint_dir: str | None = None
-    checkpoint_kind: str = "sharded"  # "sharded" (DCP, one file per rank) or "full" (one file from rank 0)
 
 
 @dataclass
@@ -263,7 +231,7 @@ def run(config: FSDPConfig, world_size: int = 2, **spawn_options: Any) -> list[F
     Example: ``run(FSDPConfig(api="fsdp1", strategy="shard_grad_op"), 2)[0].losses``.
     """
     validate(config, world_size)
-    return run_everywhere(train, world_size, args=(config,), **spawn_options)
+    return entry.run(train, world_size, args=(config,), **spawn_options)
 
 
 def _train_each(rank: int, world_size: int, configs: list[FSDPConfig]) -> list[FSDPResult]:
@@ -285,5 +253,5 @@ def run_many(configs: list[FSDPConfig], world_size: int = 2, **spawn_options: An
     configs = list(configs)
     for config in configs:
         validate(config, world_size)
-    by_rank = run_everywhere(_train_each, world_size, args=(configs,), **spawn_options)
+    by_rank = entry.run(_train_each, world_size, args=(configs,), **spawn_options)
     return [[results[index] for results in by_rank] for index in range(len(configs))]

@@ -54,8 +54,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dtlib.launch.entry import rank_device
-from dtlib.launch.files import private_folder, verify_digests, write_atomically, write_digests
-from dtlib.train.common import load_file
+from dtlib.train.checkpoint import load_file, private_folder, verify_digests, write_atomically, write_digests
 
 FULL_FILE = "full.pt"
 STEP_FILE = "step.json"  # {"step": 4, "kind": "sharded", "folder": "a"}: written last, in one rename
@@ -63,7 +62,7 @@ FOLDERS = ("a", "b")  # a save writes into the one step.json does not name
 
 
 def default_directory(name: str = "fsdp") -> str:
-    """``<cache>/dtlib/checkpoints/<name>`` (:func:`dtlib.launch.files.private_folder`): yours alone, mode 0o700.
+    """``<cache>/dtlib/checkpoints/<name>`` (:func:`dtlib.train.checkpoint.private_folder`): yours alone, mode 0o700.
 
     Every rank on one machine gets the same path. For ranks on several machines, pass a directory
     on a file system they share. Example: ``save(model, optimizer, 4, default_directory("run1"))``.

@@ -19,11 +19,12 @@ from torch import nn
 
 from dtlib.launch.entry import device_ids
 from dtlib.train import models
+from dtlib.train.config import FSDPConfig
 
 HYBRID = ("hybrid_shard", "hybrid_shard_zero2")  # FSDP1's hybrid strategies: a 2-D (replicate, shard) mesh
 
 
-def _mesh(config: Any, world_size: int, device: torch.device) -> Any:
+def _mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
     """The rank's mesh on ``device``'s type: 2-D (replicate, shard) for hybrid sharding, else 1-D over every rank.
 
     Always named, never left to ``fully_shard``: its default mesh is on the machine's accelerator whatever the
@@ -37,7 +38,7 @@ def _mesh(config: Any, world_size: int, device: torch.device) -> Any:
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
-def wrap_fsdp2(model: nn.Module, config: Any, world_size: int, device: torch.device,
+def wrap_fsdp2(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
                 notes: list[str]) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -73,7 +74,7 @@ def wrap_fsdp2(model: nn.Module, config: Any, world_size: int, device: torch.dev
     return model
 
 
-def wrap_fsdp1(model: nn.Module, config: Any, world_size: int, device: torch.device,
+def wrap_fsdp1(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device,
                 notes: list[str]) -> nn.Module:
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -105,7 +106,7 @@ def wrap_fsdp1(model: nn.Module, config: Any, world_size: int, device: torch.dev
     return wrapped
 
 
-def wrap(model: nn.Module, config: Any, world_size: int, device: torch.device, notes: list[str]) -> nn.Module:
+def wrap(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.device, notes: list[str]) -> nn.Module:
     """``model`` wrapped as ``config.api`` says: FSDP2, FSDP1 or DDP."""
     if config.api == "fsdp2":
         return wrap_fsdp2(model, config, world_size, device, notes)
@@ -119,7 +120,7 @@ def wrap(model: nn.Module, config: Any, world_size: int, device: torch.device, n
     return wrapped
 
 
-def build(config: Any, world_size: int, device: torch.device, notes: list[str]) -> nn.Module:
+def build(config: FSDPConfig, world_size: int, device: torch.device, notes: list[str]) -> nn.Module:
     """The wrapped model on this rank; with ``config.meta_init``, built on the meta device, sharded, then
     filled from rank 0's weights. Remarks and torch's warnings go to ``notes``."""
     if not config.meta_init:

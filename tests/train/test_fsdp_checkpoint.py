@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dtlib
 from dtlib import compat
-from dtlib.launch.files import write_digests
 from dtlib.train import common, data, fsdp, fsdp_checkpoint, fsdp_wrap, models
+from dtlib.train.checkpoint import write_digests
 from dtlib.train.fsdp import FSDPConfig
 
 SAVED_AT = 3
@@ -381,7 +381,7 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_as_the_full_one_is(tmp
 
 def test_an_empty_step_file_and_a_truncated_checkpoint_are_named(tmp_path):
     """Errors that name the file: json's and torch's own messages name none."""
-    from dtlib.train.common import load_file
+    from dtlib.train.checkpoint import load_file
 
     (tmp_path / fsdp_checkpoint.STEP_FILE).write_text("")
     model = models.build("transformer")
@@ -437,7 +437,7 @@ def test_a_changed_truncated_or_missing_checkpoint_file_is_refused_by_name(resum
 @pytest.mark.timeout(120)
 def test_a_ddp_checkpoint_carries_its_digest_and_a_changed_one_is_refused(tmp_path):
     from dtlib.train import ddp
-    from dtlib.train.common import load_file
+    from dtlib.train.checkpoint import load_file
 
     path = tmp_path / "ckpt.pt"
     ddp.run(ddp.TrainConfig(steps=2, save_after_step=2, checkpoint_path=str(path)), 2, output="none")

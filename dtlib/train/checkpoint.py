@@ -1,12 +1,14 @@
-"""Write a file so that a failure never leaves a damaged one: write beside it, then rename; record its
-SHA-256 so that a file changed or cut short since is refused by name; and folders of dtlib's own, private to
-you, that a rerun reuses instead of adding another.
+"""Checkpoint files, saved and loaded so that nothing damaged is ever read: each file written beside its
+place and renamed onto it, its SHA-256 recorded and verified on load (a file changed or cut short since is
+refused by name), in folders of dtlib's own, private to you, that a rerun reuses instead of adding another.
 
 ``os.replace`` within one directory is atomic: a reader (or a resumed job) finds the old file or
 the new one, never a mix. A full disk, a crash or an exception half way through leaves the old
-file as it was. Example::
+file as it was. The DDP runner's checkpoint is one file (:func:`save_file`, :func:`load_file`); FSDP's
+sharded and full-state checkpoints build on these in :mod:`dtlib.train.fsdp_checkpoint`. Example::
 
-    write_atomically("ckpt.pt", lambda file: torch.save(state, file))
+    save_file("ckpt.pt", {"model": model.state_dict(), "step": 3})
+    load_file("ckpt.pt", map_location="cpu")["step"]     # 3
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import contextlib
 import glob
 import hashlib
 import os
+import pickle
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+import torch
 
 from dtlib.errors import ChangedFile
 
@@ -165,3 +170,27 @@ def private_folder(*parts: str, empty: bool = False) -> str:
             else:
                 os.unlink(entry.path)
     return path
+
+
+def save_file(path: str | os.PathLike[str], state: Any) -> None:
+    """``torch.save(state, path)``, written atomically (:func:`write_atomically`), its SHA-256 recorded beside
+    it (``path.sha256``) for :func:`load_file` to check. Example: ``save_file("ckpt.pt", {"step": 3})``."""
+    write_atomically(path, lambda file: torch.save(state, file))
+    write_digest(path)
+
+
+def load_file(path: str, map_location: Any, digest: bool = True) -> Any:
+    """``torch.load(path, map_location=..., weights_only=True)``, with ``path`` named in any error: torch's own
+    message for a truncated file ("failed finding central directory") names no file. The error keeps its type.
+
+    With ``digest`` (the default) the file must match the SHA-256 recorded beside it when dtlib saved it
+    (:func:`write_digest`, :func:`save_file`): a changed or truncated file raises :class:`dtlib.ChangedFile`, a
+    missing record ``FileNotFoundError``, each naming the file. Example: ``load_file("ckpt.pt", "cpu")``.
+    """
+    if digest:
+        verify_digest(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise type(error)(f"{path} could not be loaded (cut short by a save that was killed, or not written by "
+                          f"torch.save?): {error}") from error

@@ -1,4 +1,4 @@
-"""dtlib.launch.files.write_atomically: the old file or the new one, never a mix, and nothing left over."""
+"""dtlib.train.checkpoint.write_atomically: the old file or the new one, never a mix, and nothing left over."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dtlib.launch.files import write_atomically
+from dtlib.train.checkpoint import write_atomically
 
 
 def test_a_write_replaces_the_file_and_leaves_no_partial(tmp_path):
@@ -51,7 +51,7 @@ def test_a_private_folder_is_reused_and_emptied_on_request(tmp_path, monkeypatch
     """What a notebook writes goes to one folder of its own, emptied when the notebook runs again."""
     import stat
 
-    from dtlib.launch.files import private_folder
+    from dtlib.train.checkpoint import private_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder = private_folder("notebooks", "04", empty=True)
@@ -65,7 +65,7 @@ def test_a_private_folder_is_reused_and_emptied_on_request(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("parts", [(), ("..",), ("a/b",), ("",), (3,)])
 def test_a_private_folder_takes_folder_names_only(tmp_path, monkeypatch, parts):
-    from dtlib.launch.files import private_folder
+    from dtlib.train.checkpoint import private_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(ValueError, match="parts must be folder names"):
@@ -73,7 +73,7 @@ def test_a_private_folder_takes_folder_names_only(tmp_path, monkeypatch, parts):
 
 
 def test_a_private_folder_that_is_a_link_is_refused(tmp_path, monkeypatch):
-    from dtlib.launch.files import private_folder
+    from dtlib.train.checkpoint import private_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     (tmp_path / "elsewhere").mkdir()
