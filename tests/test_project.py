@@ -200,6 +200,8 @@ def _imports_of(path: Path, *, inside_functions: bool) -> list[tuple[str, list[s
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dtlib") and \
                 (id(node) in local) == inside_functions:
             found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import) and (id(node) in local) == inside_functions:  # import dtlib.x
+            found += [(alias.name, []) for alias in node.names if alias.name.split(".")[0] == "dtlib"]
     return found
 
 

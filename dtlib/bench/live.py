@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from dtlib.bench import _table
 from dtlib.bench._table import Column
+from dtlib.launch.spawn import spawn
+from dtlib.live.ranks import LiveRanks
 
 ROUND_TRIP_TARGET_MS = 20.0
 
@@ -39,12 +41,10 @@ CHECK_CELL = "for _ in range(100):\n    dist.all_reduce(x)"  # 100 all-reduces o
 
 def _collective_check(world_size: int, samples: int) -> list[LiveTiming]:
     """One all-reduce of 4 floats on live ranks with the collective check and without, in ms (median of cells)."""
-    import dtlib
-
     cells = max(3, samples // 10)
     each = {}
     for checked in (True, False):
-        with dtlib.LiveRanks(world_size, check_collectives=checked) as ranks:
+        with LiveRanks(world_size, check_collectives=checked) as ranks:
             ranks.run("x = torch.ones(4)")
             ranks.run(CHECK_CELL)  # warm
             each[checked] = _median_ms(lambda ranks=ranks: ranks.run(CHECK_CELL), cells) / 100
@@ -122,12 +122,10 @@ def _version() -> str:
 
 def measure(world_size: int = 2, samples: int = 50, starts: int = 5) -> list[LiveTiming]:
     """Time live ranks against warm spawns, and a trivial cell's round trip (see the module docstring)."""
-    import dtlib
-
-    dtlib.spawn(_trivial, world_size)  # warm: the forkserver runs, torch is imported in it
-    spawn_ms = _median_ms(lambda: dtlib.spawn(_trivial, world_size), starts)
-    start_ms = _median_ms(lambda: dtlib.LiveRanks(world_size).close(), starts)
-    with dtlib.LiveRanks(world_size) as ranks:
+    spawn(_trivial, world_size)  # warm: the forkserver runs, torch is imported in it
+    spawn_ms = _median_ms(lambda: spawn(_trivial, world_size), starts)
+    start_ms = _median_ms(lambda: LiveRanks(world_size).close(), starts)
+    with LiveRanks(world_size) as ranks:
         ranks.run("None")
         api_ms = _median_ms(lambda: ranks.run("None"), samples)
     return [

@@ -115,22 +115,6 @@ def exit_codes(finished: Finished) -> dict[int, int]:
     return {int(rank): int(code) for rank, code in found}
 
 
-def failure_report(finished: Finished, lines: int = 30) -> str:
-    """What to read when a torchrun job failed: the last ``lines`` lines that each failed rank printed
-    itself (``--tee=3`` prefixes them ``[default<LOCAL_RANK>]:``), then torchrun's own summary. A rank that
-    died of a signal (SIGABRT: ``exitcode: -6``) often says why only in its own lines, long before the
-    summary's last 2,000 characters. Example: ``assert finished.returncode == 0, failure_report(finished)``."""
-    local = dict(re.findall(r"rank\s*:\s*\d+ \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
-                            finished.output))
-    parts = [f"{finished.command}\nexit code {finished.returncode}"]
-    for rank, code in sorted(local.items()):
-        own = [line for line in finished.output.splitlines() if line.startswith(f"[default{rank}]:")]
-        parts.append(f"--- local rank {rank} (exit code {code}), its last {lines} lines:\n" + "\n".join(own[-lines:]))
-    summary = finished.output.rfind("Failures:")
-    parts.append(finished.output[summary:] if summary >= 0 else finished.output[-2000:])
-    return "\n".join(parts)
-
-
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
                    timeout: float = 60.0) -> list[Finished]:
     """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.

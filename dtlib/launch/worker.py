@@ -1,8 +1,9 @@
 """The code that runs inside every rank started by :func:`dtlib.spawn`.
 
-Kept free of heavy imports at module level: under the ``spawn`` start method
-this module is imported before the rank's environment is in place, and torch
-should see the final environment (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``).
+Under the ``spawn`` start method this module, and with it dtlib and torch, is imported before the
+rank's environment is in place; :func:`main` then makes torch see the final one: CUDA reads
+``CUDA_VISIBLE_DEVICES`` only when it starts, and the worker re-applies ``OMP_NUM_THREADS`` and
+``TORCH_DISTRIBUTED_DEBUG``, which torch read at import.
 
 The parent talks to a rank through five pipes:
 

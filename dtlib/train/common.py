@@ -1,17 +1,14 @@
-"""What the DDP and FSDP runners share: their settings checks, the step time they report, stop-and-resume.
+"""What the DDP and FSDP runners share: their settings checks and the step time they report.
 
 ``dtlib.train.ddp`` and ``dtlib.train.fsdp`` each train their own way; the rules around a run are the same for both::
 
-    stop_and_resume(ddp.run, ddp.TrainConfig(steps=6), 2, stop_after=3, location="checkpoint_path")  # dtlib.train.ddp
+    validate_counts(config, world_size, ("steps", "global_batch"))   # whole numbers, or a clear error
     slowest_median_step_s(results)      # seconds: the step time of the slowest rank
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 from dtlib.arguments import count
@@ -50,25 +47,3 @@ def slowest_median_step_s(results: Sequence[Any], skip_first: bool = True) -> fl
     Example: ``slowest_median_step_s(dtlib.train.ddp.run(config, 2)) * 1e3`` (ms).
     """
     return slowest_median((r.step_times_s for r in results), skip=1 if skip_first else 0)
-
-
-def stop_and_resume(run: Callable[..., list[Any]], config: TrainConfig | FSDPConfig, world_size: int = 2, *,
-                    steps: int = 6, stop_after: int = 3, location: str,
-                    **spawn_options: Any) -> dict[str, list[float]]:
-    """Rank 0's losses trained ``steps`` straight through, and trained again in two jobs: the first stops
-    after ``stop_after`` steps and saves, a new one loads and goes on. The two lists must be equal.
-
-    ``location`` names the config's checkpoint setting (``"checkpoint_path"`` for DDP, a file;
-    ``"checkpoint_dir"`` for FSDP, a folder); the checkpoint lives in a temporary folder.
-    Example: ``stop_and_resume(dtlib.train.fsdp.run, FSDPConfig(), location="checkpoint_dir")``.
-    """
-    if not 0 < stop_after < steps:
-        raise ValueError(f"need 0 < stop_after < steps, got {stop_after} and {steps}")
-    spawn_options = {"output": "none", **spawn_options}
-    straight = run(replace(config, steps=steps), world_size, **spawn_options)[0].losses
-    with tempfile.TemporaryDirectory() as folder:
-        where = {location: os.path.join(folder, "checkpoint.pt") if location == "checkpoint_path" else folder}
-        first = run(replace(config, steps=stop_after, save_after_step=stop_after, **where), world_size,
-                    **spawn_options)[0].losses
-        second = run(replace(config, steps=steps, resume=True, **where), world_size, **spawn_options)[0].losses
-    return {"straight": straight, "stopped_and_resumed": first + second}

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dtlib import checks
 from dtlib.checks.feedback import Feedback
 from dtlib.launch import torchrun
+
+
+def failure_report(finished: torchrun.Finished, lines: int = 30) -> str:
+    """What to read when a torchrun job failed: the last ``lines`` lines that each failed rank printed
+    itself (``--tee=3`` prefixes them ``[default<LOCAL_RANK>]:``), then torchrun's own summary. A rank that
+    died of a signal (SIGABRT: ``exitcode: -6``) often says why only in its own lines, long before the
+    summary's last 2,000 characters. Example: ``assert finished.returncode == 0, failure_report(finished)``."""
+    local = dict(re.findall(r"rank\s*:\s*\d+ \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                            finished.output))
+    parts = [f"{finished.command}\nexit code {finished.returncode}"]
+    for rank, code in sorted(local.items()):
+        own = [line for line in finished.output.splitlines() if line.startswith(f"[default{rank}]:")]
+        parts.append(f"--- local rank {rank} (exit code {code}), its last {lines} lines:\n" + "\n".join(own[-lines:]))
+    summary = finished.output.rfind("Failures:")
+    parts.append(finished.output[summary:] if summary >= 0 else finished.output[-2000:])
+    return "\n".join(parts)
 
 
 def _by_rank(records):
@@ -19,7 +37,7 @@ def test_two_nodes_on_one_machine(rendezvous):
     """Two torchrun processes, two ranks each: one job of 4 ranks whose all-reduce sees everyone."""
     finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=2,
                                        rendezvous=rendezvous, timeout=90)
-    assert [f.returncode for f in finished] == [0, 0], [torchrun.failure_report(f) for f in finished]
+    assert [f.returncode for f in finished] == [0, 0], [failure_report(f) for f in finished]
     ranks = _by_rank(torchrun.env_records(finished))
     assert sorted(ranks) == [0, 1, 2, 3]
     for record in ranks.values():
@@ -38,7 +56,7 @@ def test_two_nodes_on_one_machine(rendezvous):
 def test_runners_start_under_torchrun(runner):
     """The course's runners under torchrun --standalone: they train on the ranks torchrun started."""
     finished = torchrun.single_node(["-m", "dtlib.train", *runner], nproc_per_node=2, timeout=90)
-    assert finished.returncode == 0, torchrun.failure_report(finished)
+    assert finished.returncode == 0, failure_report(finished)
     assert "on 2 rank" in finished.output and "losses" in finished.output
     assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
 
@@ -49,7 +67,7 @@ def test_hybrid_shard_under_torchrun_checks_its_groups_against_torchruns_world_s
     not against --world-size (2 by default), which torchrun ignores."""
     finished = torchrun.single_node(["-m", "dtlib.train", "fsdp", "--strategy", "hybrid_shard", "--shard-group-size",
                                 "4", "--steps", "1"], nproc_per_node=4, timeout=200)
-    assert finished.returncode == 0, torchrun.failure_report(finished)
+    assert finished.returncode == 0, failure_report(finished)
     assert "fsdp2 hybrid_shard on 4 ranks" in finished.output
 
 
@@ -68,7 +86,7 @@ def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
 def test_the_deprecated_launcher_adds_local_rank_to_the_arguments_and_torchrun_does_not():
     target = ["-m", "dtlib.examples.local_rank", "--lr", "0.1"]
     old, new = torchrun.single_node(target, legacy=True, timeout=90), torchrun.single_node(target, timeout=90)
-    assert old.returncode == new.returncode == 0, (torchrun.failure_report(old), torchrun.failure_report(new))
+    assert old.returncode == new.returncode == 0, (failure_report(old), failure_report(new))
     assert old.command.startswith("python -m torch.distributed.launch --standalone")
     assert "torch.distributed.launch is deprecated" in old.output
     for local_rank in (0, 1):
@@ -220,7 +238,7 @@ def test_failure_report_shows_each_failed_ranks_own_lines_then_the_summary():
                         "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)", "  exitcode  : -15 (pid: 7)",
                         "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
                         "  exitcode  : -6 (pid: 8)"])
-    report = torchrun.failure_report(torchrun.Finished("torchrun x", 1, output), lines=3)
+    report = failure_report(torchrun.Finished("torchrun x", 1, output), lines=3)
     assert "terminate called without an active exception" in report
     assert "local rank 1 (exit code -6)" in report and "local rank 0 (exit code -15)" in report
     assert "noise 99" in report and "noise 96" not in report

@@ -8,7 +8,6 @@ import pytest
 
 import dtlib
 from dtlib.train import ddp_options, models
-from dtlib.train.common import stop_and_resume
 from dtlib.train.ddp import TrainConfig, run
 
 
@@ -104,7 +103,7 @@ def test_buffer_sync_keeps_batchnorm_statistics_closer():
 
 
 @pytest.mark.timeout(240)
-def test_resumed_training_equals_uninterrupted_training():
+def test_resumed_training_equals_uninterrupted_training(stop_and_resume):
     # 16 steps per epoch (512 samples, 2 ranks, 16 per rank): stopping after 17 resumes inside epoch 1
     losses = stop_and_resume(run, TrainConfig(model="mlp"), 2, steps=20, stop_after=17, location="checkpoint_path")
     assert len(losses["straight"]) == 20 and _finite(losses["straight"])
@@ -112,7 +111,7 @@ def test_resumed_training_equals_uninterrupted_training():
 
 
 @pytest.mark.parametrize("stop_after, steps", [(0, 10), (10, 10), (12, 10), (-1, 10)])
-def test_bad_stop_after_is_refused(stop_after, steps):
+def test_bad_stop_after_is_refused(stop_after, steps, stop_and_resume):
     with pytest.raises(ValueError, match=f"need 0 < stop_after < steps, got {stop_after} and {steps}"):
         stop_and_resume(run, TrainConfig(model="mlp"), 2, steps=steps, stop_after=stop_after,
                         location="checkpoint_path")

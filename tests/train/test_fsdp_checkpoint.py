@@ -12,7 +12,6 @@ import pathlib
 import pickle
 import shutil
 import stat
-import types
 import warnings
 
 import pytest
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dtlib
 from dtlib import compat
-from dtlib.train import common, data, fsdp, fsdp_checkpoint, fsdp_wrap, models
+from dtlib.train import data, fsdp, fsdp_checkpoint, fsdp_wrap, models
 from dtlib.train.checkpoint import write_digests
 from dtlib.train.fsdp import FSDPConfig
 
@@ -31,19 +30,17 @@ CASES = [(api, kind) for api in ("fsdp2", "fsdp1") for kind in ("sharded", "full
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """``{(api, kind): (directory, losses, printed)}``: ``common.stop_and_resume`` on 2 ranks, 6 steps, stopped
+def resumed(tmp_path_factory, stop_and_resume):
+    """``{(api, kind): (directory, losses, printed)}``: ``stop_and_resume`` on 2 ranks, 6 steps, stopped
     after SAVED_AT; its checkpoint directory is kept to look at, and the ranks' output relayed and caught."""
     out = {}
     for api, kind in CASES:
         directory = tmp_path_factory.mktemp(f"{api}-{kind}")
-        kept = types.SimpleNamespace(TemporaryDirectory=lambda d=directory: contextlib.nullcontext(str(d)))
         printed = io.StringIO()
-        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed), \
-                contextlib.redirect_stderr(printed):
-            patch.setattr(common, "tempfile", kept)  # only stop_and_resume() sees it
-            losses = common.stop_and_resume(fsdp.run, FSDPConfig(api=api, checkpoint_kind=kind), steps=6,
-                                          stop_after=SAVED_AT, location="checkpoint_dir", output="all")
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            losses = stop_and_resume(fsdp.run, FSDPConfig(api=api, checkpoint_kind=kind), steps=6,
+                                     stop_after=SAVED_AT, location="checkpoint_dir", folder=str(directory),
+                                     output="all")
         out[api, kind] = directory, losses, printed.getvalue()
     return out
 

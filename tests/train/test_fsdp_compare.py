@@ -1,33 +1,17 @@
-"""dtlib.train.fsdp_compare: the strategies hold and send what the ZeRO arithmetic and the ring formulas say;
-dtlib.train.common.stop_and_resume refuses a stop that is not inside the run."""
+"""dtlib.train.fsdp_compare: the strategies hold and send what the ZeRO arithmetic and the ring formulas say."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 
 from dtlib import compat
 from dtlib.measure import memory
-from dtlib.train import common, fsdp, fsdp_compare, models
-from dtlib.train.fsdp import FSDPConfig
+from dtlib.train import fsdp_compare, models
 from dtlib.train.fsdp_compare import StrategyRow, bytes_sent_per_rank
 
 S = 4 * sum(p.numel() for p in models.build("transformer").parameters())  # fp32 bytes of the whole model
 STEPS = 3
-
-
-@pytest.mark.parametrize("stop_after, steps", [(0, 6), (6, 6), (7, 6), (-1, 6), (1, 1)])
-def test_resume_rejects_a_bad_stop_after(monkeypatch, stop_after, steps):
-    def no_processes(*args, **kwargs):
-        raise AssertionError("resume started processes for a stop_after it should refuse")
-
-    monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
-    monkeypatch.setattr(sys.modules["dtlib.launch.spawn"], "spawn", no_processes)
-    with pytest.raises(ValueError, match=rf"need 0 < stop_after < steps, got {stop_after} and {steps}"):
-        common.stop_and_resume(fsdp.run, FSDPConfig(), steps=steps, stop_after=stop_after,  # spawn never ran
-                             location="checkpoint_dir")
 
 
 # --- strategies side by side --------------------------------------------------------------------------------
