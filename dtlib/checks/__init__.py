@@ -13,18 +13,21 @@ One module per kind of exercise, every checker named here:
 - ``ranks``: a function every rank runs, its result and its collectives (01, 02, 08);
 - ``ring_phases``: one phase of the ring all-reduce, on live ranks (03);
 - ``training``: a gradient hook and an FSDP wrap, beside torch's DDP (04, 05);
-- ``parallel``: beyond data parallelism: a tensor-parallel MLP by hand (09), a pipeline's micro-batches (10),
-  a 2-D mesh laid on nodes (11), the softmax merge of ring attention (12);
+- ``tensor_parallel``: a tensor-parallel MLP by hand (09);
+- ``layouts``: a pipeline's micro-batches (10) and a 2-D mesh laid on nodes (11), from typed answers;
+- ``attention``: the softmax merge of ring attention (12);
 - ``experts``: an expert-parallel mixture of experts, tokens moved by all-to-all (13).
 """
 
 from dtlib.checks.answers import backend_choice, fsdp_memory, strategy_choice, torchrun_command
+from dtlib.checks.attention import softmax_merge
 from dtlib.checks.cluster import largest_micro_batch, smallest_pipeline
 from dtlib.checks.experts import expert_parallel_moe
 from dtlib.checks.feedback import Feedback
-from dtlib.checks.parallel import mesh_for_nodes, pipeline_micro_batches, softmax_merge, tensor_parallel_mlp
+from dtlib.checks.layouts import mesh_for_nodes, pipeline_micro_batches
 from dtlib.checks.ranks import average_of_ranks, fixed_barrier, sum_of_ranks
 from dtlib.checks.ring_phases import ring_phase
+from dtlib.checks.tensor_parallel import tensor_parallel_mlp
 from dtlib.checks.training import fsdp_wrap, gradient_hook
 
 __all__ = ["Feedback", "average_of_ranks", "backend_choice", "expert_parallel_moe", "fixed_barrier", "fsdp_memory",

@@ -1,7 +1,7 @@
 """Reading a learner's numbers: what a value is, and which constant a wrong one was divided by.
 
-Shared by the checkers in :mod:`dtlib.checks.ranks`, :mod:`dtlib.checks.training`, :mod:`dtlib.checks.parallel` and
-:mod:`dtlib.checks.cluster`.
+Shared by the checkers in :mod:`dtlib.checks.ranks`, :mod:`dtlib.checks.training`, :mod:`dtlib.checks.layouts`
+and :mod:`dtlib.checks.cluster`.
 """
 
 from __future__ import annotations

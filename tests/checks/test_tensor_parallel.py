@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtlib import checks
-from dtlib.checks.parallel import BATCH, FEATURES, mlp_inputs
+from dtlib.checks.tensor_parallel import BATCH, FEATURES, mlp_inputs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,45 +101,6 @@ def test_the_inputs_are_the_same_on_every_call_and_split_evenly_over_2_and_3_ran
     x, up, down = first
     assert x.shape == (4, 8) and up.shape == (12, 8) and down.shape == (8, 12)
     assert up.shape[0] % 2 == up.shape[0] % 3 == 0
-
-
-@pytest.mark.parametrize("answer, ok, fragments", [
-    (32, True, ["32 micro-batches of 2 samples", "3/35 = 8.6%", "m >= 27"]),
-    (27, False, ["do not split 64 samples evenly"]),  # the bound alone: not a divisor
-    (16, False, ["3/19 = 15.8%, above 10%"]),
-    (8, False, ["3/11 = 27.3%"]),
-    (64, False, ["fewer do too", "1 sample)"]),
-    (0, False, ["at least one micro-batch"]),
-    (-4, False, ["at least one micro-batch"]),
-    (2.5, False, ["whole number"]),
-    ("32", False, ["whole number"]),
-    (True, False, ["whole number"]),
-    (float("nan"), False, ["whole number"]),
-    (128, False, ["do not split 64 samples evenly"]),
-])
-def test_pipeline_micro_batches(answer, ok, fragments):
-    feedback = checks.pipeline_micro_batches(answer)
-    assert feedback.ok is ok, feedback.message
-    for fragment in fragments:
-        assert fragment in feedback.message, feedback.message
-
-
-def test_pipeline_micro_batches_takes_numpy_integers_and_other_settings():
-    import numpy as np
-
-    assert checks.pipeline_micro_batches(np.int64(32)).ok and checks.pipeline_micro_batches(torch.tensor(32)).ok
-    assert checks.pipeline_micro_batches(torch.tensor(32.0)).ok and checks.pipeline_micro_batches(np.array(32)).ok
-    assert not checks.pipeline_micro_batches(torch.tensor([32, 16])).ok
-    assert "m >= 21" in checks.pipeline_micro_batches(21, target=0.13, batch=84).message  # rounded up: 20.08
-    too_few = checks.pipeline_micro_batches(3, stages=4, target=0.5, batch=48)
-    assert "at least one micro-batch per stage" in too_few.message
-    assert "No count of micro-batches" in checks.pipeline_micro_batches(64, target=0.01).message
-    with pytest.raises(ValueError, match="between 0 and 1"):
-        checks.pipeline_micro_batches(32, target=10)
-    assert checks.pipeline_micro_batches(16, stages=2, target=0.1).ok  # m >= 9: 16 is 64's first divisor there
-    assert checks.pipeline_micro_batches(10, stages=2, target=0.1, batch=60).ok  # and 10 is 60's
-    assert "fewer do too" in checks.pipeline_micro_batches(12, stages=2, target=0.1, batch=60).message
-    assert not checks.pipeline_micro_batches(8, stages=2, target=0.1, batch=16).ok  # 1/9 = 11.1%
 
 
 # -- right numbers reached without tensor parallelism, and right answers written other ways (review of 09) --
@@ -380,142 +341,10 @@ def test_tensor_parallel_mlp_is_not_fooled_by_right_numbers_and_takes_right_answ
         assert fragment in feedback.message, feedback.message
 
 
-@pytest.mark.parametrize("shape, names, ok, fragments", [
-    ((2, 4), ("dp", "tp"), True, ["[0, 1, 2, 3]", "inside one node", "[0, 4]"]),
-    ([2, 4], ["dp", "tp"], True, []),  # lists are fine
-    ((4, 2), ("tp", "dp"), False, ["spans nodes [0, 1]", "put \"tp\" last"]),
-    ((2, 4), ("tp", "dp"), False, ["groups of 2 ranks", "asks for 4"]),
-    ((4, 2), ("dp", "tp"), False, ["groups of 2 ranks"]),
-    ((1, 8), ("dp", "tp"), False, ["8 ranks cannot fit in a node of 4"]),
-    ((8, 1), ("dp", "tp"), False, ["groups of 1 rank;"]),
-    ((2.5, 4), ("dp", "tp"), False, ["tuple of whole numbers"]),  # int() would truncate it to a right answer
-    ("24", ("dp", "tp"), False, ["tuple of whole numbers"]),
-    (("2", "4"), ("dp", "tp"), False, ["tuple of whole numbers"]),
-    ((2, 4), {"dp", "tp"}, False, ["tuple of strings"]),  # a set has no order
-    ((-2, -4), ("dp", "tp"), False, ["positive"]),
-    ((2, 2), ("dp", "tp"), False, ["4 ranks; the job has 2 x 4 = 8"]),
-    ((2, 4), ("data", "tp"), True, ["data group ([0, 4], "]),  # any names init_device_mesh takes
-    ("x", ("dp", "tp"), False, ["tuple of whole numbers"]),
-    ((2, 2, 2), ("dp", "tp", "pp"), False, ["two dimensions"]),
-])
-def test_mesh_for_nodes(shape, names, ok, fragments):
-    feedback = checks.mesh_for_nodes(shape, names)
-    assert feedback.ok is ok, feedback.message
-    for fragment in fragments:
-        assert fragment in feedback.message, feedback.message
-
-
-def test_mesh_for_nodes_on_one_node_and_with_impossible_settings():
-    one_node = checks.mesh_for_nodes((2, 4), ("dp", "tp"), nodes=1, gpus_per_node=8, tp_size=4)
-    assert one_node.ok and "stays in the one node" in one_node.message and "crosses" not in one_node.message
-    for tp_size, gpus in ((8, 4), (2, 3)):
-        with pytest.raises(ValueError, match="choose a tp_size that divides gpus_per_node"):
-            checks.mesh_for_nodes((2, 4), ("dp", "tp"), gpus_per_node=gpus, tp_size=tp_size)
-
-
-def test_mesh_for_nodes_finds_a_tp_group_that_crosses_nodes():
-    feedback = checks.mesh_for_nodes((4, 2), ("tp", "dp"), nodes=2, gpus_per_node=4, tp_size=4)
-    assert not feedback.ok and "The tp group [0, 2, 4, 6] spans nodes [0, 1]" in feedback.message
-    assert "put \"tp\" last" in feedback.message
-
-
-def _right_merge(out1, lse1, out2, lse2):
-    lse = torch.logaddexp(lse1, lse2)
-    return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, lse
-
-
-def _naive_merge(out1, lse1, out2, lse2):
-    a, b = torch.exp(lse1), torch.exp(lse2)  # overflows past lse = 88
-    return (a * out1 + b * out2) / (a + b), torch.log(a + b)
-
-
-def _naive_merge_in_float64(out1, lse1, out2, lse2):  # review: passed while the scores stayed in float64's range
-    a, b = torch.exp(lse1.double()), torch.exp(lse2.double())  # overflows past lse = 709
-    return ((a * out1 + b * out2) / (a + b)).float(), torch.log(a + b).float()
-
-
-def _shifted_by_a_constant(out1, lse1, out2, lse2):  # neighbour: a fixed shift only moves the range
-    a, b = torch.exp(lse1.double() - 500), torch.exp(lse2.double() - 500)
-    return ((a * out1 + b * out2) / (a + b)).float(), (torch.log(a + b) + 500).float()
-
-
-def _relative_to_the_first_block(out1, lse1, out2, lse2):  # neighbour: one difference, unbounded above
-    ratio = torch.exp(lse2 - lse1)
-    return (out1 + ratio * out2) / (1 + ratio), lse1 + torch.log1p(ratio)
-
-
-def _right_by_the_maximum(out1, lse1, out2, lse2):  # right, written another way: the larger lse subtracted
-    top = torch.maximum(lse1, lse2)
-    a, b = torch.exp(lse1 - top), torch.exp(lse2 - top)
-    return (a * out1 + b * out2) / (a + b), top + torch.log(a + b)
-
-
-def _right_by_softmax(out1, lse1, out2, lse2):  # right, written another way: a softmax over the two blocks
-    weights = torch.softmax(torch.stack([lse1, lse2]), dim=0)
-    return weights[0] * out1 + weights[1] * out2, torch.logsumexp(torch.stack([lse1, lse2]), dim=0)
-
-
-def _max_lse_merge(out1, lse1, out2, lse2):
-    lse = torch.logaddexp(lse1, lse2)
-    return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, torch.maximum(lse1, lse2)
-
-
-def _size_weighted_merge(out1, lse1, out2, lse2):
-    n1, n2 = 1.0, 1.0  # the keys per block, as a learner might weigh them
-    return (n1 * out1 + n2 * out2) / (n1 + n2), torch.logaddexp(lse1, lse2)
-
-
-def _safe_output_naive_lse(out1, lse1, out2, lse2):  # the output safe, the lse through exp: inf past 709
-    lse = torch.logaddexp(lse1, lse2)
-    return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, torch.log(torch.exp(lse1.double())
-                                                                                   + torch.exp(lse2.double())).float()
-
-
-MERGES = [
-    (_right_merge, True, ["a chain of three", "overflows and underflows float64", "logaddexp"]),
-    (_right_by_the_maximum, True, []),
-    (_right_by_softmax, True, []),
-    (lambda *args: tuple(t.double() for t in _right_merge(*(a.double() for a in args))), True, []),  # float64
-    (_naive_merge, False, ["scores near 1000", "inf or nan", "float32", "torch.logaddexp(lse1, lse2)"]),
-    (_naive_merge_in_float64, False, ["scores near 1000", "inf or nan", "even in float64", "no dtype saves"]),
-    (_shifted_by_a_constant, False, ["scores near -1000", "underflows to 0", "0/0 is nan"]),
-    (_relative_to_the_first_block, False, ["one block's scores 1000 above the other's", "exp(lse2 - lse1)",
-                                           "overflows even float64"]),
-    (_safe_output_naive_lse, False, ["your merged lse holds inf or nan"]),
-    (_max_lse_merge, False, ["three in a chain do not", "torch.logaddexp(lse1, lse2)"]),
-    (_size_weighted_merge, False, ["you averaged the two outputs"]),
-    (lambda out1, lse1, out2, lse2: _right_merge(out1, lse1, out2, lse2)[0], False, ["Return (out, lse)"]),
-    (lambda out1, lse1, out2, lse2: (torch.where(lse1 > lse2, out1, out2), torch.maximum(lse1, lse2)), False,
-     ["differs from full attention"]),
-    (lambda out1, lse1, out2: None, False, ["raised TypeError"]),
-    (lambda *args: (_right_merge(*args)[0].numpy(), _right_merge(*args)[1]), False, ["a torch tensor, got ndarray"]),
-    (lambda *args: (_right_merge(*args)[0], _right_merge(*args)[1].squeeze(-1)), False, ["merged lse should be"]),
-    ("merge", False, ["Pass your function itself"]),
-    (lambda *args: (_right_merge(*args)[0].half(), _right_merge(*args)[1]), False, ["merged output as float16"]),
-    (lambda *args: (_right_merge(*args)[0], _right_merge(*args)[1].long()), False, ["merged lse as int64"]),
-]
-
-
-@pytest.mark.parametrize("fn, ok, fragments", MERGES)
-def test_softmax_merge(fn, ok, fragments):
-    feedback = checks.softmax_merge(fn)
-    assert feedback.ok is ok, feedback.message
-    for fragment in fragments:
-        assert fragment in feedback.message, feedback.message
-
-
-def test_the_merge_bank_holds_many_kinds_and_its_large_scores_pass_float64s_range():
-    from dtlib.checks.parallel import MERGE_CASES, _merge_case
-
-    assert sum(ok for _, ok, _ in MERGES) >= 3 and sum(not ok for _, ok, _ in MERGES) >= 8
-    lses = [lse for sizes, offsets, _, _ in MERGE_CASES for _, lse in _merge_case(sizes, offsets)[1]]
-    assert max(float(lse.max()) for lse in lses) > 709.8 and min(float(lse.min()) for lse in lses) < -745.2
-
-
 def test_an_all_reduce_read_part_way_is_named_as_unfinished():
     """gloo writes the sum into the tensor chunk by chunk: a rank that returns without wait() may hand back a
     tensor whose numbers are partly its summand and partly the sum (seen in a full gate run)."""
-    from dtlib.checks.parallel import _part_way
+    from dtlib.checks.tensor_parallel import _part_way
 
     summand, total = torch.zeros(4, 8, dtype=torch.float64), torch.ones(4, 8, dtype=torch.float64)
     torn = torch.cat([total[:2], summand[2:]])

@@ -1,4 +1,4 @@
-"""Exercises beyond data parallelism: a tensor-parallel MLP written by hand (notebook 09).
+"""The tensor-parallel exercise of notebook 09: an MLP split across ranks by hand.
 
 The MLP is ``y = gelu(x @ up.T) @ down.T`` with ``nn.Linear``'s weight layout, ``(out_features,
 in_features)``: :func:`mlp_inputs` gives every rank the same ``x``, ``up`` and ``down``. Megatron's split is
@@ -12,8 +12,6 @@ Example: ``tensor_parallel_mlp(fn)``, where ``fn(rank, world_size)`` returns the
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,14 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtlib.checks._numbers import whole_answer
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import CALL_NAMES, watching
-from dtlib.measure.stages import pipeline_bubble
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
 
@@ -411,255 +407,3 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
                               "halves (section 5), the same bytes on a ring; one dist.all_reduce(y) does both in one "
                               "call.")
     return verdict
-
-
-def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, batch: int = 64) -> Feedback:
-    """Notebook 10: the fewest micro-batches that split ``batch`` samples evenly, that a 1F1B schedule of
-    ``stages`` ranks accepts (at least one per stage), and that keep it idle at most ``target`` of the time,
-    :func:`pipeline_bubble`.
-
-    Example: ``pipeline_micro_batches(16)`` says the bubble is still 3/19 = 16%.
-    """
-    if not 0 < target < 1:
-        raise ValueError(f"target is the bubble's share, between 0 and 1 (0.1 for 10%), got {target!r}")
-    count = whole_answer(answer, "micro-batches")  # 32, 32.0, torch.tensor(32.) and numpy's are one number
-    if isinstance(count, str):
-        return Feedback(False, count)
-    bound = math.ceil((stages - 1) * (1 - target) / target - 1e-9)  # (p - 1) / (m + p - 1) <= target
-    fits = [m for m in range(max(1, stages), batch + 1) if batch % m == 0 and pipeline_bubble(stages, m) <= target]
-    if count < 1:
-        return Feedback(False, "A step needs at least one micro-batch.")
-    if count > batch or batch % count:
-        return Feedback(False, f"{count} micro-batch{'es' if count != 1 else ''} do not split {batch} samples evenly: "
-                               f"every micro-batch must have the same size (the pipeline averages their gradients "
-                               f"by dividing the sum by m), so choose a divisor of {batch}.")
-    if count < stages:
-        return Feedback(False, f"A 1F1B schedule needs at least one micro-batch per stage: with {count} on {stages} "
-                               "stages, torch's Schedule1F1B refuses to start, and most ranks would wait anyway.")
-    bubble = pipeline_bubble(stages, count)
-    if bubble > target and not fits:
-        return Feedback(False, f"No count of micro-batches that divides {batch} keeps the bubble at {target:.0%}: even "
-                               f"{batch} leave {pipeline_bubble(stages, batch):.1%}. Ask for a larger batch, or fewer "
-                               "stages.")
-    if bubble > target:
-        return Feedback(False, f"With {count} micro-batches the bubble is (p - 1) / (m + p - 1) = {stages - 1}/"
-                               f"{count + stages - 1} = {bubble:.1%}, above {target:.0%}: more micro-batches shrink "
-                               "it, because the p - 1 steps of filling and draining are shared by more of them.")
-    if count > fits[0]:
-        each = batch // count
-        return Feedback(False, f"{count} micro-batches meet the target ({bubble:.1%}), but fewer do too: each extra "
-                               f"one makes every pass smaller (here {each} sample{'s' if each != 1 else ''}), which a "
-                               "GPU computes less efficiently, and sends one more message per stage. Find the fewest.")
-    each = batch // count
-    batches, samples = f"micro-batch{'es' if count != 1 else ''}", f"sample{'s' if each != 1 else ''}"
-    return Feedback(True, f"{count} {batches} of {each} {samples}: the bubble is "
-                          f"{stages - 1}/{count + stages - 1} = {bubble:.1%}. The bound alone asks m >= {bound}, "
-                          f"and {count} is the fewest at or above it that divides {batch}.")
-
-
-def _groups(shape: Sequence[int], dim: int) -> list[list[int]]:
-    """The ranks of each group along ``dim`` of a mesh numbered as init_device_mesh numbers it (row-major)."""
-    ranks = torch.arange(math.prod(shape)).reshape(tuple(shape))
-    return [line.tolist() for line in ranks.movedim(dim, -1).reshape(-1, shape[dim])]
-
-
-#: Words that say what a mesh dimension is for, when its name holds one ("tp", "fsdp", "dp_shard", "tensor").
-#: Any distinct names are valid (init_device_mesh asks no more); the words only tell which dimension the learner
-#: meant for which parallelism, and a dimension whose name says neither gets its role from the mesh's structure.
-TP_NAME_WORDS = frozenset({"tp", "tensor", "tensorparallel", "mp", "model", "modelparallel"})
-DP_NAME_WORDS = frozenset({"dp", "fsdp", "ddp", "hsdp", "data", "dataparallel", "shard", "replicate", "zero"})
-
-
-def _mesh_role(name: str) -> str | None:
-    """ "tp" or "dp" where the name says it ("dp_shard" -> "dp", "TP" -> "tp"), else None ("rows", "a", "dp_tp")."""
-    words = set("".join(char if char.isalpha() else " " for char in name.lower()).split())
-    says_tp, says_dp = bool(words & TP_NAME_WORDS), bool(words & DP_NAME_WORDS)
-    return "tp" if says_tp and not says_dp else "dp" if says_dp and not says_tp else None
-
-
-def _inside_nodes(shape: tuple[int, ...], dim: int, gpus_per_node: int) -> bool:
-    return all(len({rank // gpus_per_node for rank in group}) == 1 for group in _groups(shape, dim))
-
-
-def mesh_for_nodes(shape: Any, names: Any, nodes: int = 2, gpus_per_node: int = 4, tp_size: int = 4) -> Feedback:
-    """Notebook 11: does ``init_device_mesh("cuda", shape, mesh_dim_names=names)`` give tensor parallelism groups
-    of ``tp_size`` GPUs, each inside one node, and data parallelism (FSDP) across, on ``nodes`` nodes of
-    ``gpus_per_node``?
-
-    Any distinct names are right ("dp"/"tp", "fsdp"/"tp", "rows"/"cols"): the structure is judged. A name that
-    says tensor or data parallelism (:data:`TP_NAME_WORDS`, :data:`DP_NAME_WORDS`) says which dimension the
-    learner meant for which; where neither name says, the dimension of ``tp_size`` that stays inside nodes is
-    the tensor-parallel one. Ranks are numbered node by node (torchrun: node n holds ranks n x g to n x g + g - 1),
-    and the mesh fills them row-major: the last dimension's groups are runs of consecutive ranks. Example:
-    ``mesh_for_nodes((4, 2), ("tp", "dp"))`` says which tp group crosses nodes.
-    """
-    if tp_size > gpus_per_node or gpus_per_node % tp_size:
-        raise ValueError(f"tp groups of {tp_size} cannot each sit inside nodes of {gpus_per_node} GPUs: choose a "
-                         "tp_size that divides gpus_per_node")
-    sizes = tuple(shape) if isinstance(shape, tuple | list) else None
-    if (sizes is None or not all(isinstance(size, numbers.Integral) and not isinstance(size, bool) for size in sizes)
-            or not isinstance(names, tuple | list) or not all(isinstance(name, str) for name in names)):
-        return Feedback(False, "Give the shape as a tuple of whole numbers, e.g. (2, 4), and the names as a tuple of "
-                               "strings, e.g. (\"dp\", \"tp\").")
-    shape, names = tuple(int(size) for size in sizes), tuple(names)
-    world = nodes * gpus_per_node
-    if len(set(names)) != len(names):  # init_device_mesh raises "Found repeated mesh_dim_name"
-        return Feedback(False, f"The names {names} repeat one: init_device_mesh needs a different name for each "
-                               "dimension (any names, e.g. (\"dp\", \"tp\")), and refuses these.")
-    if len(names) != len(shape):  # init_device_mesh raises "should have same length"
-        return Feedback(False, f"The shape {shape} has {len(shape)} dimension{'s' if len(shape) != 1 else ''} and "
-                               f"names {names} name {len(names)}: init_device_mesh needs one name per dimension.")
-    if len(shape) != 2:
-        return Feedback(False, f"Give two dimensions, one for tensor parallelism and one for FSDP (names of your "
-                               f"choice), got shape {shape} with names {names}.")
-    if min(shape) < 1 or math.prod(shape) != world:
-        return Feedback(False, f"A mesh of {shape} has {math.prod(shape)} ranks; the job has {nodes} x {gpus_per_node} "
-                               f"= {world}: the sizes must be positive and multiply to the world size.")
-    roles = [_mesh_role(name) for name in names]
-    if roles[0] is not None and roles[0] == roles[1]:
-        kind = "tensor" if roles[0] == "tp" else "data"
-        return Feedback(False, f"Both names, \"{names[0]}\" and \"{names[1]}\", say {kind} parallelism, and the "
-                               "exercise asks for one dimension of each: name them as you like, but let the names "
-                               "say which one carries tensor parallelism and which FSDP.")
-    if "tp" in roles or "dp" in roles:
-        tp = roles.index("tp") if "tp" in roles else 1 - roles.index("dp")
-        chosen = ""
-    else:  # neither name says: the structure decides which dimension must carry tensor parallelism
-        fitting = [dim for dim in (0, 1) if shape[dim] == tp_size]
-        if not fitting:
-            return Feedback(False, f"Neither dimension of {shape} has {tp_size} ranks: tensor parallelism over "
-                                   f"{tp_size} GPUs needs a dimension of {tp_size}, and FSDP one of "
-                                   f"{world // tp_size} for the rest.")
-        tp = ([dim for dim in fitting if _inside_nodes(shape, dim, gpus_per_node)] or fitting)[-1]
-        chosen = f"With \"{names[tp]}\" for tensor parallelism and \"{names[1 - tp]}\" for FSDP (your names do not " \
-                 "say which is which, so the structure does). "
-    tp_name, dp_name = names[tp], names[1 - tp]
-    if shape[tp] != tp_size and shape[tp] <= gpus_per_node:
-        ranks = f"{shape[tp]} rank{'s' if shape[tp] != 1 else ''}"
-        other = f", and \"{dp_name}\" {tp_size}" if shape[1 - tp] == tp_size else ""
-        return Feedback(False, f"This mesh makes tensor-parallel groups of {ranks}; the exercise asks for {tp_size} "
-                               f"(each layer split over {tp_size} GPUs), and data parallelism over the rest. "
-                               f"\"{tp_name}\" has size {shape[tp]}{other}.")
-    if shape[tp] > gpus_per_node:
-        return Feedback(False, f"A tensor-parallel group of {shape[tp]} ranks cannot fit in a node of {gpus_per_node} "
-                               f"GPUs (\"{tp_name}\" has size {shape[tp]}): every one of its per-layer all-reduces "
-                               "would cross the slow link between nodes.")
-    for group in _groups(shape, tp):
-        if len({rank // gpus_per_node for rank in group}) > 1:
-            return Feedback(False, f"{chosen}The {tp_name} group {group} spans nodes "
-                                   f"{sorted({r // gpus_per_node for r in group})}: ranks are numbered node by node, "
-                                   f"and init_device_mesh fills its last dimension with consecutive ranks, so put "
-                                   f"\"{tp_name}\" last to keep its groups inside a node.")
-    dp_groups = _groups(shape, 1 - tp)
-    across = ("crosses nodes: FSDP's all-gathers and reduce-scatters, once per layer in each pass and overlapped with "
-              "compute on GPUs, take the slower link" if nodes > 1 else "stays in the one node too")
-    return Feedback(True, f"{chosen}Each {tp_name} group ({_groups(shape, tp)[0]}, ...) is inside one node, on its "
-                          f"fast links, and each {dp_name} group ({dp_groups[0]}, ...) {across}.")
-
-
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + offset
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
-
-
-def _merge_case(sizes: Sequence[int], offsets: Sequence[float]) -> tuple[torch.Tensor,
-                                                                          list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Queries, keys in blocks of ``sizes``, block i's scores raised by ``offsets[i]``: the full attention (float64)
-    and each block's (out, lse) in float32. Offsets of about 1000 make exp(lse) overflow float64 (past 709) and
-    offsets of -1000 underflow it to 0: only a merge that exponentiates differences of lse survives them."""
-    generator = torch.Generator().manual_seed(12)
-    q = torch.randn(2, 4, 8, generator=generator, dtype=torch.float64)
-    k = torch.randn(2, sum(sizes), 8, generator=generator, dtype=torch.float64)
-    v = torch.randn(2, sum(sizes), 8, generator=generator, dtype=torch.float64)
-    blocks = [_block_attention(q, k_i, v_i, offset) for k_i, v_i, offset in
-              zip(k.split(list(sizes), 1), v.split(list(sizes), 1), offsets, strict=True)]
-    bias = torch.cat([torch.full((size,), float(offset), dtype=torch.float64)
-                      for size, offset in zip(sizes, offsets, strict=True)])
-    full = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + bias, dim=-1) @ v
-    return full, [(out.float(), lse.float()) for out, lse in blocks]
-
-
-#: (block sizes, score offsets, what the case is, atol): float32's lse near 1000 is exact to 6e-5 only (a right
-#: float32 merge is then off by 4e-5), so the cases of large scores compare to 2e-4.
-MERGE_CASES = (((8, 8), (0, 0), "two equal blocks", 1e-5),
-               ((3, 13), (0, 0), "a block of 3 keys and one of 13", 1e-5),
-               ((4, 5, 7), (0, 0, 0), "three blocks merged in a chain", 1e-5),
-               ((8, 8), (1000, 1000), "scores near 1000 (lse about 1000: exp(lse) overflows float64 too)", 2e-4),
-               ((8, 8), (-1000, -1000), "scores near -1000 (exp(lse) underflows to 0, in float64 too)", 2e-4),
-               ((8, 8), (0, 1000), "one block's scores 1000 above the other's", 2e-4))
-
-
-def _overflowed(what: str, offsets: Sequence[float], largest: float, which: str) -> str:
-    if len(set(offsets)) == 1:
-        did = (f"your merge exponentiated a number of about {largest:.0f} in size, such as lse itself: exp overflows "
-               "past 709 and underflows to 0 below -745 even in float64 (past 88 and below -103 in float32), and 0/0 "
-               "is nan, so no dtype saves exp(lse1) and exp(lse2)")
-    else:
-        did = ("your merge exponentiated a number of about 1000, such as one block's lse relative to the other's, "
-               "exp(lse2 - lse1): that overflows even float64 (past 709; float32 past 88)")
-    return (f"With {what}, your merged {which} holds inf or nan: {did}. Weigh each block by exp(lse_i - lse), with "
-            "lse = torch.logaddexp(lse1, lse2): the exponents are never positive, so nothing overflows.")
-
-
-def softmax_merge(fn: Callable[..., Any]) -> Feedback:
-    """Notebook 12: ``fn(out1, lse1, out2, lse2)`` merges two blocks' attention, each normalised over its own keys
-    with its log-sum-exp, into the attention over both blocks' keys, and returns ``(out, lse)``.
-
-    Checked against full attention (:data:`MERGE_CASES`): two equal blocks, two unequal ones, three blocks merged
-    in a chain (which needs the merged lse right, not only the output), and scores whose exponentials overflow
-    and underflow float64, so that only a merge that exponentiates differences of lse passes.
-    """
-    if not callable(fn):
-        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
-    for sizes, offsets, what, atol in MERGE_CASES:
-        expected, blocks = _merge_case(sizes, offsets)
-        out, lse = blocks[0]
-        try:
-            for out_i, lse_i in blocks[1:]:
-                merged = fn(out, lse, out_i, lse_i)
-                if not (isinstance(merged, tuple | list) and len(merged) == 2):
-                    return Feedback(False, f"Return (out, lse), two tensors; got {type(merged).__name__}.")
-                out, lse = merged
-        except Exception as exc:  # noqa: BLE001 - the learner's code: say what it raised
-            return Feedback(False, f"With {what}, your merge raised {type(exc).__name__}: {exc}")
-        if not isinstance(out, torch.Tensor):
-            return Feedback(False, f"With {what}, the merged output should be a torch tensor, got "
-                                   f"{type(out).__name__}.")
-        if out.shape != expected.shape:
-            return Feedback(False, f"With {what}, the merged output should have shape {tuple(expected.shape)}, got "
-                                   f"{tuple(out.shape)}.")
-        if not isinstance(lse, torch.Tensor) or lse.shape != blocks[0][1].shape:
-            return Feedback(False, f"With {what}, the merged lse should be a tensor of shape "
-                                   f"{tuple(blocks[0][1].shape)}, like each block's (one number per query row), got "
-                                   f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}.")
-        low = next((f"{name} as {str(t.dtype).removeprefix('torch.')}" for name, t in (("output", out), ("lse", lse))
-                    if not t.is_floating_point() or torch.finfo(t.dtype).bits < 32), None)
-        if low is not None:
-            return Feedback(False, f"With {what}, you returned the merged {low}: the blocks come in float32 and their "
-                                   "merge is exact in it; return float32 (or float64), or the rounding, not the "
-                                   "merge, decides what the next merge sees.")
-        largest = max(float(block_lse.abs().max()) for _, block_lse in blocks)
-        out = out.detach().to(torch.float64)  # any float dtype the learner computed in
-        if not torch.isfinite(out).all():
-            return Feedback(False, _overflowed(what, offsets, largest, "output"))
-        if not torch.isfinite(lse.detach()).all():
-            return Feedback(False, _overflowed(what, offsets, largest, "lse"))
-        if torch.allclose(out, expected, atol=atol):
-            continue
-        if len(sizes) == 2 and torch.allclose(out, ((blocks[0][0] + blocks[1][0]) / 2).double(), atol=atol):
-            return Feedback(False, f"With {what}, you averaged the two outputs: each block's output is normalised over "
-                                   "its own keys only; weigh it by its share of the whole softmax's mass, "
-                                   "exp(lse_i - lse).")
-        if len(sizes) == 3:
-            return Feedback(False, "Two blocks merge right, but three in a chain do not: the lse you return must be "
-                                   "the log-sum-exp over both blocks' keys, torch.logaddexp(lse1, lse2), so that "
-                                   "the next merge weighs the merged block correctly.")
-        return Feedback(False, f"With {what}, your output differs from full attention by up to "
-                               f"{(out - expected).abs().max().item():.3g}: weigh block i by exp(lse_i - lse), where "
-                               "lse = torch.logaddexp(lse1, lse2).")
-    return Feedback(True, "Equal blocks, unequal ones, a chain of three and scores whose exp overflows and underflows "
-                          "float64 (lse near 1000 and -1000) all give full attention: out = exp(lse1 - lse) out1 + "
-                          "exp(lse2 - lse) out2 with lse = logaddexp(lse1, lse2), the merge that ring attention (and "
-                          "FlashAttention) run on each block.")
