@@ -285,21 +285,3 @@ class _CheckedPlanner(dcp.DefaultLoadPlanner):
         torch.save(checked, again)  # the parent unpickles what it gets; give it only what passed the check
         again.seek(0)
         super().load_bytes(read_item, again)
-
-
-def documented_fsdp1_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
-    """FSDP1's documented full-state-dict route (``FullStateDictConfig(offload_to_cpu=True,
-    rank0_only=True)``), kept to show why dtlib avoids it on the CPU: there it raises
-    "setStorage ... out of bounds for storage of size 0" (see the module docstring).
-    Use it on GPUs; ``FSDP.state_dict_type`` itself is deprecated in torch 2.13 in favour of
-    ``get_state_dict``, which :func:`save` uses.
-    """
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the deprecation is the docstring's point
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
-                                  FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)):
-            return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}

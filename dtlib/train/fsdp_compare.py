@@ -12,14 +12,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.launch.entry import rank_device
-from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
 from dtlib.ring.cost import BUS_FACTOR
-from dtlib.train import fsdp_checkpoint, fsdp_wrap, models
 from dtlib.train.common import slowest_median_step_s
 from dtlib.train.fsdp import FSDPConfig, FSDPResult, run
 from dtlib.train.guide import largest_model
@@ -110,27 +104,6 @@ def bytes_sent_per_rank(row: StrategyRow) -> float:
         else:
             sent += totals["bytes"] * BUS_FACTOR["allgather"](g)  # a reduce-scatter's share is the same
     return sent
-
-
-def _documented_route(rank: int, world_size: int) -> str:
-    model = fsdp_wrap.wrap_fsdp1(models.build("transformer"), FSDPConfig(api="fsdp1"), world_size, rank_device(), [])
-    optimizer = torch.optim.Adam(model.parameters())
-    models.loss_fn("transformer", model(torch.zeros(2, 16, dtype=torch.long)), torch.zeros(2, 16, dtype=torch.long)
-                   ).backward()
-    optimizer.step()
-    state = fsdp_checkpoint.documented_fsdp1_full_state_dict(model, optimizer)
-    return f"worked: {len(state['model'])} tensors on rank {rank}"
-
-
-def documented_fsdp1_full_state_dict_route(world_size: int = 2) -> str:
-    """Try FSDP1's documented FULL_STATE_DICT route (offload_to_cpu=True, rank0_only=True) on this
-    machine's backend; return what happened: rank 0's error on the CPU, "worked" on GPUs."""
-
-    try:
-        return spawn(_documented_route, world_size, timeout=30, output="none")[0]
-    except (WorkerError, WorkerTimeout) as err:
-        failure = err.failures[0] if isinstance(err, WorkerError) else None
-        return failure.headline() if failure else str(err).splitlines()[0]
 
 
 def comparison_table(rows: list[StrategyRow], gpu_memory_gb: float = 80, num_gpus: int = 8) -> list[str]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import dtlib
 from dtlib.train import ddp, models
 from dtlib.train.ddp_scratch import BucketedDDP, NaiveDDP, _trainable
 
@@ -345,3 +346,86 @@ def test_a_straggler_makes_every_other_rank_wait_in_each_all_reduce():
     assert straggler["comm"][0][0] >= straggler["start_s"] + 0.06  # its own sleep came first, in its own step
     for (_, done), (late, _) in zip(fast, slow, strict=True):
         assert done >= late  # rank 0's all-reduce ended only once the straggler had launched it
+
+
+# -- buckets, unused parameters, buffers and resuming, as the runner records them ----------------------------
+
+
+def bucket_layout(cap: float | None, steps: int = 3, **flags) -> dict:
+    """Rank 0's all-reduces and bucket sizes per step on wide_mlp, as the runner records them."""
+    first = ddp.run(ddp.TrainConfig(model="wide_mlp", steps=steps, bucket_cap_mb=cap, **flags), 2, output="none")[0]
+    return {"calls": first.comm_calls, "bucket_bytes": first.comm_sizes, "bytes_per_step": first.comm_bytes[-1]}
+
+
+@pytest.fixture(scope="module")
+def layout():
+    return [bucket_layout(None), bucket_layout(0.001)]  # DDP's default cap (25 MB), then ~1 KB: one per gradient
+
+
+@pytest.mark.timeout(180)
+def test_bucket_layout(layout):
+    total = 4 * _num_params("wide_mlp")
+    for row in layout:
+        assert row["calls"][0] == 1 and row["bucket_bytes"][0] == [total]  # step 0: every gradient in one bucket
+        assert row["calls"][1:] == [len(sizes) for sizes in row["bucket_bytes"][1:]]
+        assert row["bucket_bytes"][1] == row["bucket_bytes"][2]  # rebuilt once, after step 0
+        assert all(sum(sizes) == total for sizes in row["bucket_bytes"])  # nothing sent twice or skipped
+        assert row["bytes_per_step"] == total
+    default, tiny = layout
+    assert default["calls"][1] == 2  # the 1 MiB first bucket, then the rest under 25 MB
+    first = default["bucket_bytes"][1][0]  # closes once it reaches 1 MiB; a gradient is never split
+    assert 2**20 <= first < 2**20 + 4 * 512 * 512
+    assert tiny["calls"][1] > default["calls"][1]
+    assert tiny["calls"][1] == 9  # 10 tensors; the last layer's 4-byte bias shares a bucket with its weight
+
+
+@pytest.mark.timeout(180)
+def test_bucket_cap_is_a_threshold_and_a_gradient_is_never_split():
+    # wide_mlp, last layer first: 4 B + 2 KiB (output layer), then per hidden layer a 2 KiB bias and a 1 MiB weight
+    row = bucket_layout(0.5, steps=2)
+    hidden_weight, bias = 4 * 512 * 512, 4 * 512
+    assert row["bucket_bytes"][1] == [4 + 4 * 512 + bias + hidden_weight, bias + hidden_weight, bias + hidden_weight,
+                                      bias + 4 * 16 * 512]
+
+
+@pytest.mark.timeout(240)
+def test_find_unused_parameters_and_static_graph_change_the_bucket_schedule():
+    total = 4 * _num_params("wide_mlp")
+    unused = bucket_layout(None, find_unused_parameters=True)
+    assert unused["calls"][0] > 1  # several buckets from step 0: assigned at construction
+    assert unused["bucket_bytes"][0] == unused["bucket_bytes"][1] == unused["bucket_bytes"][2]  # never rebuilt
+    assert all(sum(sizes) == total for sizes in unused["bucket_bytes"])
+    static = bucket_layout(None, static_graph=True)
+    assert static["calls"] == [1, 1, 2]  # one bucket for steps 0 and 1, rebuilt after
+    assert static["bucket_bytes"][0] == static["bucket_bytes"][1] == [total]
+
+
+@pytest.mark.timeout(180)
+def test_unused_parameters_need_the_flag():
+    with pytest.raises(dtlib.WorkerError, match="find_unused_parameters"):
+        ddp.run(ddp.TrainConfig(model="branchy", steps=2), 2, output="none")
+
+
+@pytest.mark.timeout(180)
+def test_buffer_sync_keeps_batchnorm_statistics_closer():
+    spread = {}
+    for flag in (True, False):
+        results = ddp.run(ddp.TrainConfig(model="batchnorm", steps=3, sync_buffers=flag), 2, output="none")
+        spread[flag] = max((r.buffers - results[0].buffers).abs().max().item() for r in results)
+    assert 0 < spread[True] < spread[False]
+
+
+@pytest.mark.timeout(240)
+def test_resumed_training_equals_uninterrupted_training(stop_and_resume):
+    # 16 steps per epoch (512 samples, 2 ranks, 16 per rank): stopping after 17 resumes inside epoch 1
+    losses = stop_and_resume(ddp.run, ddp.TrainConfig(model="mlp"), 2, steps=20, stop_after=17,
+                             location="checkpoint_path")
+    assert len(losses["straight"]) == 20 and all(math.isfinite(v) for v in losses["straight"])
+    assert losses["stopped_and_resumed"] == losses["straight"]
+
+
+@pytest.mark.parametrize("stop_after, steps", [(0, 10), (10, 10), (12, 10), (-1, 10)])
+def test_bad_stop_after_is_refused(stop_after, steps, stop_and_resume):
+    with pytest.raises(ValueError, match=f"need 0 < stop_after < steps, got {stop_after} and {steps}"):
+        stop_and_resume(ddp.run, ddp.TrainConfig(model="mlp"), 2, steps=steps, stop_after=stop_after,
+                        location="checkpoint_path")
