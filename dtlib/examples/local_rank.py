@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None)
     options = parser.parse_args(arguments)
     local_rank = int(os.environ["LOCAL_RANK"])  # what to use: both launchers set it
-    print(f"LOCAL_RANK={local_rank}, arguments {arguments}, --local-rank {options.local_rank}", flush=True)
+    line = f"LOCAL_RANK={local_rank}, arguments {arguments}, --local-rank {options.local_rank}\n"
+    sys.stdout.write(line)  # one write: print() may write the text and its newline apart, and torchrun's
+    sys.stdout.flush()  # --tee, reading the file as it grows, then prefixed half a line (seen in a gate run)
 
 
 if __name__ == "__main__":
