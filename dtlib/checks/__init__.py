@@ -10,7 +10,7 @@ Example::
 One module per kind of exercise, every checker named here:
 
 - ``answers``: a value typed into a cell (notebooks 00, 05, 06, 07); no processes;
-- ``ranks``: a function every rank runs, its result and its collectives (01, 02, 08);
+- ``rank_functions``: a function every rank runs, its result and its collectives (01, 02, 08);
 - ``ring_phases``: one phase of the ring all-reduce, on live ranks (03);
 - ``training``: a gradient hook and an FSDP wrap, beside torch's DDP (04, 05);
 - ``tensor_parallel``: a tensor-parallel MLP by hand (09);
@@ -25,7 +25,7 @@ from dtlib.checks.cluster import largest_micro_batch, smallest_pipeline
 from dtlib.checks.experts import expert_parallel_moe
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.layouts import mesh_for_nodes, pipeline_micro_batches
-from dtlib.checks.ranks import average_of_ranks, fixed_barrier, sum_of_ranks
+from dtlib.checks.rank_functions import average_of_ranks, fixed_barrier, sum_of_ranks
 from dtlib.checks.ring_phases import ring_phase
 from dtlib.checks.tensor_parallel import tensor_parallel_mlp
 from dtlib.checks.training import fsdp_wrap, gradient_hook

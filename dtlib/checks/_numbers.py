@@ -1,6 +1,6 @@
 """Reading a learner's numbers: what a value is, and which constant a wrong one was divided by.
 
-Shared by the checkers in :mod:`dtlib.checks.ranks`, :mod:`dtlib.checks.training`, :mod:`dtlib.checks.layouts`
+Shared by the checkers in :mod:`dtlib.checks.rank_functions`, :mod:`dtlib.checks.training`, :mod:`dtlib.checks.layouts`
 and :mod:`dtlib.checks.cluster`.
 """
 

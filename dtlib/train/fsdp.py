@@ -12,7 +12,7 @@ FSDP2 maps FSDP1's strategies: ``full_shard`` reshards after forward, ``shard_gr
 ``hybrid_shard`` / ``hybrid_shard_zero2`` do the same on a 2-D (replicate, shard) mesh.
 
 From a shell, or under torchrun: ``torchrun --standalone --nproc_per_node=2 -m dtlib.train fsdp --api fsdp2``.
-Wrapping lives in :mod:`dtlib.train.fsdp_wrap`, the in-rank measurements in :mod:`dtlib.measure.fsdp`.
+Wrapping lives in :mod:`dtlib.train.fsdp_wrap`, the in-rank measurements in :mod:`dtlib.measure.held`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dtlib.launch import entry
 from dtlib.launch.entry import rank_device
 from dtlib.measure import memory
 from dtlib.measure.commlog import SIZED_BY, CommLog
-from dtlib.measure.fsdp import instrument_blocks, parameter_peak, saved_for_backward, shard_example
+from dtlib.measure.held import instrument_blocks, parameter_peak, saved_for_backward, shard_example
 from dtlib.train import data, fsdp_checkpoint, models
 from dtlib.train.common import validate_checkpointing, validate_counts
 from dtlib.train.config import FSDPConfig

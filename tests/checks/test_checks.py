@@ -247,7 +247,7 @@ def test_sum_of_ranks_names_each_kind_of_wrong_answer(fn, fragments):
 def test_the_rank_exercises_own_their_data():
     """Each call draws new data: random float32 fractions, rank-dependent, a length that is not the world size,
     and one of the two world sizes judged is odd."""
-    from dtlib.checks.ranks import SUM_OF_RANKS
+    from dtlib.checks.rank_functions import SUM_OF_RANKS
 
     def draw(size, seed):
         return SUM_OF_RANKS.inputs(size, torch.Generator().manual_seed(seed))

@@ -221,7 +221,7 @@ def test_checker_names_the_ranks_that_returned_whatever_their_number(fn, world_s
 def test_a_stand_in_that_equals_one_ranks_rounded_loss_is_not_called_rounding():
     """CI once drew rank 0's loss as 1.42: its stand-in 1.0 equalled the loss rounded, and the message said the
     learner rounded the loss. Rounding is named only when every rank sent its own input rounded."""
-    from dtlib.checks.ranks import _rounded_everywhere
+    from dtlib.checks.rank_functions import _rounded_everywhere
     from dtlib.checks.skeleton import Answer, Carried
 
     def answer(sent: list[float], losses: list[float]) -> Answer:

@@ -561,7 +561,7 @@ def _gradient_bytes_over_micro_batches(rank, world_size, reduce_dtype):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dtlib
-    from dtlib.measure.fsdp import gradient_bytes
+    from dtlib.measure.held import gradient_bytes
 
     device = dtlib.rank_device()
     model = models.build("transformer", seed=0).to(device)

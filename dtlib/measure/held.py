@@ -1,5 +1,5 @@
-"""What the FSDP runner measures inside a rank besides time and traffic: the bytes autograd saves for
-backward, the parameter bytes at the peak of forward, the blocks' forward calls, one parameter's shard.
+"""What a model holds inside a rank, measured: the bytes autograd saves for backward, the parameter bytes at
+the peak of forward, the gradient bytes, and (for the FSDP runner) the blocks' forward calls and one shard.
 
 Example (inside a rank)::
 
