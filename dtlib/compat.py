@@ -9,12 +9,16 @@ them in one line each (notebook 00 prints them).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Logger
+from torch.nn.parallel import DistributedDataParallel
 
 #: The oldest torch the course runs on: what GPU images and cloud notebooks ship (2.11) is tested here.
 MIN_TORCH = (2, 11)
@@ -95,8 +99,6 @@ def _guard_ddp_construction_log() -> None:
     wrapped gloo group to ``ProcessGroupGloo`` to read its thread count: SIGSEGV on torch 2.11 and 2.13 alike
     (``tests/test_compat.py``). The log only records settings for torch's usage logging; nothing reads it back.
     """
-    from torch._C._distributed_c10d import Logger
-
     original = Logger.set_construction_data_and_log
     if getattr(original, "dtlib_guard", False):
         return
@@ -112,11 +114,6 @@ def _guard_ddp_construction_log() -> None:
 
 def _give_ddp_forward_sync_buffers() -> bool:
     """Teach an older ``DistributedDataParallel`` the ``forward_sync_buffers`` keyword; False where it knows it."""
-    import functools
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     original = DistributedDataParallel.__init__
     if "forward_sync_buffers" in inspect.signature(original).parameters:
         return False
@@ -224,10 +221,6 @@ def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
 
     Example: ``DistributedDataParallel(model, **ddp_buffer_sync(False))``.
     """
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": enabled}
     return {"broadcast_buffers": enabled}

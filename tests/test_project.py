@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -127,8 +128,6 @@ def _dtlib_imports() -> dict[str, set[str]]:
 
     A package is one node (``dtlib.bench``), as a layer is; a top-level module (``dtlib.compat``) is one too.
     """
-    import ast
-
     modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
                for path in (ROOT / "dtlib").rglob("*.py")}
 
@@ -190,8 +189,6 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def _imports_of(path: Path, *, inside_functions: bool) -> list[tuple[str, list[str]]]:
-    import ast
-
     tree = ast.parse(path.read_text())
     local = {id(node) for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
              for node in ast.walk(function)}
@@ -218,13 +215,35 @@ def test_no_package_reaches_into_anothers_private_names():
 
 
 def test_dtlib_imports_itself_at_the_top_of_each_module():
-    """No import inside a function to dodge a cycle: the layers leave none to dodge. Two exceptions
-    load something heavy late, on purpose."""
-    allowed = {ROOT / "dtlib" / "__init__.py",  # %load_ext: IPython's side loads only when Jupyter asks
-               ROOT / "dtlib" / "launch" / "worker.py"}  # a rank imports torch only once its environment is set
+    """No import inside a function to dodge a cycle: the layers leave none to dodge. One exception loads
+    something heavy late, on purpose."""
+    allowed = {ROOT / "dtlib" / "__init__.py"}  # %load_ext: IPython's side loads only when Jupyter asks
     local = [f"{path.relative_to(ROOT)}: from {module}" for path in (ROOT / "dtlib").rglob("*.py")
              if path not in allowed for module, _ in _imports_of(path, inside_functions=True)]
     assert not local, "\n".join(local)
+
+
+def test_a_function_imports_late_only_what_import_dtlib_has_not_loaded():
+    """An import inside a function saves time only where the module is not loaded yet. ``import dtlib``
+    loads torch and torch.distributed, so those belong at the top; FSDP (most of a second) stays late. An
+    import inside ``try`` asks whether this torch has a name, and may stay."""
+    loaded = set(json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, dtlib; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True, text=True, check=True, timeout=120).stdout))
+    late = []
+    for path in sorted((ROOT / "dtlib").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        probes = {id(node) for block in ast.walk(tree) if isinstance(block, ast.Try)
+                  for statement in block.body for node in ast.walk(statement)}
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                late += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in names
+                         if name in loaded and id(node) not in probes and not name.startswith("dtlib")]
+    assert not late, "imported inside a function, though `import dtlib` loaded it already:\n" + "\n".join(late)
 
 
 def test_make_lab_allows_root_and_passes_the_users_options():

@@ -16,6 +16,9 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
 
 from dtlib.bench import _table
 from dtlib.bench._table import Column
@@ -112,8 +115,6 @@ def _nbdistributed(world_size: int, samples: int) -> LiveTiming:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("nbdistributed")
     except PackageNotFoundError:
@@ -156,8 +157,6 @@ COLUMNS = [
 
 def format_table(rows: list[LiveTiming]) -> str:
     """The table ``python -m dtlib.bench live`` prints."""
-    import torch
-
     return _table.format_table(f"dtlib.bench live: torch {torch.__version__}, forkserver warm", COLUMNS, rows)
 
 

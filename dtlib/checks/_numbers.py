@@ -10,6 +10,8 @@ import math
 import numbers
 from typing import Any
 
+import torch
+
 
 def as_number(value: Any) -> Any:
     """A one-element tensor or array as a Python number; anything else unchanged.
@@ -36,8 +38,6 @@ def constant_divisor(got: Any, total: Any) -> int | None:
 
     Example: ``constant_divisor([1.0, 2.0], [4.0, 8.0]) == 4``.
     """
-    import torch
-
     got, total = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(total, dtype=torch.float64)
     overlap = float((got * total).sum())
     if not 0 < overlap < float("inf"):
@@ -54,8 +54,6 @@ def constant_factor(got: Any, target: Any, rtol: float = 1e-4) -> float | None:
     Example: ``constant_factor([0.75, 1.5], [1.0, 2.0]) == 0.75``; ``constant_factor([1.0, 1.0], [1.0, 2.0])``
     is None.
     """
-    import torch
-
     try:
         got, target = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(target, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):

@@ -15,6 +15,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import Answer, RankExercise, judge
 from dtlib.measure.counting import count_collectives
@@ -42,9 +45,6 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
     :class:`_StepRefused` with the same words. The exchange's own collectives go into ``extra``, which the
     caller takes off the learner's count.
     """
-    import torch
-    import torch.distributed as dist
-
     real, step = send_recv.ring_shift, [0]
 
     def shift(send: Any, receive_into: Any, rank: int, world_size: int) -> None:
@@ -110,8 +110,6 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
 def _inputs(length: int) -> Callable[[int, Any], list[Any]]:
     """Every rank's buffer: whole numbers from 1 to 99 in float64, new on each call, so that sums in any order
     are exact and a phase cannot know them."""
-    import torch
-
     def draw(world_size: int, generator: Any) -> list[Any]:
         return [torch.randint(1, 100, (length,), generator=generator).double() for _ in range(world_size)]
 
@@ -220,8 +218,6 @@ def _exercise(which: str, length: int) -> RankExercise:
 
 def _summed(inputs: Sequence[Any]) -> Any:
     """The oracle: every rank's buffer added in one process."""
-    import torch
-
     return torch.stack(list(inputs)).sum(0)
 
 

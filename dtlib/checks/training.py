@@ -16,6 +16,12 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
 from dtlib.checks._numbers import constant_divisor
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
@@ -34,8 +40,6 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
     """``hook``, noting in ``report`` whether it changed the gradient it was given (torch's contract for
     ``Tensor.register_hook``: "The hook should not modify its argument"), what wrote into it, and the dtypes
     of the tensors its collectives moved."""
-    import torch
-
     def watched(grad: Any) -> Any:
         before = grad.detach().clone()
         storage = grad.untyped_storage().data_ptr()
@@ -69,9 +73,6 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
 
 
 def _your_hook_against_ddp(hook: Callable[[Any], Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-
     device = rank_device()  # cuda:LOCAL_RANK under NCCL, else the CPU: every tensor and model goes there
     x, y = (t.to(device) for t in data.regression(SAMPLES_PER_RANK * world_size, seed=seed).tensors)
     mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
@@ -92,8 +93,6 @@ def _your_hook_against_ddp(hook: Callable[[Any], Any], seed: int, rank: int, wor
 def _one_process_gradient(world_size: int, seed: int = 1) -> Any:
     """The oracle: one model in this process, the loss over every rank's samples at once (a mean, so the
     gradient is the mean of the ranks' gradients: what averaging them must give). ``seed`` draws the samples."""
-    import torch
-
     x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=seed).tensors
     model = models.build("mlp", seed=0)
     models.loss_fn("mlp", model(x), y).backward()
@@ -118,8 +117,6 @@ def _rounded(yours: Any, exact: Any, dtypes: set[str], scale: float = 0.0) -> st
     """How a gradient that is the mean to a few digits, not to fp32's, was rounded; None if it is not so.
     ``scale`` is the largest number a rank summed: a sum of rounded numbers that cancel is off by a share of
     them, not of the sum."""
-    import torch
-
     if not torch.allclose(yours, exact, rtol=1e-2, atol=max(1e-4, 1e-2 * scale)):
         return None
     off = f"up to {(yours - exact).abs().max().item():.2g} off the exact mean"
@@ -149,8 +146,6 @@ def _one_ranks_said(a: Answer) -> str:
 
 
 def _largest(a: Answer) -> bool:
-    import torch
-
     return torch.allclose(a.value["yours"], torch.stack([r["local"] for r in a.values]).max(0).values, atol=1e-6)
 
 
@@ -239,8 +234,6 @@ def _hook_failed(err: WorkerError) -> str:
 
 
 def _close_to_ddp(result: dict[str, Any], single: Any) -> bool:
-    import torch
-
     yours = result["yours"]
     return torch.allclose(yours, result["ddp"], atol=1e-6) and torch.allclose(yours, single, atol=1e-6)
 
@@ -278,8 +271,6 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 
     Example: ``gradient_hook(lambda grad: grad)`` says the gradients were never all-reduced.
     """
-    import torch
-
     if not callable(hook):
         return Feedback(False, f"Pass your hook function itself, not {type(hook).__name__}.")
     seed = random.randrange(2**31)  # new samples on each call: a hook cannot know the gradient it will get
@@ -307,9 +298,6 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 
 def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:
     """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
-    import torch
-    import torch.distributed as dist
-
     grad = torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())
     ops: list[Any] = []
     all_reduce = dist.all_reduce
@@ -335,12 +323,8 @@ WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh
 
 
 def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: int, world_size: int) -> dict[str, Any]:
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DistributedDataParallel
 
     device = rank_device()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=WRAP_MESH_DIMS)

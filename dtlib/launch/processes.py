@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import forkserver
 from typing import Any
 
 from dtlib.launch.proctree import descendants
@@ -143,8 +144,6 @@ def forkserver_pid() -> int | None:
 
     Example: ``forkserver_death(forkserver_pid())`` is None while the server runs.
     """
-    from multiprocessing import forkserver
-
     return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
 
 

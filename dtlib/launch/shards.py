@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 
 @dataclass(frozen=True)
 class LocalShard:
@@ -48,8 +52,6 @@ class LocalMesh:
 
 def local_mesh(mesh: Any) -> LocalMesh:
     """``mesh``, a DeviceMesh, as this rank's :class:`LocalMesh` (its process groups cannot leave the rank)."""
-    import torch.distributed as dist
-
     coordinate = mesh.get_coordinate()
     return LocalMesh(rank=dist.get_rank(), text=repr(mesh), mesh=mesh.mesh.tolist(),
                      coordinate=tuple(coordinate) if coordinate is not None else None)
@@ -57,8 +59,6 @@ def local_mesh(mesh: Any) -> LocalMesh:
 
 def local_shard(tensor: Any) -> LocalShard:
     """``tensor``, a DTensor, as this rank's :class:`LocalShard`. Example: ``local_shard(dtensor).local``."""
-    import torch.distributed as dist
-
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     return LocalShard(rank=dist.get_rank(), local=tensor.to_local().detach().cpu(),
@@ -71,8 +71,6 @@ def local_shard(tensor: Any) -> LocalShard:
 def describe(shards: list[Any]) -> str:
     """One sentence on a list of every rank's :class:`LocalShard` (or :class:`LocalMesh`): one DTensor (or one
     mesh), and how its parts relate."""
-    import torch
-
     first = shards[0]
     if all(isinstance(s, LocalMesh) for s in shards):
         same = all(s.mesh == first.mesh and s.text == first.text for s in shards)
@@ -95,8 +93,6 @@ def rebuild(shard: LocalShard, device: Any) -> Any:
     """The DTensor ``shard`` came from, on this rank: its local tensor on ``device``, on a new mesh of the same
     ranks and names (every rank must call it: a mesh creates process groups). Example: ``rebuild(shards[rank],
     device)``."""
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     mesh = DeviceMesh(shard.device_type, torch.tensor(shard.mesh), mesh_dim_names=shard.mesh_dim_names)

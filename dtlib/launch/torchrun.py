@@ -11,6 +11,9 @@ process group instead of blocking the cell::
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -170,10 +173,6 @@ def option_defaults() -> dict[str, object]:
 def parse_options(arguments: list[str]) -> tuple[dict[str, object] | None, str]:
     """torchrun's own parser on ``arguments``: ({option: value, ``NOT_GIVEN`` where unset}, "") or
     (None, argparse's complaint in one line)."""
-    import argparse
-    import contextlib
-    import io
-
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import io
+import multiprocessing
 import os
 import signal
 import sys
@@ -31,7 +32,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dtlib.launch import pickling
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from dtlib import compat
+from dtlib.launch import pickling, strict
 from dtlib.launch.proctree import descendants, reap_orphans
 from dtlib.launch.shards import local_mesh, local_shard
 
@@ -163,9 +169,6 @@ def dumps_result(value: Any) -> bytes:
     functional collective's result is waited for, as its first use in the rank would, and a DTensor travels as
     this rank's :class:`dtlib.launch.shards.LocalShard` and a DeviceMesh as its ``LocalMesh`` (process groups
     cannot leave the rank)."""
-    import cloudpickle
-
-    torch = sys.modules.get("torch")
     # a functional collective's unwaited result: torch waits for it on first use, and so does sending it back
     unwaited = getattr(sys.modules.get("torch.distributed._functional_collectives"), "AsyncCollectiveTensor", None)
 
@@ -180,7 +183,7 @@ def dumps_result(value: Any) -> bytes:
                 return _identity, (local_shard(obj),)
             if device_mesh is not None and isinstance(obj, device_mesh):  # nor its process groups
                 return _identity, (local_mesh(obj),)
-            if torch is not None and isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
+            if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
                                                                          or obj.grad_fn is not None):
                 return _identity, (obj.detach().cpu(),)
             return super().reducer_override(obj)
@@ -196,9 +199,6 @@ def _identity(value: Any) -> Any:
 
 def _init_process_group(backend: str, config: WorkerConfig) -> None:
     """Join the default group through the job's private FileStore (a file in a folder only this user can open)."""
-    import torch
-    import torch.distributed as dist
-
     join = {"init_method": f"file://{config.store_file}", "rank": config.rank, "world_size": config.world_size}
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -228,8 +228,6 @@ def _end_what_fn_left(rank: int) -> None:
     that are not daemons (Python waits for them before the rank can exit: a silent stall), and processes in
     a group of their own (:func:`_end_escapers`). Processes still in the rank's group, daemons among them, end
     with the group, as before. Each is named on stderr."""
-    import multiprocessing
-
     ended = []
     waiting = [child for child in multiprocessing.active_children() if not child.daemon]
     for child in waiting:
@@ -275,18 +273,13 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         import cloudpickle
 
         fn, args, kwargs = cloudpickle.loads(payload)
-        if "torch" in sys.modules and "OMP_NUM_THREADS" in os.environ:
-            # torch may have been imported before the variable was set (forkserver).
-            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        distributed = sys.modules.get("torch.distributed")
-        if distributed is not None and hasattr(distributed, "set_debug_level_from_env"):
-            distributed.set_debug_level_from_env()  # likewise TORCH_DISTRIBUTED_DEBUG, read at import
+        if "OMP_NUM_THREADS" in os.environ:  # torch was imported before the variable was set
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        dist.set_debug_level_from_env()  # likewise TORCH_DISTRIBUTED_DEBUG, read at import
         if config.backend is not None:
             _init_process_group(config.backend, config)
             initialised = True
             if config.backend == "gloo":
-                from dtlib.launch import strict  # torch is loaded by now
-
                 if strict.wanted():  # NCCL's contract on gloo, unless dtlib.spawn(strict=False) or DTLIB_STRICT=0
                     strict.install()
         value = fn(config.rank, config.world_size, *args, **kwargs)
@@ -306,8 +299,6 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
               file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    import cloudpickle
-
     finished.set()  # from here on, end-of-file on ``alive`` means "finish normally"
     pipes.result.send_bytes(cloudpickle.dumps(message))
     # Linger until the parent has heard from every rank: a rank that returned early
@@ -317,9 +308,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         os.read(pipes.alive.fileno(), 1)
     except OSError:
         pass
-    if initialised and message[0] == "ok" and sys.modules["torch.distributed"].is_initialized():
-        from dtlib import compat  # fn may have destroyed the group itself, as torchrun scripts do
-
+    if initialised and message[0] == "ok" and dist.is_initialized():
         compat.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

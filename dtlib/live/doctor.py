@@ -29,6 +29,8 @@ import pickle
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch.distributed as dist
+
 from dtlib.errors import C10_DTYPES, torch_call_in
 
 #: How many collectives each rank's Flight Recorder keeps (a ring buffer; ~1 KB each).
@@ -205,14 +207,10 @@ def _done(entry: dict[str, Any]) -> bool:
 
 def last_collectives(arguments: dict | None = None, members: dict[str, tuple[int, ...]] | None = None,
                      raised: tuple | None = None, entries: list[dict[str, Any]] | None = None) -> Collective | None:
-    """Inside a rank: the collective its Flight Recorders say it is in, or its newest (None before the first, or
-    without torch); :data:`NO_NCCL_RECORD` under NCCL when NCCL's recorder cannot be read. The other arguments are
-    what the rank noted (:func:`from_flight_recorder`); ``entries``, where given, stand in for the recorders
-    (torch's DETAIL mode, :meth:`dtlib.live.notes.CallNotes.entries`)."""
-    import sys
-
-    if "torch.distributed" not in sys.modules:
-        return None
+    """Inside a rank: the collective its Flight Recorders say it is in, or its newest (None before the first);
+    :data:`NO_NCCL_RECORD` under NCCL when NCCL's recorder cannot be read. The other arguments are what the rank
+    noted (:func:`from_flight_recorder`); ``entries``, where given, stand in for the recorders (torch's DETAIL
+    mode, :meth:`dtlib.live.notes.CallNotes.entries`)."""
     if entries is not None:
         return from_flight_recorder({"entries": entries}, arguments, members, raised)
     dump: dict[str, Any] = {"entries": []}
@@ -241,8 +239,6 @@ def last_collectives(arguments: dict | None = None, members: dict[str, tuple[int
 
 def _uses_nccl() -> bool:
     """Whether this rank's default process group runs NCCL (alone, or beside gloo for CPU tensors)."""
-    import torch.distributed as dist
-
     try:
         return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
     except Exception:  # noqa: BLE001 - a group being torn down: no NCCL to read

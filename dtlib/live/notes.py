@@ -14,6 +14,10 @@ import time
 from types import TracebackType
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
 from dtlib.live.doctor import FR_BUFFER_SIZE
 
 #: The ProcessGroup methods that torch.distributed's collectives call, one Flight Recorder record each.
@@ -49,9 +53,6 @@ class CallNotes:
 
     def install(self) -> None:
         """Note every later collective of this process (once: a second call changes nothing)."""
-        import torch.distributed as dist
-        from torch.distributed import ProcessGroup
-
         self.detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
         for name in COLLECTIVE_METHODS:
             original = getattr(ProcessGroup, name, None)
@@ -94,8 +95,6 @@ class CallNotes:
         key = (group.group_name, group._get_sequence_number_for_group() + 1)
         members = self.members.get(key[0])
         if members is None:
-            import torch.distributed as dist
-
             members = self.members[key[0]] = tuple(dist.get_process_group_ranks(group))
         options = next((value for value in (*args, *kwargs.values()) if type(value).__name__.endswith("Options")),
                        None)
@@ -140,8 +139,6 @@ class CallNotes:
         frames = [tb for tb in _tracebacks(error.__traceback__) if tb.tb_frame.f_code.co_filename.endswith(_C10D)]
         if not frames:
             return None
-        import torch.distributed as dist
-
         inner = frames[-1].tb_frame.f_locals  # the function that called the process group
         group = inner.get("group")
         if not isinstance(group, dist.ProcessGroup):
@@ -174,8 +171,6 @@ _OUTPUTS_FIRST = {"allgather", "_allgather_base", "all_gather_single", "allgathe
 
 def _tensors(name: str, args: tuple) -> tuple[list[Any], list[Any] | None]:
     """A ProcessGroup call's input tensors and output tensors (None where ranks differ by design)."""
-    import torch
-
     def flat(value: Any) -> list[Any]:
         if isinstance(value, torch.Tensor):
             return [value]

@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+
 from dtlib.errors import collective_mismatch
 from dtlib.launch import pickling
 from dtlib.launch.entry import rank_device
@@ -68,10 +73,6 @@ class _Interrupts:
 
 def _namespace(rank: int, world_size: int) -> dict[str, Any]:
     """What every rank's namespace starts with: ``rank``, ``world_size``, ``device``, ``torch``, ``dist``, ``nn``."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
     return {"__name__": "__main__", "__builtins__": __builtins__, "rank": rank, "world_size": world_size,
             "device": rank_device(), "torch": torch, "dist": dist, "nn": nn}
 
@@ -146,8 +147,6 @@ def _value(value: Any) -> bytes:
 
 def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts,
         notes: CallNotes) -> tuple[str, Any]:
-    import cloudpickle
-
     try:
         if kind == "run":
             code, number = body

@@ -11,6 +11,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from dtlib import compat
 from dtlib.launch import strict
 from dtlib.launch.spawn import spawn
@@ -41,9 +45,7 @@ def watching(see: Callable[[str, str, tuple], None]) -> contextlib.AbstractConte
         with watching(lambda namespace, name, args: print(namespace, name)):
             dist.all_reduce(torch.ones(2))    # prints: c10d allreduce_
     """
-    import torch
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -147,9 +149,6 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
     function imported by name before ``fn`` runs. A group is matched by identity (by its name, for what is
     dispatched): a ``new_group`` of the same ranks is another communicator, counted under "other".
     """
-    import torch
-    import torch.distributed as dist
-
     counts: dict[str, dict[str, int]] = {}
     by_name = {group.group_name: label for label, group in groups.items()}
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dtlib.measure import memory
 
@@ -104,8 +105,6 @@ def gradient_bytes(model: nn.Module) -> int:
 def instrument_blocks(model: nn.Module, checkpointing: bool) -> list[int]:
     """Count the blocks' forward calls in a one-element list; with ``checkpointing``, each block's
     forward runs under ``torch.utils.checkpoint`` and so runs again in backward (the count doubles)."""
-    from torch.utils.checkpoint import checkpoint
-
     calls = [0]
     for block in model.blocks:
         original = block.forward

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 from dtlib.launch.entry import device_ids
 from dtlib.train import models
@@ -30,8 +32,6 @@ def _mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
     Always named, never left to ``fully_shard``: its default mesh is on the machine's accelerator whatever the
     module's device, and builds it by setting GPU ``LOCAL_RANK``, which a one-GPU machine lacks for rank 1.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     if config.strategy not in HYBRID:
         return init_device_mesh(device.type, (world_size,))
     shape = (world_size // config.shard_group_size, config.shard_group_size)
@@ -113,7 +113,6 @@ def wrap(model: nn.Module, config: FSDPConfig, world_size: int, device: torch.de
     if config.api == "fsdp1":
         return wrap_fsdp1(model, config, world_size, device, notes)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(model, device_ids=device_ids(device))
     wrapped.register_comm_hook(None, default_hooks.allreduce_hook)  # DDP's all-reduce in Python: CommLog sees it
