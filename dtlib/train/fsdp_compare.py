@@ -9,6 +9,7 @@ Every function runs ranks through :func:`dtlib.train.fsdp.run` and returns plain
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
+def row(label: str, results: list[FSDPResult]) -> StrategyRow:
+    """The row of :data:`SETTINGS`' ``label`` from its job's results (every rank's, from :func:`run`)."""
     first = results[0]
     at_rest = sum(first.memory_at_rest.values())
     after_forward = first.parameters_after_forward  # bytes of model.parameters() between forward and backward
@@ -73,19 +75,17 @@ def _row(label: str, results: list[FSDPResult]) -> StrategyRow:
 
 
 def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, steps: int = 6,
-               **spawn_options: Any) -> list[StrategyRow]:
+               runner: Callable[..., list[FSDPResult]] = run, **spawn_options: Any) -> list[StrategyRow]:
     """The same model and data under each setting of :data:`SETTINGS` (HSDP only where
-    ``world_size`` is a multiple of 4): one row each.
+    ``world_size`` is a multiple of 4): one row each. ``runner(config, world_size, **spawn_options)`` runs
+    each job (:func:`run`; the tests pass one that reuses their jobs).
 
     Example: ``[(r.label, r.at_rest) for r in strategies(2)]``.
     """
     spawn_options = {"output": "none", **spawn_options}
     chosen = labels or tuple(label for label in SETTINGS if "HSDP" not in label or world_size % 4 == 0)
-    rows = []
-    for label in chosen:
-        config = FSDPConfig(steps=steps, **SETTINGS[label])
-        rows.append(_row(label, run(config, world_size, **spawn_options)))
-    return rows
+    return [row(label, runner(FSDPConfig(steps=steps, **SETTINGS[label]), world_size, **spawn_options))
+            for label in chosen]
 
 
 def bytes_sent_per_rank(row: StrategyRow) -> float:

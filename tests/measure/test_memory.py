@@ -95,8 +95,7 @@ def test_fsdp_formula_against_fsdp2_itself(reshard_after_forward):
     assert 1 <= held["at_rest"]["optimizer_state"] / parts["optimizer_state"] <= 1.05  # moments and step counters
     assert held["gathered"] == parts["gathered"]
     assert held["gathered_dtypes"] == ([] if reshard_after_forward else ["torch.bfloat16"])
-    peak = sum(held["at_rest"].values()) + held["gathered"]
-    assert 1 <= peak / memory.fsdp_estimate(p, world_size, reshard_after_forward=reshard_after_forward) <= 1.05
+    # fsdp_estimate is these parts' sum; the runner's peaks meet it in tests/train/test_fsdp.py
 
 
 def test_breakdown_adds_up_and_takes_other_precisions():

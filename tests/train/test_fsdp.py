@@ -1,4 +1,6 @@
-"""dtlib.train.fsdp: FSDP2, FSDP1 and DDP train alike; each rank holds and sends what the ZeRO arithmetic says."""
+"""dtlib.train.fsdp: FSDP2, FSDP1 and DDP train alike; each rank holds and sends what the ZeRO arithmetic says.
+
+Also dtlib.train.fsdp_compare's rows of real jobs: built from this file's jobs, not from 11 more."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import torch
 
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory
-from dtlib.train import data, fsdp, models
+from dtlib.train import data, fsdp, fsdp_compare, models
 from dtlib.train.fsdp import FSDPConfig
+from dtlib.train.fsdp_compare import bytes_sent_per_rank
 
 STEPS = FSDPConfig().steps  # 4
 NUM_PARAMS = sum(p.numel() for p in models.build("transformer").parameters())  # 28,064: every size divides by 4
@@ -23,17 +26,24 @@ S = 4 * NUM_PARAMS  # bytes of the whole model (or of its gradients) in fp32
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """``runs(world_size, **changes)``: the results of one FSDPConfig, run once per module and shared."""
-    cache: dict[tuple, list[fsdp.FSDPResult]] = {}
+def jobs():
+    """``jobs(config, world_size)``: every rank's results of one job, run once per module and shared (the
+    strategy table's rows below are built from the same jobs)."""
+    cache: dict[tuple[int, str], list[fsdp.FSDPResult]] = {}
 
-    def get(world_size: int = 2, **changes) -> list[fsdp.FSDPResult]:
-        key = (world_size, tuple(sorted(changes.items())))
+    def job(config: FSDPConfig, world_size: int, **_: object) -> list[fsdp.FSDPResult]:
+        key = (world_size, repr(config))
         if key not in cache:
-            cache[key] = fsdp.run(FSDPConfig(**changes), world_size, output="none")
+            cache[key] = fsdp.run(config, world_size, output="none")
         return cache[key]
 
-    return get
+    return job
+
+
+@pytest.fixture(scope="module")
+def runs(jobs):
+    """``runs(world_size, **changes)``: the results of ``FSDPConfig(**changes)`` (see ``jobs``)."""
+    return lambda world_size=2, **changes: jobs(FSDPConfig(**changes), world_size)
 
 
 def _losses(results: list[fsdp.FSDPResult]) -> list[float]:
@@ -119,7 +129,6 @@ def test_full_shard_holds_one_shard_of_everything(runs, world_size):
         at_rest, n = result.memory_at_rest, world_size
         assert result.num_params == NUM_PARAMS
         assert at_rest == _formula(S // n, S // n, 2 * S // n + 4 * NUM_TENSORS)  # Adam: two moments + steps
-        assert 1 <= sum(at_rest.values()) / sum(result.estimate.values()) <= 1.05
         assert result.parameters_after_forward == S // n  # resharded after forward: nothing stays gathered
 
 
@@ -157,11 +166,13 @@ def test_estimate_is_the_zero_formula(runs, world_size, changes, expected):
     result = runs(world_size, **changes)[0]
     assert result.estimate == pytest.approx(expected, rel=1e-12)
     assert list(result.estimate) == list(memory.breakdown(1, 1, "ddp")) == list(result.memory_at_rest)
-    # What the rank holds at its fullest: at rest, plus the weights gathered between forward and backward
-    # (ZeRO-2 counts whole weights: shard_grad_op reshards them only after backward).
-    gathered = result.parameters_after_forward
-    extra = 0 if gathered is None else max(0, gathered - result.memory_at_rest["parameters"])
-    assert 1 <= (sum(result.memory_at_rest.values()) + extra) / sum(result.estimate.values()) <= 1.05
+    # That what a rank holds at its fullest is this formula is proven once, for every strategy, in
+    # test_each_strategys_peak_is_its_formula below.
+
+
+@pytest.mark.timeout(120)
+def test_mixed_precision_keeps_fp32_shards(runs):
+    assert runs(2, mixed_precision=True)[0].memory_at_rest == runs(2)[0].memory_at_rest
 
 
 @pytest.mark.timeout(180)
@@ -390,6 +401,100 @@ def test_validate_accepts_what_runs():
                                (FSDPConfig(api="ddp", strategy="hybrid_shard", global_batch=24), 3),  # no groups
                                (FSDPConfig(global_batch=24, grad_accum=3), 4)]:
         fsdp.validate(config, world_size)
+
+
+# --- the strategies side by side: dtlib.train.fsdp_compare's rows, built from the jobs above --------------
+
+
+@pytest.fixture(scope="module")
+def two(jobs):
+    return {row.label: row for row in fsdp_compare.strategies(2, steps=STEPS, runner=jobs)}
+
+
+@pytest.fixture(scope="module")
+def four(jobs):
+    return {row.label: row for row in fsdp_compare.strategies(4, steps=STEPS, runner=jobs)}
+
+
+@pytest.fixture(params=[2, 4])
+def rows(request):
+    return request.getfixturevalue({2: "two", 4: "four"}[request.param])
+
+
+@pytest.mark.timeout(180)
+def test_strategies_run_the_settings_that_fit(two, four):
+    hsdp = "FSDP2 HSDP (2 x 2 mesh)"
+    assert list(two) == [label for label in fsdp_compare.SETTINGS if label != hsdp]  # 2 ranks: no 2 x 2 mesh
+    assert list(four) == list(fsdp_compare.SETTINGS)
+    for world_size, rows in ((2, two), (4, four)):
+        for row in rows.values():
+            assert row.world_size == world_size and row.step_ms > 0
+        assert rows["DDP"].shard_group == 1 and rows["FSDP2 full shard"].shard_group == world_size
+    assert four[hsdp].shard_group == 2
+
+
+@pytest.mark.timeout(180)
+def test_each_row_carries_its_runs_memory_and_ddp_holds_the_most(rows):
+    ddp = rows["DDP"]
+    assert all(ddp.at_rest > row.at_rest for label, row in rows.items() if label != "DDP")
+    assert ddp.estimate == 4 * S  # the row's formula: 4 + 4 + 8 bytes per parameter (S is 4), all replicated
+    for row in rows.values():
+        assert sum(row.at_rest_parts.values()) == row.at_rest and set(row.at_rest_parts) == {
+            "parameters", "gradients", "optimizer_state"}
+    assert ddp.at_rest_parts["parameters"] == ddp.at_rest_parts["gradients"] == S
+
+
+@pytest.mark.timeout(180)
+def test_each_strategys_peak_is_its_formula(rows):
+    """The one place the formulas meet measured peaks: what rank 0 holds at its fullest (at rest, plus the
+    weights gathered between forward and backward) is its setting's formula, Adam's step counters and
+    padding on top. FSDP2 without resharding holds the gathered fp32 weights (S) beside its fp32 shards of
+    weights and gradients and Adam's moments (4S/n): 4P + 16P/N, more than ZeRO-2's 4P + 12P/N in fp32."""
+    n = rows["DDP"].world_size
+    no_reshard = rows["FSDP2 no reshard after forward"]
+    assert no_reshard.estimate == pytest.approx(S + 4 * S / n)
+    zero2 = memory.estimate(S / 4, n, "zero2", param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
+    assert no_reshard.estimate - zero2 == pytest.approx(S / n)  # 4P/N more: a shard beside the gathered copy
+    assert no_reshard.peak - no_reshard.at_rest == S  # the whole weights, gathered between forward and backward
+    full = rows["FSDP2 full shard"]
+    assert full.peak == full.at_rest and full.estimate == pytest.approx(4 * S / n)
+    for label, row in rows.items():
+        assert (row.peak is None) == label.startswith("FSDP1"), label  # FSDP1's gathered weights are hidden
+        if row.peak is not None:
+            assert 1 <= row.peak / row.estimate <= 1.05, label  # DDP, every FSDP2 setting, HSDP on 4 ranks
+
+
+@pytest.mark.timeout(180)
+def test_bytes_sent_per_rank_relative_to_ddp(two, four):
+    # Ring traffic per rank, with S the fp32 model size. DDP all-reduces S over n ranks: 2(n-1)/n S.
+    # FSDP all-gathers 2S (forward and backward) and reduce-scatters S over n ranks: 3(n-1)/n S, so 1.5x DDP
+    # for any n. Without reshard it gathers once: 2(n-1)/n S, exactly DDP.
+    for rows in (two, four):
+        ddp = bytes_sent_per_rank(rows["DDP"])
+        assert ddp == 2 * (rows["DDP"].world_size - 1) / rows["DDP"].world_size * S
+        assert bytes_sent_per_rank(rows["FSDP2 full shard"]) / ddp == 1.5
+        assert bytes_sent_per_rank(rows["FSDP2 no reshard after forward"]) / ddp == 1.0
+    # HSDP on 4 ranks, shard groups of g=2, r=2 replicas: all-gather 2S and reduce-scatter S within the group,
+    # (g-1)/g each: 1.5 S; then all-reduce of each S/2 shard over 2 replicas, 2(r-1)/r: S/2. Total 2S,
+    # against DDP's 2 * 3/4 S = 1.5 S: 4/3.
+    assert bytes_sent_per_rank(four["FSDP2 HSDP (2 x 2 mesh)"]) == 2 * S
+    assert bytes_sent_per_rank(four["FSDP2 HSDP (2 x 2 mesh)"]) / bytes_sent_per_rank(four["DDP"]) == \
+        pytest.approx(4 / 3, rel=1e-12)
+
+
+def test_comparison_table_fits_a_notebook_and_quotes_the_rows(four):
+    """Notebook 06's table: at most 110 characters a line (JupyterLab's output area at 1280 px), so it keeps its
+    columns; the traffic row is bytes_sent_per_rank against DDP's, the memory row each strategy's bytes."""
+    labels = ("DDP", "FSDP2 full shard", "FSDP2 no reshard after forward", "FSDP2 HSDP (2 x 2 mesh)")
+    rows = [four[label] for label in labels]
+    lines = fsdp_compare.comparison_table(rows)
+    assert max(map(len, lines)) <= 110, "\n".join(lines)
+    header = " ".join(line for line in lines if not line[0].strip()).split()  # wrapped strategy names
+    assert all(word in header for label in labels for word in label.split())
+    by_aspect = {line.split("  ")[0].strip(): line.split()[-len(rows):] for line in lines if line[0].strip()}
+    ddp_sent = bytes_sent_per_rank(rows[0])
+    assert by_aspect["traffic vs DDP"] == [f"{bytes_sent_per_rank(r) / ddp_sent:.2f}x" for r in rows]
+    assert by_aspect["state per rank (kB)"] == [f"{r.at_rest / 1e3:.1f}" for r in rows]
 
 
 # --- the command line ---------------------------------------------------------------------------------------
