@@ -9,7 +9,6 @@ Every function runs ranks through :func:`dtlib.train.fsdp.run` and returns plain
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,18 +73,22 @@ def row(label: str, results: list[FSDPResult]) -> StrategyRow:
                        first.comm[-1], step_s * 1e3, first.losses[-1], first.notes, first.cuda_memory)
 
 
+def settings_for(world_size: int) -> tuple[str, ...]:
+    """The labels of :data:`SETTINGS` that run on ``world_size`` ranks: HSDP's 2 x 2 mesh only where
+    ``world_size`` is a multiple of 4. Example: ``"FSDP2 HSDP (2 x 2 mesh)" not in settings_for(2)``."""
+    return tuple(label for label in SETTINGS if "HSDP" not in label or world_size % 4 == 0)
+
+
 def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, steps: int = 6,
-               runner: Callable[..., list[FSDPResult]] = run, **spawn_options: Any) -> list[StrategyRow]:
-    """The same model and data under each setting of :data:`SETTINGS` (HSDP only where
-    ``world_size`` is a multiple of 4): one row each. ``runner(config, world_size, **spawn_options)`` runs
-    each job (:func:`run`; the tests pass one that reuses their jobs).
+               **spawn_options: Any) -> list[StrategyRow]:
+    """The same model and data under each setting of :data:`SETTINGS` that fits (:func:`settings_for`):
+    one job and one row each.
 
     Example: ``[(r.label, r.at_rest) for r in strategies(2)]``.
     """
     spawn_options = {"output": "none", **spawn_options}
-    chosen = labels or tuple(label for label in SETTINGS if "HSDP" not in label or world_size % 4 == 0)
-    return [row(label, runner(FSDPConfig(steps=steps, **SETTINGS[label]), world_size, **spawn_options))
-            for label in chosen]
+    return [row(label, run(FSDPConfig(steps=steps, **SETTINGS[label]), world_size, **spawn_options))
+            for label in labels or settings_for(world_size)]
 
 
 def bytes_sent_per_rank(row: StrategyRow) -> float:

@@ -406,14 +406,20 @@ def test_validate_accepts_what_runs():
 # --- the strategies side by side: dtlib.train.fsdp_compare's rows, built from the jobs above --------------
 
 
+def _table(jobs, world_size: int) -> dict[str, fsdp_compare.StrategyRow]:
+    """What ``fsdp_compare.strategies(world_size)`` returns, one row per setting that fits, from shared jobs."""
+    return {label: fsdp_compare.row(label, jobs(FSDPConfig(**fsdp_compare.SETTINGS[label]), world_size))
+            for label in fsdp_compare.settings_for(world_size)}
+
+
 @pytest.fixture(scope="module")
 def two(jobs):
-    return {row.label: row for row in fsdp_compare.strategies(2, steps=STEPS, runner=jobs)}
+    return _table(jobs, 2)
 
 
 @pytest.fixture(scope="module")
 def four(jobs):
-    return {row.label: row for row in fsdp_compare.strategies(4, steps=STEPS, runner=jobs)}
+    return _table(jobs, 4)
 
 
 @pytest.fixture(params=[2, 4])
@@ -425,7 +431,7 @@ def rows(request):
 def test_strategies_run_the_settings_that_fit(two, four):
     hsdp = "FSDP2 HSDP (2 x 2 mesh)"
     assert list(two) == [label for label in fsdp_compare.SETTINGS if label != hsdp]  # 2 ranks: no 2 x 2 mesh
-    assert list(four) == list(fsdp_compare.SETTINGS)
+    assert list(four) == list(fsdp_compare.SETTINGS) == list(fsdp_compare.settings_for(8))
     for world_size, rows in ((2, two), (4, four)):
         for row in rows.values():
             assert row.world_size == world_size and row.step_ms > 0
