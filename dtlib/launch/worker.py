@@ -183,8 +183,7 @@ def dumps_result(value: Any) -> bytes:
                 return _identity, (local_shard(obj),)
             if device_mesh is not None and isinstance(obj, device_mesh):  # nor its process groups
                 return _identity, (local_mesh(obj),)
-            if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu"
-                                                                         or obj.grad_fn is not None):
+            if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.grad_fn is not None):
                 return _identity, (obj.detach().cpu(),)
             return super().reducer_override(obj)
 
@@ -270,8 +269,6 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
     message: tuple[str, Any]
     initialised = False
     try:
-        import cloudpickle
-
         fn, args, kwargs = cloudpickle.loads(payload)
         if "OMP_NUM_THREADS" in os.environ:  # torch was imported before the variable was set
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -14,6 +14,9 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from dtlib.launch.shards import LocalMesh, LocalShard, describe
 from dtlib.live.server import RemoteRepr
 
@@ -27,8 +30,6 @@ def _text(value: Any) -> str:
 
 def _same(a: Any, b: Any) -> bool:
     try:
-        import torch
-
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                     and a.dtype == b.dtype and bool(torch.equal(a, b)))
@@ -62,8 +63,6 @@ def compare(values: Sequence[Any]) -> str:
 
 def _largest_gap(a: Any, b: Any) -> float | None:
     try:
-        import torch
-
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
             if a.numel() == 0:
                 return 0.0
@@ -83,11 +82,6 @@ def _aligned_vectors(values: Sequence[Any]) -> list[str] | None:
 
     Example: ``[tensor([1., 2.]), tensor([1., 2.5])]`` gives ``["tensor([1.0, 2.0])", "tensor([1.0, 2.5])"]``.
     """
-    try:
-        import numpy as np
-        import torch
-    except ImportError:
-        return None
     if not values or not all(isinstance(v, torch.Tensor) for v in values):
         return None
     first = values[0]

@@ -163,8 +163,6 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
             pushed = cloudpickle.loads(data)
             for name, value in pushed.items():
                 if isinstance(value, ShardsByRank):  # every rank rebuilds, in the same order: meshes are collective
-                    import torch.distributed as dist
-
                     pushed[name] = rebuild(value[dist.get_rank()], rank_device())
             namespace.update(pushed)
             return "ok", _value(None)

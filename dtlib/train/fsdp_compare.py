@@ -52,7 +52,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def row(label: str, results: list[FSDPResult]) -> StrategyRow:
+def strategy_row(label: str, results: list[FSDPResult]) -> StrategyRow:
     """The row of :data:`SETTINGS`' ``label`` from its job's results (every rank's, from :func:`run`)."""
     first = results[0]
     at_rest = sum(first.memory_at_rest.values())
@@ -87,7 +87,7 @@ def strategies(world_size: int = 2, labels: tuple[str, ...] | None = None, *, st
     Example: ``[(r.label, r.at_rest) for r in strategies(2)]``.
     """
     spawn_options = {"output": "none", **spawn_options}
-    return [row(label, run(FSDPConfig(steps=steps, **SETTINGS[label]), world_size, **spawn_options))
+    return [strategy_row(label, run(FSDPConfig(steps=steps, **SETTINGS[label]), world_size, **spawn_options))
             for label in labels or settings_for(world_size)]
 
 

@@ -408,7 +408,7 @@ def test_validate_accepts_what_runs():
 
 def _table(jobs, world_size: int) -> dict[str, fsdp_compare.StrategyRow]:
     """What ``fsdp_compare.strategies(world_size)`` returns, one row per setting that fits, from shared jobs."""
-    return {label: fsdp_compare.row(label, jobs(FSDPConfig(**fsdp_compare.SETTINGS[label]), world_size))
+    return {label: fsdp_compare.strategy_row(label, jobs(FSDPConfig(**fsdp_compare.SETTINGS[label]), world_size))
             for label in fsdp_compare.settings_for(world_size)}
 
 
