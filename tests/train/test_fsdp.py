@@ -31,7 +31,7 @@ def jobs():
     strategy table's rows below are built from the same jobs)."""
     cache: dict[tuple[int, str], list[fsdp.FSDPResult]] = {}
 
-    def job(config: FSDPConfig, world_size: int, **_: object) -> list[fsdp.FSDPResult]:
+    def job(config: FSDPConfig, world_size: int) -> list[fsdp.FSDPResult]:
         key = (world_size, repr(config))
         if key not in cache:
             cache[key] = fsdp.run(config, world_size, output="none")
