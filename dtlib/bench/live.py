@@ -48,7 +48,7 @@ def _collective_check(world_size: int, samples: int) -> list[LiveTiming]:
     each = {}
     for checked in (True, False):
         with LiveRanks(world_size, check_collectives=checked) as ranks:
-            ranks.run("x = torch.ones(4)")
+            ranks.run("x = torch.ones(4, device=device)")  # NCCL ranks: on their GPU
             ranks.run(CHECK_CELL)  # warm
             each[checked] = _median_ms(lambda ranks=ranks: ranks.run(CHECK_CELL), cells) / 100
     return [LiveTiming("all_reduce, collectives checked", each[True], cells * 100,

@@ -5,8 +5,8 @@ ranks (and their process group) alive, runs one piece of code at a time on every
 lets you look at each rank's variables in between::
 
     ranks = dtlib.LiveRanks(world_size=2)
-    ranks.run("t = torch.tensor([rank + 1.0])")
-    ranks.run("dist.all_reduce(t); t")      # [tensor([3.]), tensor([3.])]
+    ranks.run("t = torch.tensor([rank + 1.0], device=device)")
+    ranks.run("dist.all_reduce(t); t")      # [tensor([3.]), tensor([3.])] (on the CPU)
     ranks.close()
 
 Every rank's namespace starts with ``rank``, ``world_size``, ``device``, ``torch``, ``dist`` and
