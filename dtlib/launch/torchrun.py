@@ -154,15 +154,6 @@ def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:
 NOT_GIVEN = object()  # parse_options: marks the options a command line leaves to torchrun's defaults
 
 
-def command_arguments(words: list[str]) -> list[str] | None:
-    """What follows the launcher in ``torchrun ...`` or ``python -m torch.distributed.run ...``, else None."""
-    if words and os.path.basename(words[0]) == "torchrun":
-        return words[1:]
-    if words and os.path.basename(words[0]).startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]:
-        return words[3:]
-    return None
-
-
 def option_defaults() -> dict[str, object]:
     """Every option of torchrun's parser with its default: what a bare ``torchrun train.py`` gets."""
     from torch.distributed.run import get_args_parser
