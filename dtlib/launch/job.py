@@ -34,10 +34,12 @@ from dtlib.launch.processes import (
     send,
     torchrun_env,
 )
+from dtlib.launch.proctree import stopped
 from dtlib.launch.relay import Relay
 
 ERROR_GRACE_S = 1.0  # after the first failure, how long other ranks may still report theirs
 MAX_SELECT_S = 1.0  # wake at least this often (a far deadline would overflow epoll's timeout)
+HAND_OVER_POLL_S = 0.005  # how often stop() looks for ranks that have stopped themselves
 REAP_S = 10.0  # how long to wait for SIGKILLed ranks to be reaped before leaving them
 
 # Every descriptor a running job holds in this process. A rank started with ``fork`` copies
@@ -306,13 +308,16 @@ class Job:
             return
         self.release()
         deadline = time.monotonic() + grace_s
-        while any(not s.exited for s in self.ranks if s.started()) and time.monotonic() < deadline:
-            self._select(deadline - time.monotonic())
         started = [state for state in self.ranks if state.started()]
+        # A rank that finishes stops itself (SIGSTOP) rather than exit, so that what it started cannot leave its
+        # tree for init's before the tree is ended here (worker._hand_over).
+        while (any(not s.exited and not stopped(s.process.pid) for s in started)
+               and time.monotonic() < deadline):
+            self._select(min(HAND_OVER_POLL_S, deadline - time.monotonic()))
         for state in started:
             if state.process.exitcode is None:
-                end_tree(state.process.pid)  # new sessions and double forks too
-            else:  # finished, but a process it started may live on in its group: nothing outlives the call
+                end_tree(state.process.pid)  # stopped or not: the rank, its group, new sessions, double forks
+            else:  # it died by itself; a process it started may live on in its group: nothing outlives the call
                 end_group(state.process.pid)
         reap_by = time.monotonic() + REAP_S  # a process stuck in the kernel (D state) is left, not waited on
         for state in started:

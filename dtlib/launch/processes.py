@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from multiprocessing import forkserver
 from typing import Any
 
-from dtlib.launch.proctree import descendants
+from dtlib.launch.proctree import end_below
 
 _launching = threading.local()  # .active: this thread is starting a rank right now
 _stdlib_preparation_data = multiprocessing.spawn.get_preparation_data
@@ -194,18 +194,10 @@ def send(pid: int, signum: int, *, group: bool) -> None:
 def end_tree(pid: int) -> None:
     """SIGKILL a rank, its process group, and every process below it in groups or sessions of their own
     (``start_new_session=True``, double-forked daemons, which the rank reaps): nothing it started outlives it.
-    The tree is stopped first (SIGSTOP) and read again, so that no process forked meanwhile escapes.
+    The rank and its tree are stopped first (SIGSTOP) until a reading of the tree is stable, so that no process
+    forked meanwhile, or orphaned by another's death, escapes (:func:`dtlib.launch.proctree.end_below`).
     Example: ``end_tree(rank_pid)``."""
-    stopped: set[int] = set()
-    for _ in range(2):
-        for child, _group, _name in descendants(pid):
-            if child not in stopped:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(child, signal.SIGSTOP)
-                stopped.add(child)
-    for child in stopped:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGKILL)
+    end_below(pid, include_root=True)
     send(pid, signal.SIGKILL, group=True)
 
 
@@ -275,6 +267,26 @@ def start_forkserver() -> None:
 
 
 TEMP_PREFIX = "dtlib-pymp-"  # then this process's pid and a dash: dtlib-pymp-4242-x1y2z3
+SOCKET_PATH_MAX = 107  # the longest path an AF_UNIX socket can have on Linux (108 bytes with the final NUL)
+# what the forkserver's socket path adds to the base folder: /dtlib-pymp-<pid>-<8>/listener-<8>
+_SOCKET_SUFFIX = len(f"/{TEMP_PREFIX}{2**22}-12345678/listener-12345678")
+
+
+def temp_base() -> str:
+    """The folder that holds this process's temporary folder: ``$TMPDIR`` (Python's ``tempfile.gettempdir()``), or,
+    where that is too long for the forkserver's socket path (107 characters on Linux), the first of ``/tmp``,
+    ``/var/tmp`` and ``/dev/shm`` that this user can write to, as Python 3.12's multiprocessing does.
+    Raises OSError, naming ``TMPDIR`` and the limit, where none fits. Example: ``temp_base()`` -> ``"/tmp"``."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + _SOCKET_SUFFIX <= SOCKET_PATH_MAX:
+        return base
+    for fallback in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(fallback) and os.access(fallback, os.W_OK | os.X_OK):
+            return fallback
+    raise OSError(f"the temporary folder {base!r} ({len(base)} characters) is too long for the forkserver's socket "
+                  f"(a path of at most {SOCKET_PATH_MAX} characters, {_SOCKET_SUFFIX} of them dtlib's), and none of "
+                  "/tmp, /var/tmp, /dev/shm can be written to: set TMPDIR to a folder of at most "
+                  f"{SOCKET_PATH_MAX - _SOCKET_SUFFIX} characters, or pass start_method='spawn'")
 
 
 def own_temp_dir() -> str:
@@ -288,12 +300,12 @@ def own_temp_dir() -> str:
     config = multiprocessing.process.current_process()._config
     if config.get("tempdir"):
         return config["tempdir"]
-    base = tempfile.gettempdir()
+    base = temp_base()
     for name in os.listdir(base):
         found = re.fullmatch(rf"{re.escape(TEMP_PREFIX)}(\d+)-\w+", name)
         if found and not _running(int(found[1])):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", dir=base)
     config["tempdir"] = folder  # what multiprocessing.util.get_temp_dir would have made, and removes at exit
     multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
     return folder

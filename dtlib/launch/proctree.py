@@ -1,13 +1,17 @@
-"""The processes below a process, read from ``/proc`` (Linux; elsewhere none), and making a rank their reaper.
+"""The processes below a process, read from ``/proc`` (Linux; elsewhere none), making a rank their reaper, and
+ending a whole tree with nothing escaping.
 
 Kept to the standard library: a rank imports it as it starts. Example: ``descendants(os.getpid())``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import signal
 import sys
+import time
 
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
@@ -50,3 +54,61 @@ def reap_orphans() -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def state(pid: int) -> str | None:
+    """The state letter ``/proc`` gives ``pid`` (``"R"``, ``"S"``, ``"T"`` stopped, ``"Z"`` zombie), or None where
+    it is gone or unknown (not Linux). Example: ``state(os.getpid()) == "R"``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            stat = stat_file.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[0] if fields else None
+
+
+def stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped (SIGSTOP): it runs no code and forks nothing until it is continued or killed."""
+    return state(pid) in ("T", "t")
+
+
+FREEZE_S = 2.0  # how long to wait for a SIGSTOPped process to stop (one stuck in the kernel never does)
+
+
+def freeze(root: int, *, include_root: bool, wait_s: float = FREEZE_S) -> list[int]:
+    """SIGSTOP every process below ``root`` (and ``root`` with ``include_root``) until a reading of the tree finds
+    none new and each is stopped; the pids stopped, parents before children.
+
+    A stopped process forks nothing and a process whose parent is stopped is not orphaned, so once the reading is
+    stable no process of the tree can escape it before it is killed. Example: ``freeze(rank_pid, include_root=True)``.
+    """
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(root, signal.SIGSTOP)
+    frozen: list[int] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = [pid for pid, _group, _name in descendants(root) if pid not in frozen]
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+        frozen += new
+        running = [pid for pid in ([root] if include_root else []) + frozen if state(pid) not in (None, "T", "t", "Z")]
+        if (not new and not running) or time.monotonic() >= deadline:
+            return frozen
+        time.sleep(0.001)
+
+
+def end_below(root: int, *, include_root: bool) -> list[int]:
+    """SIGKILL every process below ``root`` (and ``root`` itself with ``include_root``), frozen first
+    (:func:`freeze`), so that none forked meanwhile escapes; the pids killed below ``root``.
+    Example: ``end_below(rank_pid, include_root=True)``."""
+    frozen = freeze(root, include_root=include_root)
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(root, signal.SIGKILL)
+    return frozen

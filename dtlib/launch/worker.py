@@ -99,10 +99,8 @@ def _watch_parent(alive: Connection, finished: threading.Event) -> None:
     except OSError:
         pass
     if not finished.wait(timeout=0.0):
-        # The parent went away (or is stopping us) while fn was still running. What fn started in a group or
-        # session of its own would outlive the group the parent ends after us: end it here.
-        _end_escapers()
-        os._exit(75)
+        # The parent went away (or is stopping us) while fn was still running: the parent ends the whole tree.
+        _hand_over()
 
 
 def _die_with_parent() -> None:
@@ -197,14 +195,35 @@ def _identity(value: Any) -> Any:
 
 
 def _init_process_group(backend: str, config: WorkerConfig) -> None:
-    """Join the default group through the job's private FileStore (a file in a folder only this user can open)."""
-    join = {"init_method": f"file://{config.store_file}", "rank": config.rank, "world_size": config.world_size}
+    """Join the default group through the job's private FileStore (a file in a folder only this user can open).
+
+    The store is handed over as an object, not as a ``file://`` URL: a URL would need the path quoted, and torch
+    reads a ``#`` or a ``?`` in it as the start of a fragment or a query (the store then lands elsewhere)."""
+    join = {"store": dist.FileStore(config.store_file, config.world_size), "rank": config.rank,
+            "world_size": config.world_size}
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group(backend, device_id=device, **join)
     else:
         dist.init_process_group(backend, **join)
+
+
+def _hand_over() -> None:
+    """End this rank by stopping it (SIGSTOP, every thread at once), for the parent to end it and its whole tree.
+
+    A rank that exited would hand its orphans (a double-forked daemon, a process a timer started a moment
+    before) to init, out of the parent's reach; a stopped rank forks nothing more and stays their reaper, so
+    the parent's :func:`dtlib.launch.processes.end_tree` finds every one. A thread the function left running
+    does not hold the exit up either. If the parent died instead, Linux kills the stopped rank
+    (``PR_SET_PDEATHSIG``); elsewhere, with no ``/proc`` to see a stopped rank by, the rank exits.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if sys.platform.startswith("linux"):
+        # Sent to this thread: sent to the process, another thread may take it while this one runs on (to exit)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+    os._exit(75)  # not Linux, or continued by someone else: leave at once
 
 
 def _end_escapers() -> list[tuple[int, str]]:
@@ -241,6 +260,12 @@ def _end_what_fn_left(rank: int) -> None:
     if ended:
         print(f"dtlib: rank {rank}'s function returned and left {len(ended)} process(es) running; ended: "
               f"{'; '.join(ended)}. Wait for them (join) before returning, to keep their work.", file=sys.stderr)
+    threads = [thread.name for thread in threading.enumerate()
+               if thread.is_alive() and not thread.daemon and thread is not threading.main_thread()]
+    if threads:
+        print(f"dtlib: rank {rank}'s function returned and left {len(threads)} thread(s) running that are not "
+              f"daemons: {', '.join(threads)}. They end with the rank; join them before returning, to keep their "
+              "work.", file=sys.stderr)
 
 
 def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
@@ -307,5 +332,4 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         pass
     if initialised and message[0] == "ok" and dist.is_initialized():
         compat.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _hand_over()

@@ -504,6 +504,59 @@ def test_live_ranks_end_double_forked_daemons_at_close(tmp_path):
     assert not any(map(_living, pids)), f"processes that live ranks started outlived close(): {pids}"
 
 
+def start_one_after_returning(rank, world_size, folder):
+    """Rank 0 returns, then a timer it left starts a process in a session of its own; rank 1 returns only once
+    that process runs, so it starts after fn returned and before the job ends."""
+    import os
+    import subprocess
+    import threading
+    import time
+
+    if rank == 0:
+        def start_late():
+            late = subprocess.Popen(["sleep", "300"], start_new_session=True)
+            with open(f"{folder}/late.tmp", "w") as file:
+                file.write(str(late.pid))
+            os.rename(f"{folder}/late.tmp", f"{folder}/late")
+
+        threading.Timer(0.2, start_late).start()
+        return rank
+    while not os.path.exists(f"{folder}/late"):
+        time.sleep(0.01)
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_a_process_started_after_fn_returned_ends_with_the_call(tmp_path):
+    """A process that a timer started after fn returned outlived the call: the rank's own sweep had run, and the
+    rank then exited, handing the process to init. The rank now stops itself and the call ends its whole tree."""
+    dtlib.spawn(start_one_after_returning, 2, args=(str(tmp_path),), timeout=60, output="none")
+    late = int((tmp_path / "late").read_text())
+    deadline = time.monotonic() + 30  # hang guard only
+    while _living(late) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _living(late), f"a process started after fn returned outlived the call: {late}"
+
+
+def leave_a_thread_that_never_ends(rank, world_size):
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="forever", daemon=False).start()
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_a_thread_that_never_ends_is_named_and_holds_nothing_up(monkeypatch, capfd):
+    """A thread that is not a daemon held the rank's exit (Python joins such threads) until the call's grace ran
+    out: 10 s per call, silently. It is named now, and the rank ends without waiting for it: with the grace
+    raised past the test's own timeout, only that can let the call return."""
+    monkeypatch.setattr(dtlib.launch.spawn, "FINISH_GRACE_S", 600.0)
+    assert dtlib.spawn(leave_a_thread_that_never_ends, 2, timeout=60) == [0, 1]
+    err = capfd.readouterr().err
+    for rank in range(2):
+        assert f"rank {rank}'s function returned and left 1 thread(s) running that are not daemons: forever" in err
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_kernels_forkserver_folder_goes_at_the_next_start():
     """multiprocessing removes its pymp-* folder at a normal exit only: a kernel killed with SIGKILL left one for
@@ -525,3 +578,27 @@ def test_a_killed_kernels_forkserver_folder_goes_at_the_next_start():
         assert not [p.name for p in folder.iterdir() if p.name.startswith(("dtlib-pymp-", "pymp-"))]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- Temporary folders whose names a URL or a socket cannot hold -------------------------------------------------
+SUM_IN_A_CHILD = ("import dtlib, torch, torch.distributed as dist, os\n"
+                  "def total(rank, world_size):\n"
+                  "    x = torch.tensor([float(rank + 1)])\n"
+                  "    dist.all_reduce(x)\n"
+                  "    return x.item()\n"
+                  "print(dtlib.spawn(total, 2, timeout=60, output='none'))\n")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["with#hash", "with?query", "with\nnewline", "long" + "-" * 70])
+def test_a_temporary_folder_any_name_serves_the_private_store_and_the_forkserver(tmp_path, name):
+    """``file://{path}`` was built unquoted: with a ``#`` the store landed in TMPDIR's parent, outside its private
+    folder (two jobs at once shared it, and one hung); a ``?`` failed every spawn, a newline hung. A TMPDIR of 66
+    characters or more failed every spawn with a bare "AF_UNIX path too long"."""
+    folder = tmp_path / name
+    folder.mkdir()
+    child = subprocess.run([sys.executable, "-c", SUM_IN_A_CHILD], env={**os.environ, "TMPDIR": str(folder)},
+                           capture_output=True, text=True, timeout=180)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip().splitlines()[-1] == "[3.0, 3.0]"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "something landed beside TMPDIR, not inside it"
