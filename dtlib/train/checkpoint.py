@@ -2,6 +2,10 @@
 place and renamed onto it, its SHA-256 recorded and verified on load (a file changed or cut short since is
 refused by name), in folders of dtlib's own, private to you, that a rerun reuses instead of adding another.
 
+A record checks only what it lists, so a load first checks the record itself: it must list every file of the
+checkpoint (for a folder, every file in it) and nothing else, so an emptied record, one cut short, another
+file's record, or a file put in the folder since the save is refused by name, as is a digest that differs.
+
 ``os.replace`` within one directory is atomic: a reader (or a resumed job) finds the old file or
 the new one, never a mix. A full disk, a crash or an exception half way through leaves the old
 file as it was. The DDP runner's checkpoint is one file (:func:`save_file`, :func:`load_file`); FSDP's
@@ -86,37 +90,69 @@ def write_digests(folder: str | os.PathLike[str], names: Iterable[str], record: 
     return path
 
 
-def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS) -> list[str]:
-    """Check every file ``folder/record`` lists against its recorded SHA-256; return their names.
-
-    Raises ``FileNotFoundError`` naming the record or a listed file that is missing, and
-    :class:`dtlib.ChangedFile` naming a file whose bytes changed or were cut short since they were recorded.
-    Example: ``verify_digests("ckpt")`` before loading from ``ckpt``.
-    """
-    folder = os.fspath(folder)
-    path = os.path.join(folder, record)
+def _read_record(path: str) -> dict[str, str]:
+    """``{name: sha256}`` from a record in ``sha256sum``'s format, refusing a line dtlib never writes."""
     try:
         with open(path) as file:
             lines = file.read().splitlines()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: dtlib records the SHA-256 of every file it saves there, "
                                 "so without it nothing in the folder can be trusted to be what was written") from None
-    names = []
+    recorded: dict[str, str] = {}
     for line in lines:
         expected, _, name = line.partition("  ")
-        if len(expected) != 64 or not name or os.sep in name:
-            raise ChangedFile(f"{path} is not a record dtlib wrote: {line[:80]!r}")
+        if (len(expected) != 64 or name in ("", ".", "..", os.path.basename(path)) or os.sep in name
+                or name in recorded):
+            raise ChangedFile(f"{path} is not a record dtlib wrote: {line[:80]!r}. Load an earlier checkpoint, "
+                              "or save again")
+        recorded[name] = expected
+    return recorded
+
+
+def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS,
+                   holds: Iterable[str] | None = None) -> list[str]:
+    """Check that ``folder/record`` lists exactly the files of the checkpoint, each with the SHA-256 it has now;
+    return their names.
+
+    ``holds`` names the checkpoint's files; by default every entry of ``folder`` but the record (a folder that is
+    one checkpoint, as DCP writes it). A record that lists no file, leaves one of them out (cut short, or a file
+    put in the folder since) or lists a file that is not one of them (another file's record) checks nothing for
+    the file it skips: each raises :class:`dtlib.ChangedFile`, naming the file. So does a file whose bytes
+    changed or were cut short since they were recorded. ``FileNotFoundError`` names a missing record or a listed
+    file that is missing. Example: ``verify_digests("ckpt")`` before loading from ``ckpt``.
+    """
+    folder = os.fspath(folder)
+    path = os.path.join(folder, record)
+    recorded = _read_record(path)
+    held = sorted(set(os.listdir(folder) if holds is None else holds) - {record})
+    what = ", ".join(held) if holds is not None else f"the files in {folder}"
+    if not recorded:
+        raise ChangedFile(f"{path} lists no file, so it checks nothing: an emptied record cannot vouch for {what}. "
+                          "Load an earlier checkpoint, or save again")
+    for name in recorded:
         listed = os.path.join(folder, name)
         if not os.path.exists(listed):
             raise FileNotFoundError(f"{listed} is missing: {path} lists it as part of what was saved")
+        if name not in held:
+            raise ChangedFile(f"{path} records {name}, which is not part of this checkpoint ({what}): it is "
+                              "another file's record, and checks nothing here. Load an earlier checkpoint, or "
+                              "save again")
+    unrecorded = [name for name in held if name not in recorded]
+    if unrecorded:
+        raise ChangedFile(f"{os.path.join(folder, unrecorded[0])} is not in {path}"
+                          + (f" (nor are {len(unrecorded) - 1} more)" if len(unrecorded) > 1 else "")
+                          + ": the record must list every file of the checkpoint, and one it leaves out could hold "
+                          "anything (a record cut short, or a file put there since the save). Remove the file if "
+                          "you put it there; else load an earlier checkpoint, or save again")
+    for name, expected in recorded.items():
+        listed = os.path.join(folder, name)
         found = sha256(listed)
         if found != expected:
             raise ChangedFile(f"{listed} changed since it was written: its SHA-256 is {found[:12]}..., "
                               f"{record} recorded {expected[:12]}... ({os.path.getsize(listed):,} bytes now). "
                               "A flipped byte, a copy cut short, or a save killed half way: load an earlier "
                               "checkpoint, or save again")
-        names.append(name)
-    return names
+    return list(recorded)
 
 
 def write_digest(path: str | os.PathLike[str]) -> str:
@@ -127,10 +163,11 @@ def write_digest(path: str | os.PathLike[str]) -> str:
 
 
 def verify_digest(path: str | os.PathLike[str]) -> None:
-    """Check the file ``path`` against the SHA-256 :func:`write_digest` recorded beside it; raises as
+    """Check the file ``path`` against the SHA-256 :func:`write_digest` recorded beside it, in a record that must
+    name ``path`` and nothing else (an emptied record, or another file's, is refused); raises as
     :func:`verify_digests` does, naming the file or its record. Example: ``verify_digest("ckpt.pt")``."""
     folder, name = os.path.split(os.path.abspath(path))
-    verify_digests(folder, record=f"{name}.sha256")
+    verify_digests(folder, record=f"{name}.sha256", holds=[name])
 
 
 def _sync_directory(folder: str) -> None:
@@ -184,8 +221,9 @@ def load_file(path: str, map_location: Any, digest: bool = True) -> Any:
     message for a truncated file ("failed finding central directory") names no file. The error keeps its type.
 
     With ``digest`` (the default) the file must match the SHA-256 recorded beside it when dtlib saved it
-    (:func:`write_digest`, :func:`save_file`): a changed or truncated file raises :class:`dtlib.ChangedFile`, a
-    missing record ``FileNotFoundError``, each naming the file. Example: ``load_file("ckpt.pt", "cpu")``.
+    (:func:`write_digest`, :func:`save_file`), in a record that names this file: a changed or truncated file, or
+    a record that is empty or names another file, raises :class:`dtlib.ChangedFile`, a missing record
+    ``FileNotFoundError``, each naming the file. Example: ``load_file("ckpt.pt", "cpu")``.
     """
     if digest:
         verify_digest(path)

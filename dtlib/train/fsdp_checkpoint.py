@@ -18,7 +18,9 @@ folder such as ``/tmp``.
 A save never damages the previous checkpoint: it writes into a fresh sub-folder and then
 replaces ``step.json`` (which names the folder) in one rename; a failed save leaves
 ``step.json`` naming the old, complete one. The sub-folder's ``SHA256SUMS`` records every file's SHA-256,
-and a load checks them first, so a file changed or cut short since is refused by name, not loaded.
+and a load checks them first, so a file changed or cut short since is refused by name, not loaded. It checks
+the record too: it must list every file in the sub-folder and every file ``.metadata`` names, so a record
+emptied, cut short or copied from elsewhere, or a file added since the save, is refused as well.
 
 On GPUs the full state dict is gathered with ``cpu_offload=True``, the documented
 route. On the CPU it must not be: FSDP1's offload path calls ``flat_param.to("cpu")``,
@@ -54,7 +56,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dtlib.launch.entry import rank_device
-from dtlib.train.checkpoint import load_file, private_folder, verify_digests, write_atomically, write_digests
+from dtlib.train.checkpoint import DIGESTS, load_file, private_folder, verify_digests, write_atomically, write_digests
 
 FULL_FILE = "full.pt"
 STEP_FILE = "step.json"  # {"step": 4, "kind": "sharded", "folder": "a"}: written last, in one rename
@@ -167,7 +169,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
     never holds is refused with ``pickle.UnpicklingError`` (inside DCP's ``CheckpointException`` for a
     sharded one). DCP keeps no checksum, so a flipped byte in a ``.distcp`` file would load as a changed weight;
     :func:`save` records every file's SHA-256 in ``SHA256SUMS``, and each rank checks them all here first: a
-    changed or truncated file raises :class:`dtlib.ChangedFile`, a missing one ``FileNotFoundError``, by name.
+    changed or truncated file, or a record that leaves a file of the folder out (emptied, cut short, copied from
+    elsewhere, or a file added since), raises :class:`dtlib.ChangedFile`; a missing file, or one ``.metadata``
+    names that the record does not list, ``FileNotFoundError``; each by name.
     ``directory`` defaults to :func:`default_directory`.
     """
     directory = os.fspath(directory) if directory else default_directory()
@@ -178,11 +182,27 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
         raise ValueError(f"{directory} holds a {record['kind']!r} checkpoint, not {kind!r}: "
                          f"use checkpoint_kind={record['kind']!r}")
     folder = os.path.join(directory, record["folder"])
-    verify_digests(folder)  # every rank, before any reads: a changed file refused on one rank alone would hang
+    _verify(folder, kind)  # every rank, before any reads: a changed file refused on one rank alone would hang
     _initialise_optimizer_state(model, optimizer)
     with _torch_internal_warnings([] if notes is None else notes):
         _load(model, optimizer, folder, kind)
     return record["step"]
+
+
+def _verify(folder: str, kind: str) -> None:
+    """Check ``folder`` against its ``SHA256SUMS`` before anything in it is read: the record must list every file
+    in the folder, each with its SHA-256 (:func:`dtlib.train.checkpoint.verify_digests`), and so every file this
+    load reads: ``full.pt``, or ``.metadata`` and each data file it names (checked only after its own digest)."""
+    recorded = set(verify_digests(folder))
+    needed = [FULL_FILE] if kind == "full" else [".metadata"]
+    if kind == "sharded" and ".metadata" in recorded:
+        storage = _CheckedReader(folder).read_metadata().storage_data or {}
+        needed += sorted({getattr(info, "relative_path", "") for info in storage.values()})
+    for name in needed:
+        if name not in recorded:
+            raise FileNotFoundError(f"{os.path.join(folder, name)} is missing: a {kind} checkpoint is read from it"
+                                    + (", as .metadata says" if name != needed[0] else "")
+                                    + f", and {DIGESTS} lists no such file. Load an earlier checkpoint, or save again")
 
 
 def _load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, kind: str) -> None:

@@ -4,6 +4,7 @@ checkpoint is a plain file a single process can load."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -442,6 +443,81 @@ def test_a_changed_truncated_or_missing_checkpoint_file_is_refused_by_name(resum
                                                                            says):
     """One flipped bit in a .distcp file loaded as a changed weight without a word (DCP keeps no checksum):
     every rank now checks the SHA-256 that save recorded, before it reads anything."""
+    directory = _damaged_copy(resumed, tmp_path, kind, damage)
+    model = models.build("transformer")
+    with pytest.raises(error, match=says):
+        fsdp_checkpoint.load(model, torch.optim.Adam(model.parameters()), str(directory), kind)
+
+
+def _flip_a_weight(folder: pathlib.Path) -> str:
+    """Flip one bit in the middle of the largest tensor's bytes (for DCP, where ``.metadata`` says they lie):
+    DCP and torch.load read it as a changed number, without a word. Returns the file's name."""
+    if (folder / fsdp_checkpoint.FULL_FILE).exists():
+        name, offset, length = fsdp_checkpoint.FULL_FILE, 0, (folder / fsdp_checkpoint.FULL_FILE).stat().st_size
+    else:
+        info = max(_read_metadata(folder).storage_data.values(), key=lambda info: info.length)
+        name, offset, length = info.relative_path, info.offset, info.length
+    data = bytearray((folder / name).read_bytes())
+    data[offset + length // 2] ^= 0x01
+    (folder / name).write_bytes(bytes(data))
+    return name
+
+
+def _empty_the_record(folder: pathlib.Path) -> None:
+    _flip_a_weight(folder)
+    (folder / "SHA256SUMS").write_text("")
+
+
+def _drop_the_flipped_file_from_the_record(folder: pathlib.Path) -> None:
+    flipped = _flip_a_weight(folder)
+    lines = (folder / "SHA256SUMS").read_text().splitlines(keepends=True)
+    (folder / "SHA256SUMS").write_text("".join(line for line in lines if not line.endswith(f"  {flipped}\n")))
+
+
+def _record_another_file(folder: pathlib.Path) -> None:
+    _flip_a_weight(folder)
+    (folder / "notes.txt").write_text("a file of someone else's")
+    write_digests(folder, ["notes.txt"])  # a whole, correct record: of notes.txt alone
+
+
+def _add_a_file(name: str):
+    def add(folder: pathlib.Path) -> None:
+        (folder / name).write_bytes((folder / "SHA256SUMS").read_bytes())  # any bytes: the record never saw them
+    return add
+
+
+def _name_a_file_that_is_not_there(folder: pathlib.Path) -> None:
+    metadata = _read_metadata(folder)
+    (index,) = [index for index in metadata.storage_data if index.fqn == "optim.param_groups.0.lr"]
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path="__2_0.distcp")
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    write_digests(folder, os.listdir(folder))  # the record complete, for the folder as it now is
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind, damage, error, says", [
+    ("sharded", _empty_the_record, dtlib.ChangedFile, r"a/SHA256SUMS lists no file, so it checks nothing"),
+    ("full", _empty_the_record, dtlib.ChangedFile, r"a/SHA256SUMS lists no file, so it checks nothing"),
+    ("sharded", _drop_the_flipped_file_from_the_record, dtlib.ChangedFile,
+     r"a/__\d_0.distcp is not in .*a/SHA256SUMS: the record must list every file of the checkpoint"),
+    ("sharded", _record_another_file, dtlib.ChangedFile, r"a/.metadata is not in .*a/SHA256SUMS \(nor are 2 more\)"),
+    ("full", _record_another_file, dtlib.ChangedFile, r"a/full.pt is not in .*a/SHA256SUMS"),
+    ("sharded", _add_a_file("__2_0.distcp"), dtlib.ChangedFile,
+     r"a/__2_0.distcp is not in .*a/SHA256SUMS.*Remove the file if you put it there"),
+    ("full", _add_a_file("full.pt.orig"), dtlib.ChangedFile, r"a/full.pt.orig is not in .*a/SHA256SUMS"),
+    ("sharded", _name_a_file_that_is_not_there, FileNotFoundError,
+     r"a/__2_0.distcp is missing: a sharded checkpoint is read from it, as .metadata says, and SHA256SUMS lists no"),
+    ("sharded", _flip_a_weight, dtlib.ChangedFile, r"a/__\d_0.distcp changed since it was written"),
+    ("full", _flip_a_weight, dtlib.ChangedFile, r"a/full.pt changed since it was written"),
+], ids=["sharded, record emptied", "full, record emptied", "sharded, record cut short",
+        "sharded, record of another file", "full, record of another file", "sharded, a file added",
+        "full, a file added", "sharded, .metadata names a file not recorded", "sharded, a weight flipped, record whole",
+        "full, a weight flipped, record whole"])
+def test_a_record_that_leaves_a_file_out_is_refused(resumed, tmp_path, kind, damage, error, says):
+    """A record checks only what it lists. Before, an emptied record, one cut short or one of another file checked
+    nothing, and a flipped byte in the file it skipped loaded as a changed weight: now every file in the folder,
+    and every file ``.metadata`` names, must be in it. Under a whole record the flipped weight is caught, as before."""
     directory = _damaged_copy(resumed, tmp_path, kind, damage)
     model = models.build("transformer")
     with pytest.raises(error, match=says):
