@@ -22,7 +22,9 @@ import glob
 import hashlib
 import os
 import pickle
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -183,30 +185,62 @@ def _sync_directory(folder: str) -> None:
 def private_folder(*parts: str, empty: bool = False) -> str:
     """``<cache>/dtlib/<parts>`` (``$XDG_CACHE_HOME`` or ``~/.cache``), readable and writable by you alone
     (mode 0o700): created if missing, tightened if looser, refused if another user owns any level of it,
-    who could plant a file there. ``empty=True`` removes what an earlier run left in it first, so a
-    notebook run again reuses one folder instead of leaving one more. Every process on one machine gets
-    the same path. Example: ``private_folder("notebooks", "04", empty=True)``.
+    who could plant a file there. Every process on one machine gets the same path (ranks find their runner's
+    checkpoints this way). Example: ``private_folder("checkpoints", "ddp")``.
+
+    ``empty=True`` (a notebook's folder, ``private_folder("notebooks", "04", empty=True)``) returns this process's
+    own folder below that path, ``run-<host>-<pid>``, emptied: a notebook run again in one kernel reuses one
+    folder instead of leaving one more, a second kernel running the same notebook gets a folder of its own (one
+    shared folder let each kernel empty the other's checkpoints mid-run), and the folders of this machine's
+    processes that no longer run go first.
     """
     if not parts or not all(isinstance(part, str) and part and os.sep not in part and part not in (".", "..")
                             for part in parts):
         raise ValueError(f"parts must be folder names (no separators, not '.' or '..'), got {parts!r}")
     path = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for part in ("dtlib", *parts):
-        path = os.path.join(path, part)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-        if info.st_uid != os.getuid() or os.path.islink(path):
-            raise PermissionError(f"{path} belongs to another user (uid {info.st_uid}) or is a link, and could hold "
-                                  "files planted there; pass a directory of your own")
-        if info.st_mode & 0o077:
-            os.chmod(path, 0o700)
-    if empty:
-        for entry in os.scandir(path):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+        path = _private_level(os.path.join(path, part))
+    if not empty:
+        return path
+    host = socket.gethostname().replace(os.sep, "_")
+    for entry in os.scandir(path):
+        found = re.fullmatch(rf"run-{re.escape(host)}-(\d+)", entry.name)
+        if found is None and entry.name.startswith("run-"):
+            continue  # another machine's process (a home folder shared over the network): not ours to judge
+        if found is None or not _running(int(found[1])) or int(found[1]) == os.getpid():
+            _remove(entry)  # a dead process's folder, this process's last run, or what an older dtlib left loose
+    return _private_level(os.path.join(path, f"run-{host}-{os.getpid()}"))
+
+
+def _private_level(path: str) -> str:
+    """Make ``path`` a folder of mode 0o700 owned by this user, or refuse it (another user's, or a link)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)
+    if info.st_uid != os.getuid() or os.path.islink(path):
+        raise PermissionError(f"{path} belongs to another user (uid {info.st_uid}) or is a link, and could hold "
+                              "files planted there; pass a directory of your own")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
     return path
+
+
+def _remove(entry: os.DirEntry[str]) -> None:
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def save_file(path: str | os.PathLike[str], state: Any) -> None:

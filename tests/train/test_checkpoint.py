@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -60,19 +62,49 @@ def test_the_partial_file_of_a_killed_writer_goes_with_the_next_write(tmp_path):
 
 
 def test_a_private_folder_is_reused_and_emptied_on_request(tmp_path, monkeypatch):
-    """What a notebook writes goes to one folder of its own, emptied when the notebook runs again."""
+    """What a notebook writes goes to one folder of this kernel's own, emptied when the notebook runs again."""
+    import socket
     import stat
 
     from dtlib.train.checkpoint import private_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder = private_folder("notebooks", "04", empty=True)
-    assert folder == str(tmp_path / "dtlib" / "notebooks" / "04")
+    assert folder == str(tmp_path / "dtlib" / "notebooks" / "04" / f"run-{socket.gethostname()}-{os.getpid()}")
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
-    (tmp_path / "dtlib" / "notebooks" / "04" / "sub").mkdir()
-    (tmp_path / "dtlib" / "notebooks" / "04" / "ckpt.pt").write_bytes(b"last run")
-    assert private_folder("notebooks", "04") == folder and len(os.listdir(folder)) == 2  # kept unless asked
+    (pathlib.Path(folder) / "sub").mkdir()
+    (pathlib.Path(folder) / "ckpt.pt").write_bytes(b"last run")
+    assert private_folder("notebooks", "04") == os.path.dirname(folder) and len(os.listdir(folder)) == 2
     assert private_folder("notebooks", "04", empty=True) == folder and os.listdir(folder) == []
+
+
+@pytest.mark.timeout(120)
+def test_two_kernels_running_one_notebook_keep_each_others_files(tmp_path, monkeypatch):
+    """Two kernels ran 04 at once: each emptied the one shared folder, deleting the other's checkpoint mid-run,
+    and the error then blamed the file. Each process now has its own; a folder whose process ended goes."""
+    import socket
+
+    from dtlib.train.checkpoint import private_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code = ("import sys, time; from dtlib.train.checkpoint import private_folder; "
+            "folder = private_folder('notebooks', '04', empty=True); open(folder + '/ckpt.pt', 'w').write('theirs'); "
+            "print(folder, flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    try:
+        theirs = other.stdout.readline().strip()
+        mine = private_folder("notebooks", "04", empty=True)
+        assert mine != theirs and pathlib.Path(theirs, "ckpt.pt").read_text() == "theirs"
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    stale = tmp_path / "dtlib" / "notebooks" / "04" / f"run-{socket.gethostname()}-{other.pid}"
+    elsewhere = tmp_path / "dtlib" / "notebooks" / "04" / "run-another-machine-1"
+    elsewhere.mkdir()
+    assert stale.exists()
+    private_folder("notebooks", "04", empty=True)
+    assert not stale.exists() and elsewhere.exists()  # the ended kernel's folder goes; another host's is not judged
 
 
 @pytest.mark.parametrize("parts", [(), ("..",), ("a/b",), ("",), (3,)])
