@@ -256,8 +256,11 @@ def point_to_point(stack: str) -> str | None:
 
 
 def explain(states: dict[int, str], last: dict[int, Collective | None],
-            stacks: dict[int, str] | None = None) -> tuple[list[str], str]:
+            stacks: dict[int, str] | None = None, *, checked: bool = False) -> tuple[list[str], str]:
     """One line per rank and a verdict, from each rank's state, newest collective and, if given, stack.
+
+    ``checked``: the ranks ran under the collective check (``LiveRanks(check_collectives=True)``, torch's DETAIL
+    mode), which can itself hold up a right program: the verdict then says so, and how to run without it.
 
     ``states[rank]`` is ``"running"`` (still in the cell), ``"finished"``, ``"failed"`` (raised) or ``"died"``.
     Example: with rank 0 running in an unfinished ``all_reduce #3`` and rank 1 finished after
@@ -300,7 +303,27 @@ def explain(states: dict[int, str], last: dict[int, Collective | None],
                    f"NCCL Flight Recorder could not be read on {_ranks(unrecorded)}, so where each GPU waits is "
                    "not known; the stacks below show only where each CPU waits (a line that reads a CUDA "
                    "tensor, or a synchronize, is waiting for the GPU)")
-    return lines, verdict or _verdict(states, last)
+    verdict = verdict or _verdict(states, last, blocked_in)
+    if checked and _check_may_hold_up(states, last, blocked_in, stacks or {}):
+        verdict += CHECK_HOLDS_UP
+    return lines, verdict
+
+
+#: Added to the verdict where the collective check may be what holds the ranks up.
+CHECK_HOLDS_UP = (". If the program is right, the collective check is what holds it up: with the check on (the live "
+                  "ranks' default), every collective first waits until every rank has reached it, even one posted "
+                  "with async_op=True, so a send or recv that a peer needs before its own collective never comes. "
+                  "Run the cell unchecked: `%ranks start N --no-check` (LiveRanks(N, check_collectives=False))")
+
+
+def _check_may_hold_up(states: dict[int, str], last: dict[int, Collective | None], blocked_in: dict[int, str],
+                       stacks: dict[int, str]) -> bool:
+    """Whether one running rank waits in a collective while another waits in a send or recv: a right program
+    (an async collective, then a transfer its peer needs first) deadlocks that way under the check alone."""
+    in_collective = [rank for rank, state in states.items() if state == "running" and rank not in blocked_in
+                     and ((last.get(rank) is not None and not last[rank].done)
+                          or torch_call_in(stacks.get(rank, "")) not in (None, "send", "recv"))]
+    return bool(in_collective) and bool(blocked_in)
 
 
 def _point_to_point_verdict(states: dict[int, str], last: dict[int, Collective | None],
@@ -350,7 +373,8 @@ def _compare(records: list[Collective]) -> tuple[list[str], list[str], list[str]
     return differ, unrecorded, same
 
 
-def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
+def _verdict(states: dict[int, str], last: dict[int, Collective | None],
+             blocked_in: dict[int, str] | None = None) -> str:
     died = [rank for rank, state in sorted(states.items()) if state == "died"]
     if died:
         who = ", ".join(map(str, died))
@@ -394,7 +418,7 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
                 f"is above), so {'it' if len(raised) == 1 else 'they'} will never finish it: fix that error")
     missing = [rank for rank in members if rank not in at_first and _position(there[rank]) <= first]
     if missing:
-        return _alone(at_first, where, missing, states, last, members if known else [])
+        return _alone(at_first, where, missing, states, last, members if known else [], blocked_in or {})
     later = {rank: record for rank, record in waiting.items() if _key(record) == key and record.seq != first}
     if later:
         ahead = ", ".join(f"rank {rank} at #{record.seq}" for rank, record in sorted(later.items()))
@@ -410,14 +434,16 @@ def _verdict(states: dict[int, str], last: dict[int, Collective | None]) -> str:
 
 
 def _alone(at_first: list[int], where: str, missing: list[int], states: dict[int, str],
-           last: dict[int, Collective | None], members: list[int]) -> str:
+           last: dict[int, Collective | None], members: list[int], blocked_in: dict[int, str]) -> str:
     """The verdict when members of the group have not reached the collective that ``at_first`` wait in."""
     said = []
     gone = [rank for rank in missing if states.get(rank) == "finished"]
     failed = [rank for rank in missing if states.get(rank) == "failed"]
     elsewhere = {rank: last[rank] for rank in missing if states.get(rank) == "running" and last.get(rank) is not None
                  and not last[rank].done}
-    late = [rank for rank in missing if states.get(rank) == "running" and rank not in elsewhere]
+    transfers = {rank: blocked_in[rank] for rank in missing if rank in blocked_in and rank not in elsewhere}
+    late = [rank for rank in missing if states.get(rank) == "running" and rank not in elsewhere
+            and rank not in transfers]
     if gone:
         said.append(f"rank {', '.join(map(str, gone))} never called it (a collective under `if rank == ...`, "
                     "or a rank that returned early?)")
@@ -427,6 +453,9 @@ def _alone(at_first: list[int], where: str, missing: list[int], states: dict[int
         world = " on the world group" if record.group == "default_pg" else ""
         said.append(f"rank {rank} waits in {record.describe()}{world} instead (a group= left out, or collectives "
                     "called in a different order?)")
+    for rank, call in sorted(transfers.items()):
+        said.append(f"rank {rank} waits in a blocking {call} instead, before calling it (its peer must "
+                    f"{'receive' if call == 'send' else 'send'} first)")
     if late:
         said.append(f"rank {', '.join(map(str, late))} is late: it has not called it yet and still runs Python code "
                     "(slow work before the collective, or a loop that never reaches it: its stack is below)")

@@ -26,12 +26,21 @@ EXIT_GRACE_S = 10.0  # at close, how long ranks may take to leave their process 
 
 
 class Generation:
-    """One generation of live ranks: the job, and what each rank answered to the current command."""
+    """One generation of live ranks: the job, and what each rank answered to the current command.
+
+    Every command carries a number, and every answer the number of the command it answers; only answers to the
+    newest command count. A rank left behind in an earlier cell (one the kernel gave up on) answers that cell
+    late, and its answer is dropped: it is never taken for the next cell's. The doctor's questions are numbered
+    the same way.
+    """
 
     def __init__(self, world_size: int, backend: str, method: str, env: dict[str, str] | None = None) -> None:
         self.job = Job(world_size, "all", method, channels=2)
         self.answers: dict[int, tuple[str, Any]] = {}
         self.doctor: dict[int, Any] = {}
+        self.command = 0  # the number of the command whose answers count; 0: the ranks' first "ready"
+        self.dropped: dict[int, int] = {}  # by rank: late answers to earlier commands, dropped
+        self._asked = b"0"  # the doctor's newest question
         payload = cloudpickle.dumps((server.serve, (), {}))
         try:
             start_job(self.job, method, payload, {}, backend, env={**doctor.FR_ENV, **(env or {})})
@@ -45,32 +54,40 @@ class Generation:
 
     def _take_answer(self, state: RankState) -> None:
         try:
-            self.answers[state.rank] = pickle.loads(state.channels[0].recv_bytes())
+            number, status, body = pickle.loads(state.channels[0].recv_bytes())
         except (EOFError, OSError):
             self.job.unwatch(state.channels[0])  # the rank died: its exit is reported by the job
+            return
+        if number == self.command:
+            self.answers[state.rank] = (status, body)
+        else:  # an earlier cell's answer, from a rank that was still in it: never this command's
+            self.dropped[state.rank] = self.dropped.get(state.rank, 0) + 1
 
     def _take_doctor(self, state: RankState) -> None:
         try:
-            self.doctor[state.rank] = pickle.loads(state.channels[1].recv_bytes())
+            asked, last = pickle.loads(state.channels[1].recv_bytes())
         except (EOFError, OSError):
             self.job.unwatch(state.channels[1])
+            return
         except Exception:  # noqa: BLE001 - an answer this kernel cannot read is no answer
-            self.doctor[state.rank] = None
+            asked, last = self._asked, None
+        if asked == self._asked:  # a late answer to an earlier question says nothing of now
+            self.doctor[state.rank] = last
 
     def dead(self) -> list[RankFailure]:
         return self.job.failures()
 
-    def send(self, message: tuple[str, Any], ranks: list[int] | None = None) -> None:
-        """Send one command to every rank (or those of ``ranks``). A rank that died just now cannot take it;
-        the event loop then reports its exit."""
-        data = pickle.dumps(message)
+    def send(self, message: tuple[str, Any]) -> None:
+        """Send one command to every rank, under a new number: from now on only answers to it count. A rank
+        that died just now cannot take it; the event loop then reports its exit."""
+        self.command += 1
+        self.answers.clear()
+        data = pickle.dumps((self.command, *message))
         for state in self.job.ranks:
-            if ranks is None or state.rank in ranks:
-                self.answers.pop(state.rank, None)
-                try:
-                    state.channels[0].send_bytes(data)
-                except OSError:  # BrokenPipeError and the like: the rank is gone
-                    pass
+            try:
+                state.channels[0].send_bytes(data)
+            except OSError:  # BrokenPipeError and the like: the rank is gone
+                pass
 
     def wait(self, ranks: set[int], until: float, stop_early: bool = False) -> set[int]:
         """Run the event loop until ``ranks`` have answered, a rank died, or ``until``; the ranks still owing.
@@ -93,10 +110,12 @@ class Generation:
         self.job.relay.flush(final=True)
 
     def ask_doctor(self) -> dict[int, doctor.Collective | None]:
+        """Each rank's newest collective (None: no answer within ``DOCTOR_WAIT_S``), by rank."""
         self.doctor.clear()
+        self._asked = str(int(self._asked) + 1).encode()
         for state in self.job.ranks:
             try:
-                state.channels[1].send_bytes(b"?")
+                state.channels[1].send_bytes(self._asked)
             except OSError:
                 pass
         until = time.monotonic() + DOCTOR_WAIT_S

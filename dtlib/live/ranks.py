@@ -30,11 +30,11 @@ from dtlib import arguments, compat
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
 from dtlib.launch import pickling
 from dtlib.launch.processes import HeldInterrupts
-from dtlib.launch.shards import LocalShard
 from dtlib.launch.spawn import rank_environment, resolve_backend, resolve_start_method, valid_world_size
 from dtlib.live import doctor, server
 from dtlib.live.generation import Generation, close_quietly
-from dtlib.live.server import RemoteRepr, ShardsByRank
+from dtlib.live.pushed import MeshSpec, ShardsByRank, to_send
+from dtlib.live.server import RemoteRepr
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -122,11 +122,18 @@ class LiveRanks:
         return ranks
 
     def _restart(self) -> None:
-        ranks, self._holder[0] = self._holder[0], None
-        if ranks is not None:
-            ranks.close()
-        self._stop_if_closing()
-        self._start()
+        """Close this generation and start the next; a Ctrl-C meanwhile waits until the new ranks are up (a
+        half-started generation would take the next command before it could run it)."""
+        held = HeldInterrupts()
+        try:
+            with held:
+                ranks, self._holder[0] = self._holder[0], None
+                if ranks is not None:
+                    ranks.close()
+                self._stop_if_closing()
+                self._start()
+        finally:
+            held.deliver()
 
     def close(self) -> None:
         """Stop every rank; safe to call twice. Also runs at ``with``'s end, garbage collection and exit.
@@ -196,28 +203,23 @@ class LiveRanks:
         """Copy ``values`` (pickled by value, functions included) into every rank's namespace.
 
         A list of every rank's :class:`~dtlib.launch.shards.LocalShard` (a pulled DTensor) gives each rank its
-        own shard back, rebuilt as a DTensor; one rank's shard alone is refused (every rank would get that
-        rank's part). Example: ``ranks.push(lr=0.1, model=model)``.
+        own shard back, rebuilt as a DTensor; a list of every rank's :class:`~dtlib.launch.shards.LocalMesh` (a
+        pulled DeviceMesh) gives every rank the mesh back. What a rank could not rebuild as it is (one rank's part
+        alone, a shard whose shape does not fit its placement) is refused here, before anything is sent
+        (:func:`dtlib.live.pushed.to_send`). Example: ``ranks.push(lr=0.1, model=model)``.
         """
         __tracebackhide__ = True
-        values = {name: self._shards_to_rebuild(name, value) for name, value in values.items()}
+        values = {name: to_send(name, value, self.world_size) for name, value in values.items()}
         payload = pickling.dumps(values, parts=[(repr(name), value) for name, value in values.items()],
                                   refusal="cannot push {part} to the ranks")
         self._call(("push", payload), None, "push")
-
-    def _shards_to_rebuild(self, name: str, value: Any) -> Any:
-        """``value`` as it should travel: a pulled DTensor's shards marked for each rank to rebuild its own."""
-        if isinstance(value, LocalShard):
-            raise ValueError(f"{name} is rank {value.rank}'s shard of a DTensor: pushed, every rank would hold rank "
-                             f"{value.rank}'s part. Push the whole pulled list (one shard per rank) to give each rank "
-                             "its own, or a plain tensor (value.local) to give every rank the same")
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, LocalShard) for v in value):
-            if [v.rank for v in value] != list(range(self.world_size)):
-                raise ValueError(f"{name} holds DTensor shards of ranks {[v.rank for v in value]}; pushing rebuilds "
-                                 f"the DTensor from one shard per rank, in rank order 0..{self.world_size - 1}")
-            print(f"{name}: each rank gets its own shard back, as a DTensor on a new mesh of the same ranks")
-            return ShardsByRank(value)
-        return value
+        for name, value in values.items():
+            if isinstance(value, ShardsByRank):
+                print(f"{name}: each rank got its own shard back, as a DTensor on a new mesh of the same ranks")
+            elif isinstance(value, MeshSpec):
+                dims = f", dims {value.mesh_dim_names}" if value.mesh_dim_names else ""
+                print(f"{name}: every rank got the DeviceMesh back, rebuilt on the same ranks ({value.device_type}"
+                      f"{dims})")
 
     def pull(self, name: str) -> list[Any]:
         """Every rank's value of ``name``, by rank. Example: ``ranks.pull("loss")`` -> ``[0.71, 0.69]``.
@@ -244,8 +246,10 @@ class LiveRanks:
             raise WorkerError(failures, note=f"this happened before the {what}, which did not run; {LOST}.")
         limit = self.timeout if timeout is None else arguments.seconds("timeout", timeout)
         everyone = set(range(self.world_size))
-        ranks.send(message)
+        with HeldInterrupts() as held:  # every rank gets the command, or none does
+            ranks.send(message)
         try:
+            held.deliver()  # a Ctrl-C during the send stops the cell as one during the wait does
             owing = ranks.wait(everyone, time.monotonic() + (limit or float("inf")), stop_early=True)
         except KeyboardInterrupt:
             with HeldInterrupts() as held:
@@ -253,11 +257,33 @@ class LiveRanks:
             print(f"dtlib.LiveRanks: interrupted; {note}", file=sys.stderr)
             held.deliver()
             raise
+        # From here the ranks may still be in the cell (timed out, or waiting for a rank that failed or died): a
+        # Ctrl-C while the doctor asks them and they are stopped waits until every rank is out of the cell or
+        # restarted, then raises. Cut short, a rank would stay in the cell and answer it during the next one.
+        held = HeldInterrupts()
+        try:
+            with held:
+                self._settle(ranks, owing, limit)
+        finally:
+            if held.count:
+                kept = "they kept their variables" if self._holder[0] is ranks else LOST
+                print(f"dtlib.LiveRanks: interrupted; the interrupt waited until the ranks were out of the cell: "
+                      f"{kept}.", file=sys.stderr)
+            held.deliver()  # a KeyboardInterrupt, with the call's error (if any) as its context
+        values = []
+        for rank in range(self.world_size):  # each rank's bytes dropped once its value is built: a pull of
+            values.append(self._unpickle(rank, ranks.answers.pop(rank)[1]))  # N large values peaks near N + 1
+        return values
+
+    def _settle(self, ranks: Generation, owing: set[int], limit: float | None) -> None:
+        """After the wait: raise what went wrong, once every rank is out of the cell (stopped, or restarted)."""
+        __tracebackhide__ = True
         self._stop_if_closing()
         ranks.flush_output()
         if ranks.dead():
             failures = _unique(ranks.dead() + self._errors(ranks))
-            lines, verdict = doctor.explain(self._states(ranks, owing), ranks.ask_doctor())
+            lines, verdict = doctor.explain(self._states(ranks, owing), ranks.ask_doctor(),
+                                            checked=self.check_collectives)
             self._restart()
             raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {LOST[:1].upper()}{LOST[1:]}.")
         errors = self._errors(ranks)
@@ -269,10 +295,6 @@ class LiveRanks:
                                 collectives=lines, verdict=verdict, outcome=outcome)
         if errors:
             raise WorkerError(errors, note="the ranks are still running, with their variables.")
-        values = []
-        for rank in range(self.world_size):  # each rank's bytes dropped once its value is built: a pull of
-            values.append(self._unpickle(rank, ranks.answers.pop(rank)[1]))  # N large values peaks near N + 1
-        return values
 
     def _after_interrupt(self, ranks: Generation, everyone: set[int]) -> str:
         owing = everyone - set(ranks.answers)
@@ -292,7 +314,7 @@ class LiveRanks:
         states = self._states(ranks, owing)
         last = ranks.ask_doctor()
         stacks = {rank: self._annotate(stack) for rank, stack in ranks.job.collect_stacks(ranks=sorted(owing)).items()}
-        lines, verdict = doctor.explain(states, last, stacks)
+        lines, verdict = doctor.explain(states, last, stacks, checked=self.check_collectives)
         blocked = any(last.get(rank) is not None and not last[rank].done for rank in owing)
         stuck = owing if blocked else ranks.interrupt(owing)
         ranks.flush_output()

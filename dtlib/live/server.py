@@ -4,12 +4,14 @@ rank's namespace, answer.
 A live rank is a :func:`dtlib.spawn` rank whose function, :func:`serve`, does not return until
 it is told to. It talks to the kernel over two two-way channels (:func:`dtlib.launch.worker.channels`):
 
-- ``commands``: ``(kind, body)`` in, one answer out per command: ``("ok", pickled value)`` or
-  ``("error", details)``. Kinds: ``"run"`` (code and its cell number), ``"push"`` (pickled names),
-  ``"pull"`` (a name), ``"exit"``. The first message out is ``("ready", None)``.
-- ``doctor``: any byte in, the rank's newest collective out (:func:`dtlib.live.doctor.last_collectives`), with
-  what :class:`CallNotes` noted beside the Flight Recorder. A thread answers it, so it is answered while the main
-  thread waits inside a collective.
+- ``commands``: ``(number, kind, body)`` in, one answer out per command, with the command's number:
+  ``(number, "ok", pickled value)`` or ``(number, "error", details)``. Kinds: ``"run"`` (code and its cell
+  number), ``"push"`` (pickled names), ``"pull"`` (a name), ``"exit"``. The first message out is
+  ``(0, "ready", None)``. The kernel counts only answers to its newest command, so a rank's late answer to a cell
+  the kernel gave up on is never read as the next cell's.
+- ``doctor``: a question (any bytes) in, ``(question, the rank's newest collective)`` out
+  (:func:`dtlib.live.doctor.last_collectives`), with what :class:`CallNotes` noted beside the Flight Recorder. A
+  thread answers it, so it is answered while the main thread waits inside a collective.
 
 SIGINT raises KeyboardInterrupt only while a cell's code runs; it is ignored between cells.
 """
@@ -35,10 +37,10 @@ from torch import nn
 from dtlib.errors import collective_mismatch
 from dtlib.launch import pickling
 from dtlib.launch.entry import rank_device
-from dtlib.launch.shards import rebuild
 from dtlib.launch.worker import channels, describe, dumps_result
 from dtlib.live.doctor import last_collectives
 from dtlib.live.notes import CallNotes
+from dtlib.live.pushed import rebuild_on_rank
 
 CELL_FILENAME = "<rank cell {number}>"
 
@@ -52,10 +54,6 @@ class RemoteRepr:
 
     def __repr__(self) -> str:
         return self.text
-
-
-class ShardsByRank(list):
-    """Every rank's shard of a DTensor, pushed: each rank rebuilds the DTensor from its own one."""
 
 
 class _Interrupts:
@@ -111,9 +109,9 @@ def _error(exc: BaseException) -> dict[str, str]:
 def _answer_doctor(doctor: Connection, notes: CallNotes) -> None:
     while True:
         try:
-            doctor.recv_bytes()
-            doctor.send_bytes(pickle.dumps(last_collectives(notes.arguments, notes.members, notes.raised,
-                                                            notes.entries())))
+            asked = doctor.recv_bytes()
+            doctor.send_bytes(pickle.dumps((asked, last_collectives(notes.arguments, notes.members, notes.raised,
+                                                                    notes.entries()))))
         except (EOFError, OSError):
             return
 
@@ -161,9 +159,8 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
             data, sources = body
             pickling.install_sources(sources)
             pushed = cloudpickle.loads(data)
-            for name, value in pushed.items():
-                if isinstance(value, ShardsByRank):  # every rank rebuilds, in the same order: meshes are collective
-                    pushed[name] = rebuild(value[dist.get_rank()], rank_device())
+            for name, value in pushed.items():  # every rank rebuilds, in the same order: meshes are collective
+                pushed[name] = rebuild_on_rank(value, dist.get_rank(), rank_device())
             namespace.update(pushed)
             return "ok", _value(None)
         if kind == "pull":
@@ -188,10 +185,10 @@ def serve(rank: int, world_size: int) -> None:
     notes = CallNotes()
     notes.install()
     threading.Thread(target=_answer_doctor, args=(doctor, notes), name="dtlib-doctor", daemon=True).start()
-    commands.send_bytes(pickle.dumps(("ready", None)))
+    commands.send_bytes(pickle.dumps((0, "ready", None)))
     while True:
         try:
-            kind, body = pickle.loads(commands.recv_bytes())
+            number, kind, body = pickle.loads(commands.recv_bytes())
         except (EOFError, OSError):
             return
         if kind == "exit":
@@ -199,4 +196,4 @@ def serve(rank: int, world_size: int) -> None:
         status, answer = _do(kind, body, namespace, interrupts, notes)
         sys.stdout.flush()  # the cell's output reaches the kernel before its answer
         sys.stderr.flush()
-        commands.send_bytes(pickle.dumps((status, answer)))
+        commands.send_bytes(pickle.dumps((number, status, answer)))

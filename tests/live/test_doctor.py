@@ -230,3 +230,41 @@ def test_a_real_recorder_and_the_ranks_notes_name_every_call_and_argument(monkey
     assert all(members == (0, 1) for _, _, _, members in seen[0] + seen[1])
     assert [row[:3] for row in seen[0]][8] == ("all_to_all_single", "world", {"output_split_sizes": "[1, 1]",
                                                                               "input_split_sizes": "[1, 2]"})
+
+
+# -- the collective check names itself where it holds a right program up ---------------------------------------
+ASYNC_THEN_SEND = ("x = torch.ones(4) * (rank + 1)\n"
+                   "if rank == 0:\n"
+                   "    work = dist.all_reduce(x, async_op=True)\n"
+                   "    dist.send(torch.tensor([7.0]), dst=1)\n"
+                   "    work.wait()\n"
+                   "else:\n"
+                   "    dist.recv(torch.zeros(1), src=0)\n"
+                   "    dist.all_reduce(x)\n"
+                   "x.tolist()\n")
+
+
+def test_the_check_names_itself_and_no_check_where_it_holds_a_right_program_up(ranks):
+    """Rank 0 posts an async all-reduce and sends; rank 1 receives, then all-reduces: right, and it runs unchecked.
+    Under the check, rank 0's all-reduce waits for rank 1 to reach it first, and rank 1 waits for the send. The
+    doctor said rank 1 "still runs Python code" and nothing of the check; it now says rank 1 waits in recv, and
+    that the check holds the program up, with the way to run it unchecked."""
+    assert ranks.check_collectives
+    message = _hang(ranks, ASYNC_THEN_SEND)
+    assert "rank 1 waits in a blocking recv instead, before calling it" in message, message
+    assert "runs Python code" not in message, message
+    assert "the collective check is what holds it up" in message and "--no-check" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_the_same_program_runs_unchecked():
+    with dtlib.LiveRanks(2, timeout=60, check_collectives=False) as unchecked:
+        assert unchecked.run(ASYNC_THEN_SEND) == [[3.0] * 4, [3.0] * 4]
+
+
+def test_a_hang_without_a_transfer_does_not_blame_the_check():
+    """Only a rank in a collective beside one in a send or recv points at the check: a rank left alone in a
+    collective by a peer that returned is its own mistake."""
+    last = {0: _rank(_entry(1, "all_reduce", [[4]], [[4]], False)), 1: None}
+    verdict = doctor.explain({0: "running", 1: "finished"}, last, checked=True)[1]
+    assert "never called it" in verdict and "collective check" not in verdict

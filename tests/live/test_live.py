@@ -145,6 +145,38 @@ def test_interrupting_the_kernel_interrupts_every_rank(ranks):
     assert ranks.pull("kept") == [50, 51]
 
 
+@pytest.mark.timeout(240)
+def test_an_interrupt_while_the_doctor_asks_waits_until_the_ranks_are_restarted(monkeypatch, capsys, leftovers):
+    """Ctrl-C while the hang doctor asked the ranks skipped the restart: rank 0 stayed in the timed-out cell's
+    all-reduce, the next cell's all-reduce on rank 1 let it finish, and its answer, 'previous', came back as the
+    next cell's value. Now the interrupt is held until the ranks are restarted, then raised."""
+    from dtlib.live.generation import Generation
+
+    ask_doctor, asked = Generation.ask_doctor, []
+
+    def interrupted_while_asking(self):
+        if not asked:  # the first question: the doctor explaining the timeout
+            asked.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, through this process's own SIGINT handler
+        return ask_doctor(self)
+
+    monkeypatch.setattr(Generation, "ask_doctor", interrupted_while_asking)
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
+        pids = live.run("import os\nos.getpid()")
+        live.run("t = torch.ones(2)")
+        with pytest.raises(KeyboardInterrupt) as caught:
+            live.run("x = 'previous'\nif rank == 0:\n    dist.all_reduce(t)\nx", timeout=3)
+        assert asked
+        assert live.run("dist.all_reduce(torch.ones(2))\n'next'", timeout=30) == ["next", "next"]
+        assert isinstance(caught.value.__context__, dtlib.WorkerTimeout)  # the doctor's explanation still comes
+        assert "variables are gone" in str(caught.value.__context__)
+        assert "interrupted; the interrupt waited until the ranks were out of the cell" in capsys.readouterr().err
+        with pytest.raises(dtlib.WorkerError, match="not defined"):
+            live.pull("x")  # restarted: the timed-out cell's variables are gone on every rank
+        pids += live.run("import os\nos.getpid()")
+    leftovers.assert_clean(pids)
+
+
 def test_a_rank_that_dies_is_reported_and_the_ranks_restart(ranks):
     ranks.run("kept = 1")
     with pytest.raises(dtlib.WorkerError) as caught:
