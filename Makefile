@@ -44,8 +44,10 @@ test: setup
 	$(PY) -m ruff check dtlib tests notebooks
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
+# TORCH reaches the script through the environment (make exports a command line's variables), whole: the
+# script, not the shell of this recipe, judges it.
 test-torch:
-	@TORCH=$(TORCH) scripts/test_torch.sh
+	@scripts/test_torch.sh
 
 test-browser: setup
 	@scripts/browser_setup.sh

@@ -16,6 +16,8 @@ from dtlib.sim.step import Simulated, simulate
 
 
 def _step(shape: str, dp: int, seq_len: int, micro_batch: int) -> Simulated:
+    """The checker's own result: :func:`simulate` hands each caller a copy, so a learner's results, however
+    edited (converted to GiB in place, say), never reach a verdict."""
     return simulate(LLAMA[shape], dp=dp, seq_len=seq_len, micro_batch=micro_batch)
 
 
@@ -59,6 +61,7 @@ def largest_micro_batch(answer: Any, shape: str = "7B", dp: int = 64, seq_len: i
 
 
 def _stage_0(shape: str, pp: int, tp: int, seq_len: int, micro_batches: int) -> Simulated:
+    """The checker's own result for rank 0, the first stage (a copy of its own, as :func:`_step`'s)."""
     return simulate(LLAMA[shape], pp=pp, tp=tp, seq_len=seq_len, micro_batches=micro_batches, checkpointing=True)
 
 

@@ -21,6 +21,7 @@ Example: ``expert_parallel_moe(fn)``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import random
@@ -112,9 +113,15 @@ def _traffic_bound(chosen: torch.Tensor, size: int) -> list[int]:
     return (out + back).tolist()
 
 
-@functools.lru_cache(maxsize=32)
 def _expected(size: int, seed: int, **variant: bool) -> list[dict[str, Any]]:
-    """Per rank, what one process gives: the output and the gradients (a variant: a known wrong layer)."""
+    """Per rank, what one process gives: the output and the gradients (a variant: a known wrong layer). A copy
+    of the kept one: no caller's edit in place reaches the next check's oracle."""
+    return copy.deepcopy(_expected_kept(size, seed, **variant))
+
+
+@functools.lru_cache(maxsize=32)
+def _expected_kept(size: int, seed: int, **variant: bool) -> list[dict[str, Any]]:
+    """What :func:`_expected` copies, kept per (size, seed, variant)."""
     tokens, router, experts = _build(size, "cpu", seed)
     probe = _probe(size, seed)
     everyone = tokens.clone().requires_grad_(True)
@@ -213,11 +220,16 @@ def _within_bound(value: Mapping[str, Any], expected: Sequence[Mapping[str, Any]
     return _same(value, expected) and not _over_bound(value["rows_sent"], expected[value["rank"]]["bound"])
 
 
-@functools.lru_cache(maxsize=32)
 def _misplaced(size: int, seed: int, how: str) -> list[torch.Tensor]:
     """Per rank, the output when the outputs come home sorted by destination and are not put back in their
     tokens' rows (``how="kept sorted"``), or are put back with the order itself instead of its inverse
-    (``how="wrong inverse"``, ``y_sorted = back[order]``)."""
+    (``how="wrong inverse"``, ``y_sorted = back[order]``). A copy of the kept one, as :func:`_expected`'s."""
+    return copy.deepcopy(_misplaced_kept(size, seed, how))
+
+
+@functools.lru_cache(maxsize=32)
+def _misplaced_kept(size: int, seed: int, how: str) -> list[torch.Tensor]:
+    """What :func:`_misplaced` copies, kept per (size, seed, how)."""
     tokens, router, experts = _build(size, "cpu", seed)
     out = []
     with torch.no_grad():

@@ -12,7 +12,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -62,13 +64,14 @@ class Shape:
         return replace(self, layers=layers)
 
 
-#: The shapes of Llama 2 7B and 70B (Touvron et al., 2023), and a tiny one that live ranks can run.
-LLAMA = {
+#: The shapes of Llama 2 7B and 70B (Touvron et al., 2023), and a tiny one that live ranks can run. Read-only:
+#: notebook 14's checkers look their problem up here, so no cell's assignment can change it.
+LLAMA: Mapping[str, Shape] = MappingProxyType({
     "7B": Shape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11_008),
     "13B": Shape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13_824),
     "70B": Shape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28_672),
     "tiny": Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256),
-}
+})
 
 
 class Block(nn.Module):

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,13 +187,14 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     the depth); None simulates every layer (about a second per layer here). ``parallelize`` and ``step`` are the
     layout and the step, notebook 11's and :func:`dtlib.sim.pipeline.pipeline_step` by default; pass your own to
     simulate them (a step for a pipeline, or for several micro-batches, also takes the mesh). With dtlib's
-    own layout and step, a question asked again in this process is answered from the first run.
+    own layout and step, a question asked again in this process is answered from the first run, and every
+    caller gets a copy of its own: converting one's result in place (to GiB, say) changes no other caller's.
     """
     started = time.perf_counter()
     layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches)
     key = (shape, layout, checkpointing, depths)
     if parallelize is _parallelize and step is None and key in _ANSWERED:  # dtlib's own layout and step, again
-        return _ANSWERED[key]
+        return copy.deepcopy(_ANSWERED[key])  # the kept answer is never handed out: a checker reads it next
     if depths is None or shape.layers <= max(depths) * pp:
         memory, rows = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step)
         used = (shape.layers,)
@@ -211,11 +213,11 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
         used = (low_depth, high_depth)
     result = Simulated(shape, layout, checkpointing, memory, rows, used, time.perf_counter() - started)
     if parallelize is _parallelize and step is None:
-        _ANSWERED[key] = result
+        _ANSWERED[key] = copy.deepcopy(result)  # kept apart from the caller's, which they may edit
     return result
 
 
 _parallelize = parallelize  # dtlib's own layout: the one whose results are kept
 #: Results of dtlib's own layout and step, by (shape, layout, checkpointing, depths): a checker asking what a
-#: cell already simulated gets the answer at once (its ``seconds`` are the first run's).
+#: cell already simulated gets the answer at once (its ``seconds`` are the first run's). Only copies leave it.
 _ANSWERED: dict[tuple[Any, ...], Simulated] = {}

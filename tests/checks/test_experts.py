@@ -266,3 +266,18 @@ def test_a_value_that_is_not_the_output_is_named():
 def test_something_not_callable_is_refused_at_once():
     feedback = checks.expert_parallel_moe("my_moe")
     assert not feedback.ok and "Pass your function itself" in feedback.message
+
+
+def test_the_oracle_edited_in_place_by_a_caller_is_not_the_next_checks():
+    from dtlib.checks import experts
+
+    expected, misplaced = experts._expected(3, 7), experts._misplaced(3, 7, "kept sorted")
+    y, bound, sorted_y = expected[0]["y"].clone(), expected[0]["bound"], misplaced[0].clone()
+    for rank in expected:  # a caller's edits in place, at every depth: tensors, numbers, lists
+        rank["y"].div_(2**30)
+        rank["bound"] = -1
+        rank["expert_grads"].clear()
+    misplaced[0].zero_()
+    again = experts._expected(3, 7)
+    assert torch.equal(again[0]["y"], y) and again[0]["bound"] == bound and again[0]["expert_grads"]
+    assert torch.equal(experts._misplaced(3, 7, "kept sorted")[0], sorted_y)

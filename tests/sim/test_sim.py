@@ -3,12 +3,14 @@ depth rule against a full-depth simulation, the presets against the published si
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dtlib.sim.live import on_live_ranks
 from dtlib.sim.llama import LLAMA, Llama, Shape
-from dtlib.sim.step import simulate
+from dtlib.sim.step import Simulated, simulate
 from dtlib.sim.world import fake_world
 
 
@@ -154,15 +156,47 @@ def test_gloos_reduce_scatter_allocates_what_fake_ranks_do_not():
     assert dtlib.spawn(measured, 2, output="none", strict=False) == [3 * 4096, 3 * 4096]
 
 
-def test_dtlibs_own_layout_is_simulated_once_and_a_learners_every_time():
+def test_dtlibs_own_layout_is_simulated_once_and_a_learners_every_time(monkeypatch):
+    from dtlib.sim import step
     from dtlib.sim.step import parallelize
 
     def mine(model, mesh, checkpointing=False):
         return parallelize(model, mesh, checkpointing)
 
-    args = {"dp": 2, "seq_len": 16, "depths": None}
-    assert simulate(LLAMA["tiny"], **args) is simulate(LLAMA["tiny"], **args)
-    assert simulate(LLAMA["tiny"], parallelize=mine, **args) is not simulate(LLAMA["tiny"], parallelize=mine, **args)
+    runs = []
+    stepped = step.step_on_fake_ranks
+    monkeypatch.setattr(step, "step_on_fake_ranks", lambda *args, **kwargs: runs.append(1) or stepped(*args, **kwargs))
+    args = {"dp": 2, "seq_len": 20, "depths": None}  # a layout no other test simulates: this one runs it first
+    assert simulate(LLAMA["tiny"], **args) == simulate(LLAMA["tiny"], **args) and len(runs) == 1
+    theirs = [simulate(LLAMA["tiny"], parallelize=mine, **args) for _ in range(2)]
+    assert theirs[0].memory == theirs[1].memory and len(runs) == 3
+
+
+def test_the_presets_a_checker_looks_up_cannot_be_changed():
+    with pytest.raises(TypeError):
+        LLAMA["7B"] = LLAMA["7B"]  # the same shape: harmless where the table is a dict
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LLAMA["7B"].layers = 32  # type: ignore[misc]
+
+
+def _in_gib_in_place(result: Simulated) -> None:
+    """What a learner may do to the results a cell holds: every byte count divided by 2**30, in place."""
+    for category in result.memory:
+        result.memory[category] /= 2**30
+    result.traffic[:] = [dataclasses.replace(row, payload=row.payload / 2**30, sent=row.sent / 2**30)
+                         for row in result.traffic]
+
+
+def test_a_result_edited_in_place_leaves_the_next_simulate_its_own_numbers():
+    args = {"dp": 2, "seq_len": 24, "micro_batch": 2}
+    first = simulate(LLAMA["tiny"], **args)  # the run (or, after another test's, the kept answer)
+    memory, rows, peak = dict(first.memory), list(first.traffic), first.peak
+    _in_gib_in_place(first)
+    again = simulate(LLAMA["tiny"], **args)  # the kept answer
+    assert (again.memory, again.traffic, again.peak) == (memory, rows, peak) and peak > 2**20
+    _in_gib_in_place(again)
+    third = simulate(LLAMA["tiny"], **args)
+    assert (third.memory, third.traffic, third.peak) == (memory, rows, peak)
 
 
 def test_a_pipelines_transfers_get_seconds_of_their_own():
