@@ -589,16 +589,52 @@ SUM_IN_A_CHILD = ("import dtlib, torch, torch.distributed as dist, os\n"
                   "print(dtlib.spawn(total, 2, timeout=60, output='none'))\n")
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["with#hash", "with?query", "with\nnewline", "long" + "-" * 70])
-def test_a_temporary_folder_any_name_serves_the_private_store_and_the_forkserver(tmp_path, name):
-    """``file://{path}`` was built unquoted: with a ``#`` the store landed in TMPDIR's parent, outside its private
-    folder (two jobs at once shared it, and one hung); a ``?`` failed every spawn, a newline hung. A TMPDIR of 66
-    characters or more failed every spawn with a bare "AF_UNIX path too long"."""
+def total_of_ranks(rank, world_size):
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    return x.item()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["with#hash", "with?query", "with\nnewline"])
+def test_a_store_folder_of_any_name_keeps_the_store_inside_it(tmp_path, monkeypatch, name):
+    """``file://{path}`` was built unquoted: with a ``#`` in TMPDIR the store landed in its parent, outside the
+    private folder (two jobs at once shared it, and one hung); a ``?`` failed every spawn, a newline hung."""
     folder = tmp_path / name
+    folder.mkdir()
+    monkeypatch.setattr(dtlib.launch.job, "own_temp_dir", lambda: str(folder))
+    seen = []
+    real_mkdtemp = dtlib.launch.job.tempfile.mkdtemp
+
+    def noted_mkdtemp(*args, **kwargs):
+        seen.append(real_mkdtemp(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(dtlib.launch.job.tempfile, "mkdtemp", noted_mkdtemp)
+    assert dtlib.spawn(total_of_ranks, 2, timeout=60, output="none") == [3.0, 3.0]
+    stores = [Path(path) for path in seen if Path(path).name.startswith("store-")]
+    assert stores and all(path.parent == folder for path in stores)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "something landed beside the folder, not inside"
+
+
+@pytest.mark.timeout(240)
+def test_a_temporary_folder_too_long_for_a_socket_still_serves_the_forkserver(tmp_path):
+    """A TMPDIR of 66 characters or more failed every spawn with a bare "AF_UNIX path too long"."""
+    folder = tmp_path / ("long" + "-" * 70)
     folder.mkdir()
     child = subprocess.run([sys.executable, "-c", SUM_IN_A_CHILD], env={**os.environ, "TMPDIR": str(folder)},
                            capture_output=True, text=True, timeout=180)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip().splitlines()[-1] == "[3.0, 3.0]"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "something landed beside TMPDIR, not inside it"
+
+
+def test_the_temporary_base_is_tmpdir_unless_too_long_for_a_socket(monkeypatch):
+    from dtlib.launch import processes
+
+    monkeypatch.setattr(processes.tempfile, "gettempdir", lambda: "/tmp/short")
+    assert processes.temp_base() == "/tmp/short"
+    monkeypatch.setattr(processes.tempfile, "gettempdir", lambda: "/tmp/" + "x" * 80)
+    assert processes.temp_base() == "/tmp"
+    monkeypatch.setattr(processes.os.path, "isdir", lambda path: False)
+    with pytest.raises(OSError, match="set TMPDIR to a folder of at most 61 characters"):
+        processes.temp_base()
