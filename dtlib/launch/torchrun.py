@@ -55,8 +55,38 @@ def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
     return [sys.executable, "-m", module, *options, f"--nproc_per_node={nproc_per_node}", "--tee=3", *target]
 
 
-def _start(command: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # set: torchrun then prints no banner about it
+#: Set where torchrun may restart its ranks. torch 2.13's agent keeps one rendezvous store, under one prefix,
+#: across attempts, while the ranks assume a new one: restarted gloo ranks read the dead ranks' addresses and
+#: fail with "Connection refused" (pytorch issue 167288). With this variable each attempt gets its own store.
+RESTART_FIX = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+_SET_BY_DTLIB = ("nproc_per_node", "tee", "standalone", "nnodes", "node_rank", "master_addr", "master_port",
+                 "rdzv_backend", "rdzv_endpoint", "rdzv_id")
+
+
+def _torchrun_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``options`` checked by torchrun's own parser, and the environment they need: :data:`RESTART_FIX` where
+    they allow restarts (unless this environment sets it already)."""
+    if isinstance(options, str) or not all(isinstance(option, str) for option in options):
+        raise ValueError(f"options must be a list of torchrun's options, as strings (['--max_restarts=1']), "
+                         f"got {options!r:.80}")
+    parsed, complaint = parse_options([*options, "train.py"])
+    if parsed is None:
+        raise ValueError(f"torchrun refuses the options {list(options)}: {complaint}")
+    if parsed.get("training_script") != "train.py" or parsed.get("training_script_args"):
+        raise ValueError(f"options must hold torchrun's options only, not the script or its arguments (those go in "
+                         f"target): {list(options)}")
+    ours = [name for name in _SET_BY_DTLIB if parsed.get(name) is not NOT_GIVEN]
+    if ours:
+        raise ValueError(f"--{ours[0]} is set by this helper itself; pass the others only")
+    restarts = parsed.get("max_restarts")
+    env = {}
+    if restarts is not NOT_GIVEN and int(restarts) > 0 and RESTART_FIX[0] not in os.environ:  # type: ignore[call-overload]
+        env[RESTART_FIX[0]] = RESTART_FIX[1]
+    return list(options), env
+
+
+def _start(command: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}  # OMP set: torchrun prints no banner about it
     env.pop("DTLIB_SPAWN", None)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # its own process group: a timeout kills every rank
@@ -76,7 +106,8 @@ def _stop(processes: list[subprocess.Popen[str]]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float) -> list[Finished]:
+def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float,
+            env: dict[str, str] | None = None) -> list[Finished]:
     deadline = time.monotonic() + timeout
     outputs = []
     for process in processes:
@@ -93,21 +124,26 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
         outputs.append(out)
     shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) if "torch.distributed.run" in c
              else " ".join(["python", *c[1:]]) for c in commands]
+    shown = [" ".join(f"{name}={value}" for name, value in (env or {}).items()) + " " * bool(env) + command
+             for command in shown]
     return [Finished(cmd, p.returncode, out) for cmd, p, out in zip(shown, processes, outputs, strict=True)]
 
 
-def single_node(target: Sequence[str], nproc_per_node: int = 2, *, timeout: float = 60.0,
-                legacy: bool = False) -> Finished:
-    """``torchrun --standalone --nproc_per_node=N <target>``: one node, a fresh rendezvous on a free port.
+def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequence[str] = (),
+                timeout: float = 60.0, legacy: bool = False) -> Finished:
+    """``torchrun --standalone --nproc_per_node=N [options] <target>``: one node, a fresh rendezvous on a free port.
 
     ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or
-    ``["-m", "dtlib.train", "ddp"]``. ``legacy=True`` runs the deprecated ``python -m
-    torch.distributed.launch`` instead, which also passes ``--local-rank=N`` to the script.
+    ``["-m", "dtlib.train", "ddp"]``. ``options`` are more of torchrun's own (``["--max_restarts=1"]``), checked
+    by its parser; where they allow restarts, :data:`RESTART_FIX` is set too, and shown in ``command``.
+    ``legacy=True`` runs the deprecated ``python -m torch.distributed.launch`` instead, which also passes
+    ``--local-rank=N`` to the script.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
+    options, env = _torchrun_options(options)
     module = "torch.distributed.launch" if legacy else "torch.distributed.run"
-    command = _command(target, nproc_per_node, ["--standalone"], module)
-    return _finish([_start(command)], [command], timeout)[0]
+    command = _command(target, nproc_per_node, ["--standalone", *options], module)
+    return _finish([_start(command, env)], [command], timeout, env)[0]
 
 
 def exit_codes(finished: Finished) -> dict[int, int]:
@@ -119,16 +155,18 @@ def exit_codes(finished: Finished) -> dict[int, int]:
 
 
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
-                   timeout: float = 60.0) -> list[Finished]:
+                   options: Sequence[str] = (), timeout: float = 60.0) -> list[Finished]:
     """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.
 
     ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the agent on
     the endpoint's host serves the store (here every node is on 127.0.0.1, so the first to bind the port
     does), and node ranks are given out when the rendezvous completes, not in order of arrival.
     ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
-    node 0 hosting the store, as with ``torch.distributed.launch`` of old.
+    node 0 hosting the store, as with ``torch.distributed.launch`` of old. ``options``: more of torchrun's
+    own, given to every node, as in :func:`single_node`.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
+    extra, env = _torchrun_options(options)
     nnodes = arguments.count("nnodes", nnodes, 1)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
@@ -141,8 +179,8 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
         else:
             options = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
                        f"--master_port={port}"]
-        commands.append(_command(target, nproc_per_node, options))
-    return _finish([_start(c) for c in commands], commands, timeout)
+        commands.append(_command(target, nproc_per_node, [*options, *extra]))
+    return _finish([_start(c, env) for c in commands], commands, timeout, env)
 
 
 def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:

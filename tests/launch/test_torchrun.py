@@ -83,6 +83,20 @@ def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
 
 
 @pytest.mark.timeout(150)
+def test_max_restarts_starts_every_rank_again_and_the_restarted_ranks_join_a_new_group():
+    """Under torch 2.13 and gloo, every restarted rank failed in init_process_group ("Connection refused"): the
+    agent kept one store across attempts. The helpers set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where restarts are
+    allowed, and say so in the command they show."""
+    job = torchrun.single_node(["-m", "dtlib.examples.restart", "--rank", "1", "--failures", "1"],
+                               options=["--max_restarts=1"], timeout=120)
+    assert job.command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max_restarts=1 ")
+    assert job.returncode == 0, job.output[-3000:]
+    said = set(re.findall(r"attempt (\d): rank (\d) of 2 all-reduced 3", job.output))
+    assert said == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}, job.output[-3000:]
+    assert "attempt 0: rank 1 exits with code 3" in job.output
+
+
+@pytest.mark.timeout(150)
 def test_the_deprecated_launcher_adds_local_rank_to_the_arguments_and_torchrun_does_not():
     target = ["-m", "dtlib.examples.local_rank", "--lr", "0.1"]
     old, new = torchrun.single_node(target, legacy=True, timeout=90), torchrun.single_node(target, timeout=90)
@@ -224,6 +238,12 @@ def test_bad_node_settings():
     (lambda: torchrun.single_node(["x.py"], timeout=None), "a torchrun job that hangs would hang the caller"),
     (lambda: torchrun.simulate_nodes("x.py"), "target must be a non-empty list of strings"),
     (lambda: torchrun.simulate_nodes(["x.py"], nproc_per_node=-2), "nproc_per_node must be >= 1"),
+    (lambda: torchrun.single_node(["x.py"], options="--max_restarts=1"), "options must be a list"),
+    (lambda: torchrun.single_node(["x.py"], options=["--bogus"]), "unrecognized arguments: --bogus"),
+    (lambda: torchrun.single_node(["x.py"], options=["--max_restarts=two"]), "invalid int value"),
+    (lambda: torchrun.single_node(["x.py"], options=["--nproc_per_node=4"]), "--nproc_per_node is set by this"),
+    (lambda: torchrun.simulate_nodes(["x.py"], options=["--rdzv_id=7"]), "--rdzv_id is set by this"),
+    (lambda: torchrun.single_node(["x.py"], options=["y.py"]), "torchrun's options only, not the script"),
 ])
 def test_the_helpers_check_their_arguments_before_starting_anything(monkeypatch, call, message):
     monkeypatch.setattr(torchrun.subprocess, "Popen", lambda *a, **k: pytest.fail("torchrun started"))
