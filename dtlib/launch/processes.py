@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from multiprocessing import forkserver
 from typing import Any
 
-from dtlib.launch.proctree import end_below
+from dtlib.launch.proctree import end_below, running
 
 _launching = threading.local()  # .active: this thread is starting a rank right now
 _stdlib_preparation_data = multiprocessing.spawn.get_preparation_data
@@ -303,22 +303,12 @@ def own_temp_dir() -> str:
     base = temp_base()
     for name in os.listdir(base):
         found = re.fullmatch(rf"{re.escape(TEMP_PREFIX)}(\d+)-\w+", name)
-        if found and not _running(int(found[1])):
+        if found and not running(int(found[1])):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", dir=base)
     config["tempdir"] = folder  # what multiprocessing.util.get_temp_dir would have made, and removes at exit
     multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
     return folder
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: running, and not ours to judge
-        return True
-    return True
 
 
 def start_rank(process: Any, method: str) -> None:

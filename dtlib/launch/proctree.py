@@ -56,6 +56,18 @@ def reap_orphans() -> bool:
         return False
 
 
+def running(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine; another user's counts as running (not ours to judge).
+    Example: ``running(os.getpid())`` is True."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def state(pid: int) -> str | None:
     """The state letter ``/proc`` gives ``pid`` (``"R"``, ``"S"``, ``"T"`` stopped, ``"Z"`` zombie), or None where
     it is gone or unknown (not Linux). Example: ``state(os.getpid()) == "R"``."""

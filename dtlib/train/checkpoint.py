@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 import torch
 
 from dtlib.errors import ChangedFile
+from dtlib.launch.proctree import running
 
 DIGESTS = "SHA256SUMS"  # a folder's record: one "<sha256>  <name>" line per file, as sha256sum writes them
 
@@ -207,7 +208,7 @@ def private_folder(*parts: str, empty: bool = False) -> str:
         found = re.fullmatch(rf"run-{re.escape(host)}-(\d+)", entry.name)
         if found is None and entry.name.startswith("run-"):
             continue  # another machine's process (a home folder shared over the network): not ours to judge
-        if found is None or not _running(int(found[1])) or int(found[1]) == os.getpid():
+        if found is None or not running(int(found[1])) or int(found[1]) == os.getpid():
             _remove(entry)  # a dead process's folder, this process's last run, or what an older dtlib left loose
     return _private_level(os.path.join(path, f"run-{host}-{os.getpid()}"))
 
@@ -230,17 +231,6 @@ def _remove(entry: os.DirEntry[str]) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
-
-
-def _running(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine (another user's counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def save_file(path: str | os.PathLike[str], state: Any) -> None:
