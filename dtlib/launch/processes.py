@@ -15,6 +15,7 @@ import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import multiprocessing.util
 import os
+import random
 import re
 import shutil
 import signal
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 from dtlib.launch.proctree import end_below, running
@@ -201,13 +203,45 @@ def end_tree(pid: int) -> None:
     send(pid, signal.SIGKILL, group=True)
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out by itself (``bind`` to port 0, and every outgoing ``connect``), from
+    ``/proc/sys/net/ipv4/ip_local_port_range``; Linux's default, 32768 to 60999, where it cannot be read."""
+    try:
+        low, high = (int(word) for word in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()  # free_port's earlier answers in this process
+_port_choice = random.SystemRandom()  # not the global generator: processes that seed it alike still differ
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now, for a launcher that must be told one (torchrun's
-    ``--master_port``, ``mp.spawn``'s ``MASTER_PORT``). dtlib.spawn needs none: it holds its own listener.
+    ``--master_port``, ``mp.spawn``'s ``MASTER_PORT``, ``init_method="tcp://..."``). dtlib.spawn needs none:
+    it holds its own listener.
 
-    Example: ``free_port()`` -> ``43121``.
+    The port is chosen at random *outside* the kernel's ephemeral range, never one this process handed out
+    before, and never 29500 (torchrun's default). Between the choice and the store's own ``bind`` the port is
+    held by nobody, and an ephemeral one can be taken meanwhile by any process's outgoing connection or
+    ``bind(0)`` (gloo's pairs, store clients, another test's ``free_port``): on a busy machine that happens,
+    and two jobs then share one store. A port outside the range is taken only by someone who names it.
+
+    Example: ``free_port()`` -> ``23121``.
     """
-    with socket.socket() as sock:
+    ephemeral = _ephemeral_ports()
+    quiet = [port for port in (*range(20000, ephemeral.start), *range(ephemeral.stop, 65536))
+             if port != 29500 and port not in _handed_out]
+    for port in _port_choice.sample(quiet, min(200, len(quiet))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # a machine whose ephemeral range covers everything: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ import psutil
 from playwright.sync_api import Browser, Locator, Page
 from status import forget, record, widget_cells
 
+from dtlib.launch.processes import free_port
+
 # JupyterLab user settings, written into a private settings folder so the learner's own are untouched.
 LAB_SETTINGS = {
     # "full" windowing (the default for long notebooks) removes cells scrolled out of view from the
@@ -41,13 +42,6 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                          "checkForUpdates": False},
 }
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LabServer:
@@ -203,7 +197,9 @@ class NotebookPage:
 
     def run_all(self, timeout_s: float) -> float:
         """Edit > Clear Outputs of All Cells, then Run > Run All Cells, as a learner would; wait until every
-        code cell has run and the kernel is idle; return the seconds it took."""
+        code cell has run and the kernel is idle; return the seconds it took. Run All stops at a cell that raises:
+        once the kernel has stayed idle with nothing queued for 3 s, this returns too, and the saved notebook
+        shows the error (rather than a wait until ``timeout_s``)."""
         self.menu("Edit", "Clear Outputs of All Cells")
         # The input area's own prompt: a collapsed input (a hidden solution) also shows a placeholder whose
         # prompt (.jp-Placeholder-prompt.jp-InputPrompt) stays empty, so ".jp-InputPrompt" alone never settles.
@@ -211,10 +207,18 @@ class NotebookPage:
         started = time.monotonic()
         self.menu("Run", "Run All Cells")
         deadline = started + timeout_s
+        stopped_since = None  # Run All stops at a cell that raises: the cells after it stay "[ ]:"
         while time.monotonic() < deadline:
-            texts = prompts.all_inner_texts()
-            if all(re.fullmatch(r"\[\d+\]:", text.strip()) for text in texts) and self.kernel_status() == "Idle":
+            texts = [text.strip() for text in prompts.all_inner_texts()]
+            idle = self.kernel_status() == "Idle"
+            if idle and all(re.fullmatch(r"\[\d+\]:", text) for text in texts):
                 return time.monotonic() - started
+            if idle and "[*]:" not in texts:  # nothing queued, yet not every cell ran: stopped, if it lasts
+                stopped_since = stopped_since or time.monotonic()
+                if time.monotonic() - stopped_since > 3:  # the caller then reads the error from the saved file
+                    return time.monotonic() - started
+            else:
+                stopped_since = None
             self.page.wait_for_timeout(250)
         raise TimeoutError(f"{self.notebook}: Run All had not finished after {timeout_s:.0f} s "
                            f"(kernel {self.kernel_status() or 'missing'})")

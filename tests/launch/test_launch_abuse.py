@@ -28,6 +28,7 @@ import torch.distributed as dist
 import dtlib
 import dtlib.compat
 import dtlib.launch.job
+import dtlib.launch.processes
 import dtlib.launch.spawn
 from dtlib.launch.processes import forkserver_pid, loopback_interface
 
@@ -277,6 +278,31 @@ def test_gloo_stays_on_the_loopback_interface(monkeypatch):
 def test_a_gloo_interface_the_user_chose_is_kept(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "chosen0")
     assert dtlib.spawn(read_gloo_variable, 2, init_process_group=False, output="none") == ["chosen0"] * 2
+
+
+def test_a_port_to_name_is_outside_the_kernels_own_choices_and_never_repeats(monkeypatch):
+    """free_port's ports are never ones the kernel hands out by itself (bind to 0, outgoing connections), so
+    nobody takes one between the choice and the store's bind; a process that seeds ``random`` alike (two test
+    workers, two kernels of one notebook) still gets other ports; a port that is taken is never chosen."""
+    import random
+    import socket
+
+    from dtlib.launch.processes import _ephemeral_ports, free_port
+
+    ephemeral = _ephemeral_ports()
+    random.seed(0)
+    first = [free_port() for _ in range(20)]
+    random.seed(0)
+    second = [free_port() for _ in range(20)]
+    assert not set(first) & set(second) and len(set(first)) == 20
+    assert not any(port in ephemeral or port == 29500 for port in first + second)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        free = next(port for port in range(20000, 30000) if port not in first + second and port != 29500)
+        monkeypatch.setattr(dtlib.launch.processes._port_choice, "sample", lambda ports, k: [busy, free])
+        assert free_port() == free  # the listening port was tried and passed over
 
 
 @pytest.mark.timeout(120)
