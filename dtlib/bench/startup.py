@@ -43,6 +43,13 @@ LABELS = {
 }
 
 
+# The methods whose first launch warms the next: the forkserver (started, torch imported), and fork and accelerate,
+# which fork this process (its imports done, its pages shared). spawn and mp.spawn start fresh interpreters each
+# time, from a page cache that this process's own torch import has already filled: a warm-up would cost one more
+# launch (4 s here) and warm nothing.
+_WARMED = frozenset({"forkserver", "fork", "accelerate"})
+
+
 def default_methods() -> list[str]:
     """Every method, less ``accelerate`` when it is not installed."""
     have_accelerate = importlib.util.find_spec("accelerate") is not None
@@ -100,7 +107,8 @@ def time_once(method: str, world_size: int) -> float:
 
 
 def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = None) -> list[LaunchTiming]:
-    """Time every method ``repeats`` times after one untimed warm-up (the forkserver's first call once).
+    """Time every method ``repeats`` times, after one untimed warm-up of those a launch warms (``_WARMED``;
+    ``forkserver-first`` is the forkserver's first call, timed once).
 
     Interleaving (round after round, each method once per round) spreads the
     machine's noise over all methods alike, so their ratios are fair.
@@ -119,8 +127,8 @@ def measure(world_size: int = 2, repeats: int = 5, methods: list[str] | None = N
     timings = {method: LaunchTiming(method, []) for method in methods}
     if "forkserver-first" in timings:
         timings["forkserver-first"].seconds.append(time_once("forkserver-first", world_size))
-    for method in methods:  # one untimed warm-up each: imports, page cache, the forkserver
-        if method != "forkserver-first":
+    for method in methods:  # one untimed warm-up each where a launch leaves something warm for the next
+        if method in _WARMED:
             time_once(method, world_size)
     for _ in range(repeats):
         for method in methods:

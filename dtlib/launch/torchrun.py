@@ -30,11 +30,13 @@ from dtlib.launch.processes import free_port
 
 @dataclass
 class Finished:
-    """One torchrun process: the command line, its exit code and its combined output."""
+    """One torchrun process: the command line, its exit code, its combined output, and the seconds from its
+    start to its end as the caller saw them (Python and torch imported by the agent and by every rank included)."""
 
     command: str
     returncode: int
     output: str
+    seconds: float = 0.0
 
 
 def _checked(target: Sequence[str], nproc_per_node: int, timeout: float) -> tuple[list[str], int, float]:
@@ -108,8 +110,9 @@ def _stop(processes: list[subprocess.Popen[str]]) -> None:
 
 def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float,
             env: dict[str, str] | None = None) -> list[Finished]:
-    deadline = time.monotonic() + timeout
-    outputs = []
+    started = time.monotonic()  # a moment after they started: Popen returns once each has been exec'd
+    deadline = started + timeout
+    outputs, seconds = [], []
     for process in processes:
         try:
             out, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
@@ -122,11 +125,13 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
                 out = ""
             out += f"\n[dtlib.launch.torchrun] stopped after {timeout:.0f} s"
         outputs.append(out)
+        seconds.append(time.monotonic() - started)
     shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) if "torch.distributed.run" in c
              else " ".join(["python", *c[1:]]) for c in commands]
     shown = [" ".join(f"{name}={value}" for name, value in (env or {}).items()) + " " * bool(env) + command
              for command in shown]
-    return [Finished(cmd, p.returncode, out) for cmd, p, out in zip(shown, processes, outputs, strict=True)]
+    return [Finished(cmd, p.returncode, out, took)
+            for cmd, p, out, took in zip(shown, processes, outputs, seconds, strict=True)]
 
 
 def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequence[str] = (),
