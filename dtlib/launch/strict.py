@@ -10,9 +10,17 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   fills your tensors as above, and copies the results in when ``wait()`` (or the work's future) completes.
 - **bitwise reductions** (``ReduceOp.BAND``, ``BOR``, ``BXOR``) and **receiving from any source**
   (``dist.recv`` without ``src``): gloo has them, NCCL does not. Strict mode refuses them.
-- **a blocking send and a blocking receive with one peer**, posted as separate calls: NCCL documents that
-  dependent point-to-point calls must be posted together (``dist.batch_isend_irecv``). Strict mode warns
+- **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``): NCCL refuses them ("Tensors must
+  be contiguous"); gloo computes on the wrong elements without a word. Strict mode refuses them, naming the
+  argument.
+- **tags** (``tag=`` of ``send``, ``recv``, ``isend``, ``irecv``): NCCL ignores them and matches a pair of
+  ranks' messages in the order they were posted. Strict mode does the same (it passes tag 0 on) and warns
   (:class:`StrictWarning`) once per place in the code.
+- **a blocking send and a blocking receive with one peer**, posted as separate calls, and **an ``isend`` or
+  ``irecv`` posted while another of the rank's is still unwaited**: NCCL documents that dependent
+  point-to-point calls must be posted together (``dist.batch_isend_irecv``); apart, NCCL runs them one after
+  another, and a large message then waits for a receive that is queued behind it. Strict mode warns once per
+  place in the code.
 
 Only calls made from outside torch are held to it: torch's own (FSDP, DDP, DTensor) keep gloo's behaviour.
 It is on in every gloo rank that ``dtlib.spawn`` or live ranks start (NCCL ranks need none);
@@ -145,6 +153,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if op is not None and getattr(op, "name", str(op).rsplit(".", 1)[-1]) in BITWISE:
             raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
+        _refuse_non_contiguous(name, arguments)
         rank = dist.get_rank()
         undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
         if not arguments.get("async_op"):
@@ -176,6 +185,25 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return collective
 
 
+def _contiguous(tensor: torch.Tensor) -> bool:
+    """Dense in a memory format NCCL accepts: row-major, or channels-last for 4-D and 5-D tensors."""
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    return tensor.is_contiguous() or (layout is not None and tensor.is_contiguous(memory_format=layout))
+
+
+def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
+    """A ValueError naming the first argument of ``dist.<name>`` that holds a non-contiguous tensor."""
+    for key, value in arguments.items():
+        for index, tensor in enumerate(_tensors(value)):
+            if not _contiguous(tensor):
+                which = f"{key}[{index}]" if isinstance(value, (list, tuple)) else key
+                raise ValueError(
+                    f"dist.{name}: {which} is not contiguous (shape {tuple(tensor.shape)}, strides "
+                    f"{tensor.stride()}: a transpose, a slice with a step or a column). NCCL refuses it ('Tensors "
+                    "must be contiguous'), and gloo computes on the wrong elements without a word. Pass a "
+                    "contiguous copy (t.contiguous()) and copy the result back where the call writes it")
+
+
 def _global_root(arguments: dict[str, Any], key: str) -> int:
     """A rooted collective's root as a global rank: ``arguments[key]`` (``"src"``, ``"dst"``), or
     ``group_src``/``group_dst``, a rank within ``group``."""
@@ -184,44 +212,107 @@ def _global_root(arguments: dict[str, Any], key: str) -> int:
     return arguments[key]
 
 
+class _Posted:
+    """An unbatched ``isend``/``irecv``'s work: pending until it is waited for (or its future is)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self.pending = True
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        self.pending = False
+        return result
+
+    def get_future(self) -> torch.futures.Future:
+        self.pending = False  # whoever holds the future orders what follows it
+        return self._work.get_future()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 class _PointToPoint:
-    """Watches blocking send and recv: one with a peer, then the other with the same peer, is posted apart."""
+    """Holds ``send``, ``recv``, ``isend`` and ``irecv`` to NCCL's contract: a named sender, contiguous tensors,
+    tags ignored; and flags dependent calls posted apart (a blocking send and receive with one peer, or an
+    unbatched ``isend``/``irecv`` posted while another is unwaited)."""
 
     def __init__(self) -> None:
         self.last: tuple[str, int] | None = None
-        self.warned: set[tuple[str, int]] = set()
+        self.unwaited: list[_Posted] = []
+        self.warned: set[tuple[str, int, str]] = set()
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        caller = sys._getframe(2)
+        where = (caller.f_code.co_filename, caller.f_lineno, kind)
+        if where not in self.warned:
+            self.warned.add(where)
+            warnings.warn(message, StrictWarning, stacklevel=3)
 
     def wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
-        peer_key = "dst" if name == "send" else "src"
+        peer_key = "dst" if name in ("send", "isend") else "src"
 
         @functools.wraps(original)
         def point_to_point(*args: Any, **kwargs: Any) -> Any:
-            if _called_from_torch():
+            if _called_from_torch():  # batch_isend_irecv's own calls among them: posted together
                 return original(*args, **kwargs)
-            arguments = signature.bind(*args, **kwargs).arguments
+            bound = signature.bind(*args, **kwargs)
+            arguments = bound.arguments
             peer = arguments.get(peer_key)
             if peer is None and arguments.get(f"group_{peer_key}") is not None:
                 peer = dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[f"group_{peer_key}"])
-            if name == "recv" and peer is None:
-                raise ValueError("dist.recv without src receives from any rank: gloo allows it, NCCL does not. "
-                                 "Name the sender: dist.recv(tensor, src=...)")
-            if self.last is not None and self.last[1] == peer and self.last[0] != name:
-                caller = sys._getframe(1)
-                where = (caller.f_code.co_filename, caller.f_lineno)
-                if where not in self.warned:
-                    self.warned.add(where)
-                    warnings.warn(
-                        f"rank {dist.get_rank()} posted a blocking dist.{self.last[0]} and a blocking dist.{name} with "
-                        f"rank {peer} as two calls. NCCL documents that such dependent transfers can deadlock unless "
-                        "posted together: dist.batch_isend_irecv([dist.P2POp(dist.isend, ...), "
-                        "dist.P2POp(dist.irecv, ...)]) then wait() on each.", StrictWarning, stacklevel=2)
-            self.last = (name, peer)
-            return original(*args, **kwargs)
+            if name in ("recv", "irecv") and peer is None:
+                raise ValueError(f"dist.{name} without src receives from any rank: gloo allows it, NCCL does not. "
+                                 f"Name the sender: dist.{name}(tensor, src=...)")
+            _refuse_non_contiguous(name, arguments)
+            if arguments.get("tag"):
+                self._warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): NCCL ignores tags and matches "
+                                "two ranks' messages in the order they were posted; strict mode does the same "
+                                "(tag 0). Post the sends and the receives in the same order on both ranks.")
+                arguments["tag"] = 0
+            if name in ("send", "recv"):
+                if self.last is not None and self.last[1] == peer and self.last[0] != name:
+                    self._warn_once("apart", f"rank {dist.get_rank()} posted a blocking dist.{self.last[0]} and a "
+                                    f"blocking dist.{name} with rank {peer} as two calls. NCCL documents that such "
+                                    "dependent transfers can deadlock unless posted together: "
+                                    "dist.batch_isend_irecv([dist.P2POp(dist.isend, ...), "
+                                    "dist.P2POp(dist.irecv, ...)]) then wait() on each.")
+                self.last = (name, peer)
+                return original(*bound.args, **bound.kwargs)
+            self.unwaited = [posted for posted in self.unwaited if posted.pending]
+            if self.unwaited:
+                self._warn_once("unbatched", f"rank {dist.get_rank()} posted dist.{name} while an earlier isend or "
+                                "irecv of its own was still unwaited. NCCL runs unbatched point-to-point calls one "
+                                "after another: a large message then waits for a receive queued behind it, and "
+                                "the ranks hang. Post them together: dist.batch_isend_irecv([dist.P2POp(dist.isend, "
+                                "...), dist.P2POp(dist.irecv, ...)]) then wait() on each.")
+            posted = _Posted(original(*bound.args, **bound.kwargs))
+            self.unwaited.append(posted)
+            return posted
         return point_to_point
 
 
-_active: dict[str, Callable[..., Any]] = {}
+_active: dict[str, Callable[..., Any]] = {}  # what install replaced, by name ("send", "P2POp.__init__")
+
+
+def _original(op: Any) -> Any:
+    """torch's own ``isend``/``irecv`` for strict mode's wrapper of it: ``P2POp`` accepts only torch's own (it
+    compares by identity), and ``batch_isend_irecv`` posts them together, as NCCL needs."""
+    for name in ("isend", "irecv"):
+        if name in _active and op is getattr(dist, name):
+            return _active[name]
+    return op
+
+
+def _p2p_op_new(cls: type, op: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(tensor, torch.Tensor) and not _contiguous(tensor):
+        _refuse_non_contiguous("P2POp", {"tensor": tensor})
+    return _active["P2POp.__new__"](cls, _original(op), tensor, *args, **kwargs)
+
+
+def _p2p_op_init(self: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+    _active["P2POp.__init__"](self, _original(op), *args, **kwargs)
 
 
 def install() -> bool:
@@ -236,16 +327,19 @@ def install() -> bool:
         if hasattr(dist, name):
             _active[name] = getattr(dist, name)
             setattr(dist, name, _strict(name, _active[name]))
-    for name in ("send", "recv"):
+    for name in ("send", "recv", "isend", "irecv"):
         _active[name] = getattr(dist, name)
         setattr(dist, name, point_to_point.wrap(name, _active[name]))
+    _active["P2POp.__new__"], _active["P2POp.__init__"] = dist.P2POp.__new__, dist.P2POp.__init__
+    dist.P2POp.__new__, dist.P2POp.__init__ = _p2p_op_new, _p2p_op_init
     return True
 
 
 def uninstall() -> None:
     """Give ``torch.distributed`` its own functions back."""
     for name, original in _active.items():
-        setattr(dist, name, original)
+        owner, _, attribute = name.rpartition(".")
+        setattr(dist.P2POp if owner else dist, attribute, original)
     _active.clear()
 
 

@@ -88,24 +88,109 @@ def _refused(rank, world_size, what):
     try:
         if what == "bitwise":
             dist.all_reduce(torch.ones(1, dtype=torch.int32), op=dist.ReduceOp.BOR)
+        elif what == "any source":
+            (dist.recv if rank else dist.irecv)(torch.empty(1))  # from any rank: refused before anything is posted
+        elif what == "non-contiguous":
+            dist.all_reduce(torch.arange(10.0).view(2, 5)[:, ::2])  # gloo would reduce the wrong elements
+        elif what == "non-contiguous in a list":
+            dist.all_gather([torch.empty(3), torch.empty(3, 2)[:, 0]], torch.ones(3))
+        elif what == "non-contiguous P2POp":
+            dist.P2POp(dist.isend, torch.ones(2, 3).t(), 1 - rank)
         else:
-            if rank == 0:
-                dist.send(torch.ones(1), dst=1)
-            else:
-                dist.recv(torch.empty(1))  # from any rank
+            dist.send(torch.ones(2, 3).t(), dst=1 - rank)  # refused before anything is sent
     except ValueError as err:
         return str(err)
     return None
 
 
-@pytest.mark.parametrize(("what", "says"), [("bitwise", "NCCL has no bitwise"), ("any source", "Name the sender")])
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("what", "says"), [
+    ("bitwise", "NCCL has no bitwise"), ("any source", "Name the sender: dist.recv"),
+    ("non-contiguous", "dist.all_reduce: tensor is not contiguous (shape (2, 3)"),
+    ("non-contiguous in a list", "dist.all_gather: tensor_list[1] is not contiguous"),
+    ("non-contiguous send", "dist.send: tensor is not contiguous"),
+    ("non-contiguous P2POp", "dist.P2POp: tensor is not contiguous")])
 def test_what_nccl_lacks_is_refused_with_its_reason(what, says):
-    if what == "bitwise":
-        messages = dtlib.spawn(_refused, 2, args=(what,), strict=True)
-        assert all(says in message for message in messages)
+    messages = dtlib.spawn(_refused, 2, args=(what,), strict=True)
+    if what == "any source":  # rank 0 uses irecv, rank 1 recv
+        assert "Name the sender: dist.irecv" in messages[0] and says in messages[1]
     else:
-        with pytest.raises(dtlib.WorkerError):  # rank 0's send then waits for a receive that never comes
-            dtlib.spawn(_refused, 2, args=(what,), strict=True, timeout=20)
+        assert all(says in message for message in messages), messages
+
+
+def _contiguous_layouts_pass(rank, world_size):
+    """What NCCL accepts passes: a contiguous slice of rows, and a channels-last image batch."""
+    rows = torch.ones(4, 3)[1:3]
+    image = torch.ones(1, 2, 2, 2).to(memory_format=torch.channels_last)
+    dist.all_reduce(rows)
+    dist.all_reduce(image)
+    return rows.sum().item(), image.sum().item()
+
+
+def test_contiguous_views_and_channels_last_pass():
+    assert dtlib.spawn(_contiguous_layouts_pass, 2, strict=True) == [(12.0, 16.0)] * 2
+
+
+def _tagged(rank, world_size):
+    """Rank 0 sends 1 (tag 1) then 2 (tag 2); rank 1 receives tag 2 first. gloo matches by tag, NCCL by order.
+    Returns what rank 1 received and the strict warnings about tags."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank == 0:  # gloo's send waits for its receive: posted together, as tags allow
+            works = [dist.isend(torch.tensor([1.0]), dst=1, tag=1), dist.isend(torch.tensor([2.0]), dst=1, tag=2)]
+            for work in works:
+                work.wait()
+            got = []
+        else:
+            first, second = torch.empty(1), torch.empty(1)
+            dist.recv(first, src=0, tag=2)
+            dist.recv(second, src=0, tag=1)
+            got = [first.item(), second.item()]
+    said = [str(w.message) for w in caught if issubclass(w.category, strict.StrictWarning)]
+    return got, [message for message in said if "tag" in message]
+
+
+@pytest.mark.timeout(60)
+def test_tags_are_ignored_as_nccl_ignores_them():
+    (_, said0), (got, said1) = dtlib.spawn(_tagged, 2, strict=True)
+    assert got == [1.0, 2.0]  # NCCL's order: the first message into the first receive
+    assert "NCCL ignores tags" in said0[0] and "NCCL ignores tags" in said1[0]
+    assert dtlib.spawn(_tagged, 2, strict=False)[1] == ([2.0, 1.0], [])  # gloo's own: matched by tag
+
+
+def _exchange(rank, world_size, how):
+    """Each rank sends its rank to the next and receives from the previous, as ``how`` posts it."""
+    mine, theirs = torch.tensor([float(rank)]), torch.empty(1)
+    after, before = (rank + 1) % world_size, (rank - 1) % world_size
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "batched, torch's own functions":  # imported before strict mode began: P2POp takes them too
+            isend, irecv = strict._active["isend"], strict._active["irecv"]  # what such an import holds
+            works = dist.batch_isend_irecv([dist.P2POp(isend, mine, after), dist.P2POp(irecv, theirs, before)])
+        elif how == "batched":
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, after),
+                                            dist.P2POp(dist.irecv, theirs, before)])
+        elif how == "unbatched":
+            works = [dist.isend(mine, after), dist.irecv(theirs, before)]
+        else:  # one at a time: each waited before the next is posted
+            works = []
+            (dist.isend(mine, after) if rank % 2 == 0 else dist.irecv(theirs, before)).wait()
+            (dist.irecv(theirs, before) if rank % 2 == 0 else dist.isend(mine, after)).wait()
+        for work in works:
+            work.wait()
+    return theirs.item(), [str(w.message) for w in caught if issubclass(w.category, strict.StrictWarning)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["batched", "batched, torch's own functions", "unbatched", "one at a time"])
+def test_isends_and_irecvs_posted_apart_are_flagged_and_batched_ones_are_not(how):
+    results = dtlib.spawn(_exchange, 3, args=(how,), strict=True)
+    assert [got for got, _ in results] == [2.0, 0.0, 1.0]
+    flagged = [said for _, said in results]
+    if how == "unbatched":
+        assert all(said and "batch_isend_irecv" in said[0] and "unwaited" in said[0] for said in flagged)
+    else:
+        assert flagged == [[], [], []]
 
 
 def _ping_pong_posted_apart(rank, world_size):
