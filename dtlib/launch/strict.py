@@ -10,9 +10,10 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   fills your tensors as above, and copies the results in when ``wait()`` (or the work's future) completes.
 - **bitwise reductions** (``ReduceOp.BAND``, ``BOR``, ``BXOR``) and **receiving from any source**
   (``dist.recv`` without ``src``): gloo has them, NCCL does not. Strict mode refuses them.
-- **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``): NCCL refuses them ("Tensors must
-  be contiguous"); gloo computes on the wrong elements without a word. Strict mode refuses them, naming the
-  argument.
+- **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``) as a call's tensor, input or
+  output: NCCL refuses them ("Tensors must be contiguous"); gloo computes on the wrong elements without a word.
+  Strict mode refuses them, naming the argument. (Lists of tensors may hold views: NCCL's ``all_gather`` and
+  ``reduce_scatter`` copy them through a flat buffer.)
 - **tags** (``tag=`` of ``send``, ``recv``, ``isend``, ``irecv``): NCCL ignores them and matches a pair of
   ranks' messages in the order they were posted. Strict mode does the same (it passes tag 0 on) and warns
   (:class:`StrictWarning`) once per place in the code.
@@ -192,16 +193,15 @@ def _contiguous(tensor: torch.Tensor) -> bool:
 
 
 def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
-    """A ValueError naming the first argument of ``dist.<name>`` that holds a non-contiguous tensor."""
-    for key, value in arguments.items():
-        for index, tensor in enumerate(_tensors(value)):
-            if not _contiguous(tensor):
-                which = f"{key}[{index}]" if isinstance(value, (list, tuple)) else key
-                raise ValueError(
-                    f"dist.{name}: {which} is not contiguous (shape {tuple(tensor.shape)}, strides "
-                    f"{tensor.stride()}: a transpose, a slice with a step or a column). NCCL refuses it ('Tensors "
-                    "must be contiguous'), and gloo computes on the wrong elements without a word. Pass a "
-                    "contiguous copy (t.contiguous()) and copy the result back where the call writes it")
+    """A ValueError naming the first tensor argument of ``dist.<name>`` that is not contiguous. Lists of tensors
+    pass: NCCL's ``all_gather`` and ``reduce_scatter`` copy them through a flat buffer of their own."""
+    for key, tensor in arguments.items():
+        if isinstance(tensor, torch.Tensor) and not _contiguous(tensor):
+            raise ValueError(
+                f"dist.{name}: {key} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}: "
+                "a transpose, a slice with a step or a column). NCCL refuses it ('Tensors must be contiguous'), "
+                "and gloo computes on the wrong elements without a word. Pass a contiguous copy (t.contiguous()) "
+                "and copy the result back where the call writes it")
 
 
 def _global_root(arguments: dict[str, Any], key: str) -> int:

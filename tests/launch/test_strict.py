@@ -92,8 +92,8 @@ def _refused(rank, world_size, what):
             (dist.recv if rank else dist.irecv)(torch.empty(1))  # from any rank: refused before anything is posted
         elif what == "non-contiguous":
             dist.all_reduce(torch.arange(10.0).view(2, 5)[:, ::2])  # gloo would reduce the wrong elements
-        elif what == "non-contiguous in a list":
-            dist.all_gather([torch.empty(3), torch.empty(3, 2)[:, 0]], torch.ones(3))
+        elif what == "non-contiguous input":
+            dist.all_gather([torch.empty(3), torch.empty(3)], torch.ones(3, 2)[:, 0])
         elif what == "non-contiguous P2POp":
             dist.P2POp(dist.isend, torch.ones(2, 3).t(), 1 - rank)
         else:
@@ -107,7 +107,7 @@ def _refused(rank, world_size, what):
 @pytest.mark.parametrize(("what", "says"), [
     ("bitwise", "NCCL has no bitwise"), ("any source", "Name the sender: dist.recv"),
     ("non-contiguous", "dist.all_reduce: tensor is not contiguous (shape (2, 3)"),
-    ("non-contiguous in a list", "dist.all_gather: tensor_list[1] is not contiguous"),
+    ("non-contiguous input", "dist.all_gather: tensor is not contiguous"),
     ("non-contiguous send", "dist.send: tensor is not contiguous"),
     ("non-contiguous P2POp", "dist.P2POp: tensor is not contiguous")])
 def test_what_nccl_lacks_is_refused_with_its_reason(what, says):
@@ -129,6 +129,17 @@ def _contiguous_layouts_pass(rank, world_size):
 
 def test_contiguous_views_and_channels_last_pass():
     assert dtlib.spawn(_contiguous_layouts_pass, 2, strict=True) == [(12.0, 16.0)] * 2
+
+
+def _gathered_into_columns(rank, world_size):
+    """An all_gather into a list of columns, views of one matrix: NCCL copies each from a flat buffer."""
+    matrix = torch.zeros(3, world_size)
+    dist.all_gather(list(matrix.unbind(dim=1)), torch.full((3,), float(rank)))
+    return matrix.tolist()
+
+
+def test_a_list_of_views_to_gather_into_passes_and_is_filled():
+    assert dtlib.spawn(_gathered_into_columns, 2, strict=True) == [[[0.0, 1.0]] * 3] * 2
 
 
 def _tagged(rank, world_size):
