@@ -66,10 +66,13 @@ def torchrun_env(rank: int, world_size: int, port: int | None) -> dict[str, str]
         }
     if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun does: ranks would fight over cores
-    # gloo listens on the address the hostname resolves to, which may be the network's:
-    # a job on one machine keeps its rank-to-rank sockets on loopback unless the user chose.
-    if "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
-        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    # gloo listens on the address the hostname resolves to, which may be the network's, and NCCL's bootstrap on
+    # the first interface that is not loopback (it leaves out "lo" unless told): a job on one machine keeps its
+    # rank-to-rank sockets on loopback unless the user chose. (NCCL's data between GPUs of one machine goes
+    # through NVLink, PCIe or shared memory, not through these sockets.)
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if variable not in os.environ and loopback_interface():
+            env[variable] = loopback_interface()
     return env
 
 

@@ -197,10 +197,10 @@ def spawn(
     Returns the ranks' return values as a list indexed by rank. ``fn`` may be a
     function defined in a notebook cell, a lambda or a closure (it is shipped
     by value). Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
-    ``LOCAL_WORLD_SIZE`` as torchrun sets them, and gloo's sockets stay on the loopback
-    interface (``GLOO_SOCKET_IFNAME``) unless you set that variable yourself. dtlib joins
-    the ranks through a file only your user can open; with ``init_process_group=False``,
-    ``fn`` joins them itself, so the ranks also get ``MASTER_ADDR`` and ``MASTER_PORT``,
+    ``LOCAL_WORLD_SIZE`` as torchrun sets them, and gloo's and NCCL's sockets stay on the
+    loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``) unless you set those
+    variables yourself. dtlib joins the ranks through a file only your user can open; with
+    ``init_process_group=False``, ``fn`` joins them itself, so the ranks also get ``MASTER_ADDR`` and ``MASTER_PORT``,
     the address of a TCP store on 127.0.0.1 that this process holds, as torchrun's is.
 
     Args:
