@@ -124,8 +124,10 @@ class RankExercise:
 
 #: How every checker launches ranks: gloo, held to NCCL's contract (dtlib.launch.strict), on any machine. The
 #: verdicts and their messages are then the same on a laptop and on a GPU box, and what NCCL leaves undefined
-#: reads as NaN, so an answer that only gloo's leniency makes right is refused.
-ON_GLOO = {"backend": "gloo", "strict": True}
+#: reads as NaN, so an answer that only gloo's leniency makes right is refused. The ranks see no GPU: torch's
+#: defaults inside an answer (``fully_shard`` without a mesh, ``init_device_mesh("cuda", ...)``) then agree with
+#: the CPU tensors the checker hands it, instead of building a CUDA mesh for 3 ranks on 2 GPUs.
+ON_GLOO = {"backend": "gloo", "strict": True, "env": {"CUDA_VISIBLE_DEVICES": ""}}
 
 
 def same_collectives_hang(err: WorkerTimeout, name: str) -> str:

@@ -75,6 +75,20 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def _valid_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``spawn``'s ``env``, checked: names and values are strings, a name has no ``=`` and neither has a NUL."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise TypeError(f"env must be a dict of variable names to values, got {type(env).__name__}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"env's names and values must be strings, got {name!r}: {value!r}")
+        if not name or "=" in name or "\0" in name + value:
+            raise ValueError(f"env has a name or value no environment can hold: {name!r}: {value!r}")
+    return dict(env)
+
+
 def rank_environment(requested: str, resolved: str) -> dict[str, str]:
     """Variables every rank gets for this choice of backend: where ``backend="auto"`` chose gloo on a machine
     with GPUs (fewer than ranks), the ranks compute on the CPU and see no GPU (``CUDA_VISIBLE_DEVICES=""``), so
@@ -191,6 +205,7 @@ def spawn(
     init_process_group: bool = True,
     output: str = "all",
     strict: bool | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
@@ -221,6 +236,9 @@ def spawn(
             read NaN, an async collective's tensors read NaN until ``wait()``, ...), so that code that works
             only on gloo fails here; ``False`` shows gloo's own behaviour; ``None`` (the default) means on,
             unless ``DTLIB_STRICT=0`` is in the environment.
+        env: more environment variables for every rank, set before torch starts there, over dtlib's own:
+            ``{"NCCL_DEBUG": "INFO"}``, or ``{"CUDA_VISIBLE_DEVICES": ""}`` for CPU ranks that must not see
+            a GPU (the checkers' ranks: a ``fully_shard`` without a mesh would otherwise build a CUDA one).
 
     Raises:
         WorkerError: a rank raised or died; every failed rank is reported.
@@ -245,9 +263,11 @@ def spawn(
 
     if strict is not None and not isinstance(strict, bool):
         raise TypeError(f"strict must be True, False or None, got {strict!r}")
+    wanted_env = _valid_env(env)
     env = rank_environment(backend, resolved_backend)
     if strict is not None:
         env[STRICT_ENV] = "1" if strict else "0"
+    env |= wanted_env
 
     job = Job(world_size, output, method)
     try:

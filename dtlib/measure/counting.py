@@ -102,16 +102,16 @@ def _counted(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> 
 
 
 def spawn_counting(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
-                   timeout: float = 30.0, strict: bool | None = None,
-                   backend: str = "auto") -> tuple[list[Any], list[dict[str, int]]]:
+                   timeout: float = 30.0, strict: bool | None = None, backend: str = "auto",
+                   env: dict[str, str] | None = None) -> tuple[list[Any], list[dict[str, int]]]:
     """``dtlib.spawn(fn, world_size)`` without output, each rank's call counted by :func:`count_collectives`
-    (``strict`` and ``backend`` as ``dtlib.spawn`` takes them).
+    (``strict``, ``backend`` and ``env`` as ``dtlib.spawn`` takes them).
 
     Returns the ranks' values and, per rank, ``{call: times}``; raises as ``dtlib.spawn`` does.
     Example: ``spawn_counting(fn, 2)`` -> ``([3.0, 3.0], [{"all_reduce": 1}, {"all_reduce": 1}])``.
     """
     reports = spawn(_counted, world_size, args=(fn, *args), timeout=timeout, output="none", strict=strict,
-                    backend=backend)
+                    backend=backend, env=env)
     return [value for value, _ in reports], [calls for _, calls in reports]
 
 
