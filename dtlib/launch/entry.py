@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from dtlib import compat
 from dtlib.launch.spawn import resolve_backend, spawn, valid_call_arguments
+from dtlib.launch.worker import dumps_result
 
 
 def rank_device() -> torch.device:
@@ -65,7 +67,8 @@ def run(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return all results by rank.
 
     Under torchrun, ``world_size`` is ignored (torchrun's ``WORLD_SIZE`` wins),
-    the process group is created here and every rank gets the full list.
+    the process group is created here and every rank gets the full list, each value as ``dtlib.spawn``
+    returns it (tensors on the CPU, detached; a DTensor as that rank's shard).
 
     Example::
 
@@ -88,10 +91,13 @@ def run(
         if not dist.is_initialized():
             raise RuntimeError("fn destroyed the process group, which dtlib.run needs to gather every "
                                "rank's result: leave dist.destroy_process_group() to dtlib.run")
+        # Each value travels as dtlib.spawn's results do (dumps_result): a CUDA tensor as a CPU one, detached, a
+        # DTensor as this rank's shard. Pickled as it is, a CUDA tensor would unpickle on the sender's GPU index
+        # in every rank: a CUDA context on each other GPU, and "invalid device ordinal" on a node with fewer.
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, value)
+        dist.all_gather_object(gathered, dumps_result(value))
         gathered_all = True
-        return gathered
+        return [pickle.loads(data) for data in gathered]
     finally:
         if owns_group and dist.is_initialized():
             # Free what fn left behind (a DDP reducer, FSDP state) while the group still exists: freed

@@ -170,3 +170,26 @@ def test_device_ids_is_what_ddp_accepts_on_the_ranks_device(monkeypatch):
     assert device_ids(torch.device("cuda")) == [3]
     for device, ids in dtlib.spawn(_devices_of_ddp, 2, timeout=45):
         assert ids == (None if device == "cpu" else [int(device.split(":")[1])])
+
+
+def tensors_and_a_dtensor(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    weight = torch.ones(2, requires_grad=True)
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {"loss": (weight * 3).sum(), "sharded": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}
+
+
+@pytest.mark.timeout(60)
+def test_run_under_torchrun_returns_values_as_spawn_does(monkeypatch):
+    """Under torchrun, every rank's value is gathered as dtlib.spawn's results travel: a tensor detached (and on
+    the CPU; a CUDA one would otherwise unpickle on the sender's GPU in every rank), a DTensor as its shard."""
+    from dtlib.launch.shards import LocalShard
+
+    torchrun_variables(monkeypatch)
+    [value] = dtlib.run(tensors_and_a_dtensor, world_size=1)
+    assert value["loss"].item() == 6.0 and value["loss"].grad_fn is None and value["loss"].device.type == "cpu"
+    assert isinstance(value["sharded"], LocalShard)
+    [spawned] = dtlib.spawn(tensors_and_a_dtensor, 1, output="none")
+    assert type(spawned["sharded"]) is type(value["sharded"]) and spawned["loss"].grad_fn is None
