@@ -168,7 +168,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
     Load only checkpoints you wrote (module docstring): an object in the files that a checkpoint
     never holds is refused with ``pickle.UnpicklingError`` (inside DCP's ``CheckpointException`` for a
     sharded one). DCP keeps no checksum, so a flipped byte in a ``.distcp`` file would load as a changed weight;
-    :func:`save` records every file's SHA-256 in ``SHA256SUMS``, and each rank checks them all here first: a
+    :func:`save` records every file's SHA-256 in ``SHA256SUMS``, and each machine checks them all here first: a
     changed or truncated file, or a record that leaves a file of the folder out (emptied, cut short, copied from
     elsewhere, or a file added since), raises :class:`dtlib.ChangedFile`; a missing file, or one ``.metadata``
     names that the record does not list, ``FileNotFoundError``; each by name.
@@ -182,11 +182,32 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
         raise ValueError(f"{directory} holds a {record['kind']!r} checkpoint, not {kind!r}: "
                          f"use checkpoint_kind={record['kind']!r}")
     folder = os.path.join(directory, record["folder"])
-    _verify(folder, kind)  # every rank, before any reads: a changed file refused on one rank alone would hang
+    _verify_on_each_machine(folder, kind)  # before any reads; the verdict reaches every rank, so none hangs
     _initialise_optimizer_state(model, optimizer)
     with _torch_internal_warnings([] if notes is None else notes):
         _load(model, optimizer, folder, kind)
     return record["step"]
+
+
+def _verify_on_each_machine(folder: str, kind: str) -> None:
+    """:func:`_verify` once per machine, not once per rank: the first rank of each machine (``LOCAL_RANK`` 0)
+    reads and hashes every file, and every rank then raises the first refusal any of them met, so that none goes
+    on to a load its peers refused (and hangs there). Every rank reading every file was N x N reads of the whole
+    checkpoint. Outside a process group, or in a group of one, this process checks by itself."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        _verify(folder, kind)
+        return
+    refusal: BaseException | None = None
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+        try:
+            _verify(folder, kind)
+        except (ValueError, OSError, pickle.UnpicklingError) as error:  # ChangedFile is a ValueError
+            refusal = error
+    verdicts: list[BaseException | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, refusal)
+    first = next((verdict for verdict in verdicts if verdict is not None), None)
+    if first is not None:
+        raise first
 
 
 def _verify(folder: str, kind: str) -> None:

@@ -541,3 +541,30 @@ def test_a_ddp_checkpoint_carries_its_digest_and_a_changed_one_is_refused(tmp_pa
     (tmp_path / "ckpt.pt.sha256").unlink()
     with pytest.raises(FileNotFoundError, match=r"ckpt.pt.sha256 is missing"):
         load_file(str(path), "cpu")
+
+
+def _load_counting_checks(rank, world_size, directory, kind):
+    """Load a checkpoint in a rank, counting how often this rank hashed the checkpoint's files."""
+    from dtlib.train import fsdp_checkpoint as checkpoint
+    from dtlib.train import models
+
+    hashed, original = [], checkpoint.verify_digests
+    checkpoint.verify_digests = lambda *args, **kwargs: hashed.append(1) or original(*args, **kwargs)
+    model = models.build("transformer")
+    try:
+        checkpoint.load(model, torch.optim.Adam(model.parameters()), directory, kind)
+        return len(hashed), None
+    except (ValueError, OSError) as error:
+        return len(hashed), f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.timeout(120)
+def test_each_machine_hashes_the_checkpoint_once_and_every_rank_hears_its_verdict(resumed, tmp_path):
+    """Every rank hashed every file (N x N reads of the checkpoint); now the first rank of the machine does, and
+    a refusal reaches every rank, each raising it, so that none goes on to a load its peers refused."""
+    intact = str(resumed["fsdp2", "full"][0])
+    assert dtlib.spawn(_load_counting_checks, 2, args=(intact, "full"), output="none") == [(1, None), (0, None)]
+    damaged = str(_damaged_copy(resumed, tmp_path, "full", _flip_a_byte))
+    results = dtlib.spawn(_load_counting_checks, 2, args=(damaged, "full"), output="none")
+    assert [hashed for hashed, _ in results] == [1, 0]
+    assert all(said.startswith("ChangedFile: ") and "changed since it was written" in said for _, said in results)
