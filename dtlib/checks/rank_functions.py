@@ -123,6 +123,32 @@ def _short(tensor: Any) -> str:
     return "[" + ", ".join(f"{v:g}" for v in values) + more + "]"
 
 
+def _contrast(value: Any, expected: Any) -> tuple[str, str]:
+    """``value`` and ``expected`` shown where they first differ, with as many digits as it takes to see it: four
+    numbers from the first wrong one on (named by its index when it is not among the first four), so that a
+    message never reads "returned [21.98, 24.33, ...], expected [21.98, 24.33, ...]". Example:
+    ``_contrast([1.0, 2.0, 3.00001], [1.0, 2.0, 3.0])`` is ``("[1, 2, 3.00001]", "[1, 2, 3]")``."""
+    try:
+        got = torch.as_tensor(value, dtype=torch.float64).flatten()
+        want = torch.as_tensor(expected, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        return repr(value)[:60], _short(expected)
+    if got.shape != want.shape:
+        return _short(got), _short(want)
+    wrong = (~torch.isclose(got, want, rtol=1e-6, atol=1e-9)).nonzero().flatten().tolist()
+    first = wrong[0] if wrong else 0
+    start = 0 if first < 4 else first
+    def differs(d: int) -> bool:
+        return f"{float(got[first]):.{d}g}" != f"{float(want[first]):.{d}g}"
+    digits = next((d for d in range(4, 13) if not wrong or differs(d)), 12)
+
+    def shown(numbers: torch.Tensor) -> str:
+        part = ", ".join(f"{float(v):.{digits}g}" for v in numbers[start:start + 4])
+        return ("[" + ("..., " if start else "") + part + (", ..." if numbers.numel() > start + 4 else "") + "]"
+                + (f" (from index {start})" if start else ""))
+    return shown(got), shown(want)
+
+
 def _rounded_everywhere(a: Answer) -> bool:
     """Whether every rank sent its own input rounded to whole numbers (a rank whose input was already whole, or
     one whose stand-in only happens to equal its rounded input, does not make it so). Only for inputs of several
@@ -201,8 +227,8 @@ def _shape_of(value: Any) -> str:
 
 
 def _sum_said(a: Answer, hint: str) -> str:
-    return (f"With {a.size} ranks, rank {a.rank} should return the sum of every rank's x, {_short(a.expected)}, "
-            f"but {hint}")
+    return (f"With {a.size} ranks, rank {a.rank} should return the sum of every rank's x, "
+            f"{_contrast(a.value, a.expected)[1]}, but {hint}")
 
 
 SUM_OF_RANKS = RankExercise(
@@ -244,7 +270,8 @@ SUM_OF_RANKS = RankExercise(
                f"stands where the {a.size} ranks of this run belong. Let the collective add up the ranks that are "
                "there (ReduceOp.SUM), with no fixed number.")),
     ],
-    otherwise=lambda a: _sum_said(a, f"it returned {_short(a.value)}: call dist.all_reduce(x) (ReduceOp.SUM) once on "
+    otherwise=lambda a: _sum_said(a, f"it returned {_contrast(a.value, a.expected)[0]}: call dist.all_reduce(x) "
+                                     "(ReduceOp.SUM) once on "
                                      "every rank and return x."),
     no_collective=lambda rank, expected, calls: (
         f"Rank {rank} returned the sum, but no collective was called. Use dist.all_reduce to add up the ranks' x."),
@@ -324,8 +351,8 @@ AVERAGE_OF_RANKS = RankExercise(
             a, f"computed in {str(a.returned.dtype).removeprefix('torch.')}, which keeps about 3 significant digits: "
                "average in float32, the dtype of values.")),
     ],
-    otherwise=lambda a: _mean_said(a, f"returned {_short(a.value)}, expected the mean {_short(a.expected)}: "
-                                      "dist.all_reduce(values) (SUM), then divide by world_size."),
+    otherwise=lambda a: _mean_said(a, "returned {}, expected the mean {}: dist.all_reduce(values) (SUM), then divide "
+                                      "by world_size.".format(*_contrast(a.value, a.expected))),
     no_collective=lambda rank, expected, calls: (
         f"Rank {rank} holds the mean, but no collective was called. Use dist.all_reduce on the rank's values, then "
         "divide by world_size."),
