@@ -3,10 +3,16 @@
 The oracle is one process's MLP; the wrong answers are the ones a learner writes: no all-reduce, an average,
 the first layer split by its input features, weights sliced along the wrong dimension, an all-gather of the
 hidden activations, every rank computing everything.
+
+Rank functions defined here travel to the ranks by value (``register_pickle_by_value``), as a notebook cell's
+functions do, so the ranks never import this module (or pytest).
 """
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +20,8 @@ import torch.nn.functional as F
 
 from dtlib import checks
 from dtlib.checks.tensor_parallel import BATCH, FEATURES, mlp_inputs
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,14 +1,22 @@
-"""dtlib.launch.torchrun and python -m dtlib.train: real torchrun processes, one node and two simulated nodes."""
+"""dtlib.launch.torchrun and python -m dtlib.train: real torchrun processes, one node and two simulated nodes.
+
+The rank function below travels to dtlib.spawn's ranks by value (``register_pickle_by_value``), as a notebook
+cell's functions do, so the ranks never import this module (or pytest).
+"""
 
 from __future__ import annotations
 
 import re
+import sys
 
+import cloudpickle
 import pytest
 
 from dtlib import checks
 from dtlib.checks.feedback import Feedback
 from dtlib.launch import torchrun
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def failure_report(finished: torchrun.Finished, lines: int = 30) -> str:
@@ -32,18 +40,20 @@ def _by_rank(records):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
-def test_two_nodes_on_one_machine(rendezvous):
-    """Two torchrun processes, two ranks each: one job of 4 ranks whose all-reduce sees everyone."""
-    finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=2,
+@pytest.mark.parametrize(("rendezvous", "per_node"), [("static", 2), ("c10d", 1)])
+def test_two_nodes_on_one_machine(rendezvous, per_node):
+    """Two torchrun processes, one job whose all-reduce sees every rank of both. Static: two ranks each (4 in
+    all), so a rank's number is 2 * its node's plus its local one; c10d: one each, enough for its rendezvous
+    (node ranks given out as the agents meet) to join the nodes into one job."""
+    finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=per_node,
                                        rendezvous=rendezvous, timeout=90)
     assert [f.returncode for f in finished] == [0, 0], [failure_report(f) for f in finished]
     ranks = _by_rank(torchrun.env_records(finished))
-    assert sorted(ranks) == [0, 1, 2, 3]
+    assert sorted(ranks) == list(range(2 * per_node))
     for record in ranks.values():
-        assert record["WORLD_SIZE"] == "4" and record["LOCAL_WORLD_SIZE"] == "2"
-        assert record["sum_of_ranks"] == 0 + 1 + 2 + 3
-        assert int(record["RANK"]) == 2 * int(record["GROUP_RANK"]) + int(record["LOCAL_RANK"])
+        assert record["WORLD_SIZE"] == str(2 * per_node) and record["LOCAL_WORLD_SIZE"] == str(per_node)
+        assert record["sum_of_ranks"] == sum(range(2 * per_node))
+        assert int(record["RANK"]) == per_node * int(record["GROUP_RANK"]) + int(record["LOCAL_RANK"])
     assert {r["GROUP_RANK"] for r in ranks.values()} == {"0", "1"}
     if rendezvous == "static":
         assert "--node_rank=1" in finished[1].command and {r["MASTER_ADDR"] for r in ranks.values()} == {"127.0.0.1"}
