@@ -80,10 +80,17 @@ def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int
         return Feedback(False, f"pp={answer} cannot split the {layers} layers into equal stages: a stage holds whole "
                                f"blocks, so pp divides {layers} ({', '.join(map(str, stages[:8]))}, ...).")
 
-    def peak(pp: int) -> float:
-        return _stage_0(shape, pp, tp, seq_len, micro_batches).peak / 2**30
+    asked: dict[int, Simulated] = {}  # each layout simulated (or copied from simulate's answers) once per call
 
-    mine = _stage_0(shape, answer, tp, seq_len, micro_batches)
+    def stage_0(pp: int) -> Simulated:
+        if pp not in asked:
+            asked[pp] = _stage_0(shape, pp, tp, seq_len, micro_batches)
+        return asked[pp]
+
+    def peak(pp: int) -> float:
+        return stage_0(pp).peak / 2**30
+
+    mine = stage_0(answer)
     state, acts = mine.model_state() / 2**30, mine.memory["activations"] / 2**30
     why = (f"More stages divide rank 0's model state ({state:.1f} GiB at pp={answer}) but hardly its activations "
            f"({acts:.1f} GiB): under 1F1B the first stage holds up to pp micro-batches in flight, each through "

@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "gathered and temporary")
@@ -44,6 +49,20 @@ def _storages(tensor: Any) -> list[Any]:
         names, _ = tensor.__tensor_flatten__()
         return [s for name in names for s in _storages(getattr(tensor, name))]
     return [tensor.untyped_storage()]
+
+
+#: (grad mode, the DTensor's ``_is_param``, its local tensor's) -> whether ``to_local()`` returns a new view of the
+#: local tensor (dispatched) rather than the local tensor itself: torch's rule, read once per process.
+_VIEWS: dict[tuple[bool, bool, bool], bool] = {}
+
+
+def _to_local_views(tensor: Any, local: torch.Tensor) -> bool:
+    """Whether ``tensor.to_local()`` dispatches a view of ``local`` (its ``_local_tensor``) here and now."""
+    key = (torch.is_grad_enabled(), bool(getattr(tensor, "_is_param", False)), bool(getattr(local, "_is_param", False)))
+    if key not in _VIEWS:
+        with _disable_current_modes():  # asked of torch without a mode seeing it
+            _VIEWS[key] = tensor.to_local() is not local
+    return _VIEWS[key]
 
 
 class PeakTracker(TorchDispatchMode):
@@ -74,7 +93,11 @@ class PeakTracker(TorchDispatchMode):
     def live(self) -> int:
         """Bytes live now in the storages followed: the model's, and those created inside the block, C++'s
         included (DDP's gradient buckets, say)."""
-        return sum(ref().nbytes() for ref, _ in list(self._refs.values()) if ref() is not None)
+        storages = [storage for ref, _ in list(self._refs.values()) if (storage := ref()) is not None]
+        try:  # an untyped storage's len() is its nbytes(), read without making a SymInt: the tracker's hottest line
+            return sum(map(len, storages))
+        except RuntimeError:  # a storage of symbolic size (a ShapeEnv's fake tensor) has no len()
+            return sum(storage.nbytes() for storage in storages)
 
     def _check_peak(self) -> None:
         total = self.live()
@@ -94,8 +117,35 @@ class PeakTracker(TorchDispatchMode):
         self._check_peak()
         return out
 
+    def _weight_storages(self) -> set[int]:
+        """Ids of the storages the parameters hold now (FSDP swaps the sharded ones for the gathered ones).
+
+        What ``_storages`` of each parameter returns and does, without its dispatches: a DTensor parameter's
+        ``to_local()`` dispatches a view of its local tensor (and a ``prim.device``), which this mode follows
+        and checks the peak after. The same follows are made here and the peak checked once after them: nothing
+        is freed in between and a follow only adds bytes, so the last check finds the same peak with the same
+        bytes in each category. (Dispatched, the views of every parameter at every saved tensor made the
+        tracker several times slower than the step it measures.) Other parameters go through ``_storages``."""
+        ids: set[int] = set()
+        followed = False
+        tracking = any(mode is self for mode in _get_current_dispatch_mode_stack())  # where the views would go
+        category = "optimizer" if self._stepping else "gathered and temporary"
+        for parameter in self.model.parameters():
+            local = getattr(parameter, "_local_tensor", None) if hasattr(parameter, "to_local") else None
+            if not isinstance(local, torch.Tensor) or is_traceable_wrapper_subclass(local):
+                ids.update(id(s) for s in _storages(parameter))
+                continue
+            storage = local.untyped_storage()
+            ids.add(id(storage))
+            if tracking and _to_local_views(parameter, local):
+                self._follow(storage, category)
+                followed = True
+        if followed:
+            self._check_peak()
+        return ids
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        weights = {id(s) for p in self.model.parameters() for s in _storages(p)}
+        weights = self._weight_storages()
         for storage in _storages(tensor):
             if id(storage) not in weights:
                 self._follow(storage, "activations")

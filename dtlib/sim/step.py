@@ -155,7 +155,9 @@ def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False
                        ) -> tuple[dict[str, int], list[Row]]:
     """Rank 0 of the layout's fake ranks, the first pipeline stage: lay the model out with
     ``parallelize(model, mesh, checkpointing)``, then run the step (:func:`run_step`) twice, the first to create
-    Adam's state (on one micro-batch: enough for that), and measure the second."""
+    Adam's state (on one micro-batch: enough for that), and measure the second. The first must be a whole step:
+    Adam's state made from zero gradients after a forward alone leaves FSDP's first backward to the measured
+    step, and changes its peak."""
     with fake_world(layout.world_size):
         mesh = mesh_of(layout, "cpu")  # fails inside FakeTensorMode
         with torch.device("meta"):
