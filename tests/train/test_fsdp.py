@@ -4,6 +4,7 @@ Also dtlib.train.fsdp_compare's rows of real jobs: built from this file's jobs, 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import dtlib
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory
 from dtlib.train import data, fsdp, fsdp_compare, models
@@ -25,14 +27,41 @@ UNITS = len(models.build("transformer").blocks) + 1  # fully_shard on each block
 S = 4 * NUM_PARAMS  # bytes of the whole model (or of its gradients) in fp32
 
 
+# The configs this file's tests and the strategy table train, by world size, trained in one launch per world
+# size (fsdp.run_many: each config builds its own model and optimizer in the same ranks) rather than one launch
+# each: a launch's start-up is most of a job here (about 1.5 s on 2 ranks, 4 s on 4, on two busy cores). Not
+# among them: the three that test_run_many_equals_one_run_per_config compares run_many against, which run alone
+# (fsdp.run), as does any config not listed.
+TOGETHER = {
+    2: (FSDPConfig(api="fsdp1"), FSDPConfig(strategy="shard_grad_op"), FSDPConfig(grad_accum=2),
+        FSDPConfig(mixed_precision=True), FSDPConfig(activation_checkpointing=True), FSDPConfig(meta_init=True),
+        FSDPConfig(cpu_offload=True), FSDPConfig(root_reshard_after_forward=None), FSDPConfig(prefetch=True),
+        FSDPConfig(api="fsdp1", prefetch=True)),
+    4: (FSDPConfig(), FSDPConfig(api="ddp"), FSDPConfig(api="fsdp1"), FSDPConfig(strategy="shard_grad_op"),
+        FSDPConfig(reshard_after_forward=2), FSDPConfig(strategy="hybrid_shard"),
+        FSDPConfig(strategy="hybrid_shard_zero2"), FSDPConfig(api="fsdp1", strategy="hybrid_shard_zero2"),
+        FSDPConfig(api="fsdp1", strategy="shard_grad_op")),
+}
+
+
 @pytest.fixture(scope="module")
 def jobs():
     """``jobs(config, world_size)``: every rank's results of one job, run once per module and shared (the
-    strategy table's rows below are built from the same jobs)."""
+    strategy table's rows below are built from the same jobs). The first time a config of :data:`TOGETHER` is
+    asked for, all of its world size's train, in one launch; if that launch fails, each config runs alone, so
+    that a failure shows in its own tests."""
     cache: dict[tuple[int, str], list[fsdp.FSDPResult]] = {}
+    launched: set[int] = set()
 
     def job(config: FSDPConfig, world_size: int) -> list[fsdp.FSDPResult]:
         key = (world_size, repr(config))
+        together = TOGETHER.get(world_size, ())
+        if key not in cache and world_size not in launched and key in {(world_size, repr(c)) for c in together}:
+            launched.add(world_size)
+            with contextlib.suppress(dtlib.WorkerError):  # then each config runs alone, below
+                for each, results in zip(together, fsdp.run_many(list(together), world_size, output="none",
+                                                                 timeout=600), strict=True):
+                    cache[(world_size, repr(each))] = results
         if key not in cache:
             cache[key] = fsdp.run(config, world_size, output="none")
         return cache[key]
@@ -81,7 +110,7 @@ def single_process_losses(steps: int = STEPS, global_batch: int = 16) -> list[fl
 # --- the same training under every wrapper ------------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)  # the first to ask for each world size's jobs: it trains all of TOGETHER's, in one launch
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_full_shard_matches_ddp_and_fsdp1(runs, world_size):
     fsdp2 = _losses(runs(world_size))
@@ -613,6 +642,7 @@ def test_run_many_equals_one_run_per_config(runs, tmp_path):
                FSDPConfig(resume=True, checkpoint_dir=str(tmp_path))]
     together = fsdp.run_many(configs, 2, output="none")
     assert len(together) == len(configs) and all(len(results) == 2 for results in together)
+    assert not {repr(c) for c in configs[:3]} & {repr(c) for c in TOGETHER[2]}  # runs() gives fsdp.run's own
     for results, changes in zip(together[:3], ({}, {"api": "fsdp1", "strategy": "shard_grad_op"}, {"api": "ddp"}),
                                 strict=True):
         alone = runs(2, **changes)
