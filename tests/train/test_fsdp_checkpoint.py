@@ -545,14 +545,13 @@ def test_a_ddp_checkpoint_carries_its_digest_and_a_changed_one_is_refused(tmp_pa
 
 def _load_counting_checks(rank, world_size, directory, kind):
     """Load a checkpoint in a rank, counting how often this rank hashed the checkpoint's files."""
-    from dtlib.train import fsdp_checkpoint as checkpoint
-    from dtlib.train import models
+    from dtlib.train import fsdp_checkpoint, models
 
-    hashed, original = [], checkpoint.verify_digests
-    checkpoint.verify_digests = lambda *args, **kwargs: hashed.append(1) or original(*args, **kwargs)
+    hashed, original = [], fsdp_checkpoint.verify_digests
+    fsdp_checkpoint.verify_digests = lambda *args, **kwargs: hashed.append(1) or original(*args, **kwargs)
     model = models.build("transformer")
     try:
-        checkpoint.load(model, torch.optim.Adam(model.parameters()), directory, kind)
+        fsdp_checkpoint.load(model, torch.optim.Adam(model.parameters()), directory, kind)
         return len(hashed), None
     except (ValueError, OSError) as error:
         return len(hashed), f"{type(error).__name__}: {error}"
