@@ -6,11 +6,11 @@ and :mod:`dtlib.checks.cluster`.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
+
+from dtlib.checks import typed
 
 
 def as_number(value: Any) -> Any:
@@ -70,10 +70,9 @@ def whole_answer(answer: Any, what: str) -> int | str:
 
     Example: ``whole_answer(torch.tensor(4.0), "stages") == 4``; ``whole_answer(2.5, "stages")`` is a message.
     """
-    answer = as_number(answer)
-    if answer is None:
-        return f"No answer yet: set `answer` to a number of {what}."
-    if isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer) \
-            or answer != int(answer):
-        return f"Answer with a whole number of {what}, not {answer!r}."
-    return int(answer)
+    read = typed.number(answer, what, whole=True)  # a Decimal, a NumPy or tensor number, "4" ...
+    if isinstance(read, str):
+        return read
+    if read != int(read):
+        return f"Answer with a whole number of {what}, not {read!r}."
+    return int(read)

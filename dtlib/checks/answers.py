@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
-import numbers
 import os
 import re
 import shlex
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
+from dtlib.checks import typed
 from dtlib.checks.feedback import Feedback
 from dtlib.launch import torchrun
 from dtlib.launch.spawn import resolve_backend
@@ -93,14 +90,11 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
 
     fp32_adam = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": 8}
     expected = memory.estimate(num_params, world_size, strategy, **fp32_adam)
-    if answer is None:
-        return Feedback(False, "No answer yet: set `answer` to a number of bytes.")
-    if isinstance(answer, torch.Tensor) and answer.numel() == 1:
-        answer = answer.item()  # a number computed with torch
-    if not isinstance(answer, numbers.Real) or isinstance(answer, bool):
-        return Feedback(False, f"Answer with a number of bytes, not {type(answer).__name__}.")
-    answer = float(answer)  # numpy's numbers too
-    if not math.isfinite(answer) or answer <= 0:
+    read = typed.number(answer, "bytes")  # a Decimal, a tensor, "112,256 bytes" ...
+    if isinstance(read, str):
+        return Feedback(False, read)
+    answer = float(read)
+    if answer <= 0:
         return Feedback(False, f"{answer:g} is not a number of bytes: the answer is a positive count.")
     if abs(answer - expected) <= 0.01 * expected:
         alike = {4: "the fp32 weights of the whole model", 2: "the whole model's weights in 16 bits"}
@@ -137,6 +131,18 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
                            f"over {world_size} ranks.")
 
 
+#: Other names for 06's strategies, as torch's FSDP1 enums and the ZeRO paper say them (compared by typed.key).
+STRATEGY_SYNONYMS = {
+    **{name: "FSDP full sharding" for name in ("FULL_SHARD", "FSDP full shard", "ZeRO-3", "ZeRO 3", "ZeRO3")},
+    **{name: "FSDP, no reshard after forward" for name in ("SHARD_GRAD_OP", "ZeRO-2", "ZeRO2", "FSDP no reshard",
+                                                           "FSDP no reshard after forward")},
+    "HYBRID_SHARD": "HSDP",
+    "DDP + checkpointing": "DDP" + guide.CHECKPOINTING,
+    "FSDP full sharding + checkpointing": "FSDP full sharding" + guide.CHECKPOINTING,
+    "FSDP full sharding + offload": "FSDP full sharding + CPU offload",
+}
+
+
 def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gpus: int, nodes: int = 1,
                     **job: Any) -> Feedback:
     """Notebook 06's exercise: is ``answer`` (one of :data:`dtlib.train.guide.CHOICES`) what
@@ -146,8 +152,9 @@ def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gp
     would work, the simpler choice that works too. Example: ``strategy_choice("HSDP", 20e9, 80, 8)`` says one node.
     """
     advice = guide.recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes, **job)
-    if answer not in guide.CHOICES:
-        return Feedback(False, f"Answer with one of: {', '.join(repr(choice) for choice in guide.CHOICES)}.")
+    answer = typed.choice(answer, guide.CHOICES, STRATEGY_SYNONYMS, "a strategy")
+    if not typed.chosen(answer, guide.CHOICES):
+        return Feedback(False, answer)
     if answer == advice.choice:
         return Feedback(True, f"Right: {advice}")
     why = guide.why_not(str(answer), advice, gpu_memory_gb, nodes)
@@ -388,6 +395,10 @@ def torchrun_command(command: Any, *, nnodes: int = 2, nproc_per_node: int = 4, 
         defaults["master_port"] = 29500
     value = {name: defaults[name] if given[name] is torchrun.NOT_GIVEN else given[name] for name in defaults}
     script, script_args = str(value["training_script"]), [str(word) for word in value["training_script_args"]]
+    if value["no_python"] is True and _PYTHON.fullmatch(os.path.basename(script)):  # --no-python python train.py
+        flags = next((i for i, word in enumerate(script_args) if not word.startswith("-")), len(script_args))
+        if flags < len(script_args) and "-m" not in script_args[:flags]:
+            script, script_args = script_args[flags], script_args[flags + 1:]
     runs_module = value["module"] is True
     if os.path.basename(script) != "train.py" and not (runs_module and script == "train"):
         if "train.py" in map(os.path.basename, script_args):

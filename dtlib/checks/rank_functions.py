@@ -13,7 +13,6 @@ Example: ``dtlib.checks.sum_of_ranks(lambda rank, world_size, x: x)`` says the a
 from __future__ import annotations
 
 import numbers
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from dtlib.checks.skeleton import (
     reduce_hint,
     same_collectives_hang,
 )
-from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
+from dtlib.errors import WorkerError
 
 #: The collectives that move a rank's data to others (a barrier and a receive carry none of the rank's own).
 _SENDING = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter",
@@ -49,9 +48,14 @@ def _raised(err: WorkerError) -> str:
 
 
 def _vectors(size: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """Every rank's numbers: float32, random, about 10 * (rank + 1), a length of world_size + 2 to + 4."""
-    length = size + 2 + int(torch.randint(0, 3, (), generator=generator))
-    return [(torch.randn(length, generator=generator) * 3 + 10 * (rank + 1)).float() for rank in range(size)]
+    """Every rank's numbers: float32, random, fractional, about 10 * (rank + 1) times a scale of 0.01 to 100 that
+    differs from slot to slot (rounding, a 16-bit wire or an integer cast then shows at the small slots). The
+    length is drawn too, and ``length - size`` always has the parity of ``size``, so that no answer written for
+    a length of ``world_size`` plus a constant passes at both world sizes a checker runs (``size`` and one more)."""
+    length = size + 2 + size % 2 + 2 * int(torch.randint(0, 3, (), generator=generator))
+    scales = 10.0 ** (torch.randperm(length, generator=generator) % 5 - 2).double()
+    return [((torch.randn(length, generator=generator, dtype=torch.float64) * 3 + 10 * (rank + 1)) * scales).float()
+            for rank in range(size)]
 
 
 def _losses(size: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -71,10 +75,26 @@ def _as_float64(value: Any) -> Any:
 
 
 def _close(got: Any, expected: Any) -> bool:
+    """Whether ``got`` is ``expected`` to about 1%% of a percent: for hints, which recognise what a wrong answer
+    computed (its own input, a sum, a mean), not for the verdict (:func:`_exact`)."""
     got, expected = _as_float64(got), _as_float64(expected)
     if got is UNREADABLE or expected is UNREADABLE or got.shape != expected.shape:
         return False
-    return torch.allclose(got, expected, rtol=1e-5, atol=1e-5)  # float32 sums of a few numbers near 30
+    return torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+#: How far a right float32 answer may be from the float64 oracle, relative to each slot: float32's rounding
+#: (2^-24) in each of the few additions and the one division a sum or a mean of up to 8 ranks takes.
+FLOAT32_RTOL = 1e-6
+
+
+def _exact(got: Any, expected: Any) -> bool:
+    """The verdict's comparison, at float32's precision, slot by slot: a sum or mean rounded to a few decimals,
+    or carried in 16 bits, differs at the inputs' small slots by far more than float32's own rounding."""
+    got, expected = _as_float64(got), _as_float64(expected)
+    if got is UNREADABLE or expected is UNREADABLE or got.shape != expected.shape:
+        return False
+    return torch.allclose(got, expected, rtol=FLOAT32_RTOL, atol=0.0)
 
 
 def _floating(value: Any) -> bool:
@@ -147,6 +167,25 @@ def _contrast(value: Any, expected: Any) -> tuple[str, str]:
         return ("[" + ("..., " if start else "") + part + (", ..." if numbers.numel() > start + 4 else "") + "]"
                 + (f" (from index {start})" if start else ""))
     return shown(got), shown(want)
+
+
+def _lost_digits(a: Answer) -> bool:
+    """Whether the rank's value is the right one to 1%, but not to float32's precision: digits lost on the way."""
+    got, want = _as_float64(a.value), _as_float64(a.expected)
+    return got is not UNREADABLE and got.shape == want.shape and torch.allclose(got, want, rtol=1e-2, atol=0.0)
+
+
+def _lost_digits_said(what: str) -> Callable[[Answer], str]:
+    def say(a: Answer) -> str:
+        got, want = _contrast(a.value, a.expected)
+        narrow = sorted({entry.dtype for entry in a.carried[a.rank] if entry.dtype not in ("", "float32", "float64")}
+                        if a.carried else set())
+        how = (f"Rank {a.rank}'s collectives carried {' and '.join(narrow)}, which keeps about "
+               f"{'3' if 'float16' in narrow else '2'} significant digits: " if narrow else
+               "Digits were lost on the way (rounded, cast to a whole number, or carried in 16 bits): ")
+        return (f"With {a.size} ranks, rank {a.rank} returned {got}, and the {what} is {want}: close, but not to "
+                f"float32's precision. {how}keep the numbers float32 from the input to the result.")
+    return say
 
 
 def _rounded_everywhere(a: Answer) -> bool:
@@ -234,7 +273,7 @@ def _sum_said(a: Answer, hint: str) -> str:
 SUM_OF_RANKS = RankExercise(
     expected=lambda inputs: _stacked(inputs).sum(0),
     read=_as_float64,
-    same=_close,
+    same=_exact,
     inputs=_vectors,
     hints=[
         (lambda a: a.returned is None, lambda a: _sum_said(
@@ -269,6 +308,7 @@ SUM_OF_RANKS = RankExercise(
             a, f"it holds {a.world_size}/{a.size} of the sum: a fixed {a.world_size}, the first run's world size, "
                f"stands where the {a.size} ranks of this run belong. Let the collective add up the ranks that are "
                "there (ReduceOp.SUM), with no fixed number.")),
+        (_lost_digits, _lost_digits_said("sum")),
     ],
     otherwise=lambda a: _sum_said(a, f"it returned {_contrast(a.value, a.expected)[0]}: call dist.all_reduce(x) "
                                      "(ReduceOp.SUM) once on "
@@ -278,7 +318,7 @@ SUM_OF_RANKS = RankExercise(
     right=lambda first, second, values: (f"Every rank returned the sum of every rank's x, with {first} ranks and with "
                                  f"{second}, on new random numbers each time: only a collective could have added "
                                  "them up."),
-    hang=lambda err, name: f"Your function hung: does every rank call the same collective? Details:\n{err}",
+    hang=same_collectives_hang,
     failure=_raised,
     moved=_moved("x"),
 )
@@ -306,7 +346,7 @@ def _mean_said(a: Answer, hint: str) -> str:
 AVERAGE_OF_RANKS = RankExercise(
     expected=lambda inputs: _stacked(inputs).mean(0),
     read=_as_float64,
-    same=_close,
+    same=_exact,
     inputs=_vectors,
     hints=[
         (lambda a: _stand_in(a) is not None,
@@ -350,6 +390,7 @@ AVERAGE_OF_RANKS = RankExercise(
         (lambda a: _low_precision(a), lambda a: _mean_said(
             a, f"computed in {str(a.returned.dtype).removeprefix('torch.')}, which keeps about 3 significant digits: "
                "average in float32, the dtype of values.")),
+        (_lost_digits, _lost_digits_said("mean")),
     ],
     otherwise=lambda a: _mean_said(a, "returned {}, expected the mean {}: dist.all_reduce(values) (SUM), then divide "
                                       "by world_size.".format(*_contrast(a.value, a.expected))),
@@ -381,29 +422,6 @@ def average_of_ranks(fn: Callable[[int, int, torch.Tensor], Any], world_size: in
 
 
 # -- notebook 08: every rank calls the collective ----------------------------------------------------------------------
-
-
-def _stuck_in(stack: str, function_name: str) -> str:
-    """From a faulthandler stack (most recent call first): "all_reduce (line 4, in fn)"."""
-    inside = torch_call_in(stack)  # the collective is torch's frame
-    line = next((n for n, name in re.findall(r"line (\d+) in (\w+)", stack) if name == function_name), "")
-    return (inside or "a collective") + (f" (line {line}, in {function_name})" if line else "")
-
-
-def _ranks(ranks: list[int]) -> str:
-    """"rank 1", "ranks 1 and 2", "ranks 1, 2 and 3"."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
-
-
-def _hang_message(err: WorkerTimeout, function_name: str) -> str:
-    stuck = "; ".join(f"rank {rank} waited in {_stuck_in(stack, function_name)}" for rank, stack in err.stacks.items())
-    if not err.finished_ranks:
-        return (f"It hung: {stuck}, and no rank returned: each waited for a call that no other rank made. Every "
-                "rank must call the same collectives in the same order.")
-    return (f"It hung: {stuck}, while {_ranks(err.finished_ranks)} returned without calling it. Every rank must call "
-            "the same collectives in the same order: move the collective out of the `if rank == ...` branch.")
 
 
 def _loss(value: Any) -> Any:
@@ -464,7 +482,7 @@ FIXED_BARRIER = RankExercise(
     right=lambda first, second, values: (
         f"Every rank returned the mean of the ranks' losses, with {first} ranks and with {second}: every rank "
         "called the same collective, so none waited for ever."),
-    hang=lambda err, name: _hang_message(err, name),
+    hang=same_collectives_hang,
     failure=_failed,
     moved=_moved("loss"),
 )

@@ -16,20 +16,29 @@ process (random, rank-dependent), hands rank ``r`` its own on ``dtlib.rank_devic
 right value from all of them in one process (``expected``, the oracle). Each collective a rank calls is
 recorded (:class:`Carried`: what it sent, what it received), so hints and ``moved`` can say what it carried.
 
+Every answer is also held to what any job needs of it, whatever the exercise: its transfers must finish in the
+order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of blocking sends runs on gloo and hangs on NCCL),
+and it must leave the job as it found it: the default group alive, no group added, every async work waited
+for, and the ranks' collectives paired, which one all-reduce of the checker's own, run after the answer, shows.
+
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from dtlib.checks.feedback import Feedback
-from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
+from dtlib.launch import nccl_order, strict
 from dtlib.launch.entry import rank_device
 from dtlib.launch.pickling import CannotSend
 from dtlib.launch.spawn import spawn
@@ -38,7 +47,6 @@ from dtlib.measure.counting import (
     FUNCTIONAL_CALLS,
     count_collectives,
     rank_without_communication,
-    spawn_counting,
     watching,
 )
 
@@ -54,6 +62,7 @@ class Carried:
     sent: torch.Tensor
     received: torch.Tensor
     functional: bool = False  # a functional collective (funcol.all_reduce, ...): it returns its result, x stays
+    dtype: str = ""  # the dtype it carried, as torch names it ("float16"), where it sent a tensor
 
 
 @dataclass(frozen=True)
@@ -130,9 +139,29 @@ class RankExercise:
 ON_GLOO = {"backend": "gloo", "strict": True, "env": {"CUDA_VISIBLE_DEVICES": ""}}
 
 
-def same_collectives_hang(err: WorkerTimeout, name: str) -> str:
-    """What to say when a rank function hung and nothing more precise is known."""
-    return "Your function hung: every rank must call the same collectives in the same order."
+def _stuck_in(stack: str, function_name: str) -> str:
+    """From a faulthandler stack (most recent call first): "all_reduce (line 4, in fn)"."""
+    inside = torch_call_in(stack)  # the collective is torch's frame
+    line = next((n for n, name in re.findall(r"line (\d+) in (\w+)", stack) if name == function_name), "")
+    return (inside or "a collective") + (f" (line {line}, in {function_name})" if line else "")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 1", "ranks 1 and 2", "ranks 1, 2 and 3"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def same_collectives_hang(err: WorkerTimeout, function_name: str) -> str:
+    """What to say when ranks hung in collectives: where each one waited (the call, and the line of the
+    learner's function it was on), and which ranks had returned without making it."""
+    stuck = "; ".join(f"rank {rank} waited in {_stuck_in(stack, function_name)}" for rank, stack in err.stacks.items())
+    if not err.finished_ranks:
+        return (f"It hung: {stuck}, and no rank returned: each waited for a call that no other rank made. Every "
+                "rank must call the same collectives in the same order.")
+    return (f"It hung: {stuck}, while {_ranks(err.finished_ranks)} returned without calling it. Every rank must call "
+            "the same collectives in the same order: move the collective out of the `if rank == ...` branch.")
 
 
 def reduce_hint(answer: Answer) -> str:
@@ -194,45 +223,133 @@ def _flat(value: Any) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
+def _dtype(value: Any) -> str:
+    """The dtype of the first tensor in a (nested) list, as torch names it ("float32"), or ""."""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    return next((found for found in map(_dtype, value) if found), "") if isinstance(value, (list, tuple)) else ""
+
+
 def _async(name: str, args: tuple) -> bool:
     schema = getattr(torch.ops.c10d, name).default._schema
     where = next((i for i, argument in enumerate(schema.arguments) if argument.name == "async_op"), None)
     return where is not None and where < len(args) and bool(args[where])
 
 
-def _recorded(rank: int, world_size: int, fn: Callable[..., Any], inputs: Sequence[Any]
+def _recorded(rank: int, world_size: int, fn: Callable[..., Any], given: Any
               ) -> tuple[Any, dict[str, int], list[Carried]]:
-    """In a rank: call ``fn(rank, world_size, its input on the rank's device)``, counting its collectives and
-    recording what each sent and received. A blocking call's result is read when the next op runs (before the
-    caller can change it); an async one's (which strict mode runs on copies) when ``fn`` returns, and may then
-    be unfinished: read it as a hint, not a proof."""
+    """In a rank: call ``fn(rank, world_size, given on the rank's device)``, ``given`` being this rank's own input
+    (the only one it was sent), counting its collectives and recording what each sent and received. A blocking
+    call's result is read when the next op runs (before the caller can change it); an async one's (which strict
+    mode runs on copies) when ``fn`` returns, and may then be unfinished: read it as a hint, not a proof."""
     device = rank_device()
-    given = inputs[rank].to(device) if isinstance(inputs[rank], torch.Tensor) else inputs[rank]
-    if isinstance(inputs, list):  # the other ranks' inputs leave this process's reach (frames fn could walk to)
-        inputs.clear()
-    going: list[tuple[str, torch.Tensor, Any, bool]] = []  # (call, sent, the tensors it writes, async)
+    given = given.to(device) if isinstance(given, torch.Tensor) else given
+    going: list[tuple[str, torch.Tensor, Any, bool, str]] = []  # (call, sent, the tensors it writes, async, dtype)
     carried: list[Carried] = []  # in the order the calls were made, each once its result is read
 
     def settle(finished: bool) -> None:
         for entry in [entry for entry in going if finished or not entry[3]]:
             going.remove(entry)
-            carried.append(Carried(entry[0], entry[1], _flat(entry[2])))
+            carried.append(Carried(entry[0], entry[1], _flat(entry[2]), dtype=entry[4]))
 
     def see(namespace: str, name: str, args: tuple) -> None:
         settle(False)
         if namespace == "_c10d_functional" and name in FUNCTIONAL_CALLS:  # what it receives is its return value
-            carried.append(Carried(name, _flat(args[0]), torch.zeros(0, dtype=torch.float64), functional=True))
+            carried.append(Carried(name, _flat(args[0]), torch.zeros(0, dtype=torch.float64), functional=True,
+                                   dtype=_dtype(args[0])))
             return
         if namespace != "c10d" or name not in CALL_NAMES or name == "barrier":
             return
         sends, writes = _SENDS.get(name, 1), _WRITES.get(name, 0)
         sent = _flat(args[sends]) if sends is not None else torch.zeros(0, dtype=torch.float64)
-        going.append((CALL_NAMES[name], sent, args[writes] if writes is not None else [], _async(name, args)))
+        going.append((CALL_NAMES[name], sent, args[writes] if writes is not None else [], _async(name, args),
+                      _dtype(args[sends]) if sends is not None else ""))
 
     with watching(see):
         value, calls = count_collectives(fn, rank, world_size, given)
     settle(True)
     return value, calls, carried
+
+
+def transfers_hang(err: WorkerTimeout) -> str | None:
+    """What to say when every rank waits in a blocking ``send`` or ``recv``, some in a send, and none returned: each
+    waits for a peer that waits in a transfer of its own (a ring where every rank sends first), or None."""
+    calls = {rank: torch_call_in(stack) for rank, stack in err.stacks.items()}
+    if err.finished_ranks or "send" not in calls.values() or not set(calls.values()) <= {"send", "recv"}:
+        return None  # every rank in recv: each waits for a send nobody made, as the exercise's own message says
+    where = ", ".join(f"rank {rank} in dist.{call}" for rank, call in calls.items())
+    return (f"It hung: {where}. A blocking transfer waits until its peer reaches the matching one (a send its "
+            "receive, a receive its send), and every peer was itself waiting in a transfer. Post each rank's send "
+            "and receive together, in one dist.batch_isend_irecv, then wait() on each; or order them so that each "
+            "pair meets: even ranks send first, odd ranks receive first.")
+
+
+def _returned(err: WorkerTimeout) -> WorkerTimeout:
+    """``err`` with the ranks that had returned from the answer (and waited for the others in the checker's own
+    barrier, :func:`_left_behind`) counted as finished: the exercise's hang message is about the answer."""
+    late = [rank for rank, stack in err.stacks.items() if f"in {_left_behind.__name__}" in stack]
+    if not late:
+        return err
+    stacks = {rank: stack for rank, stack in err.stacks.items() if rank not in late}
+    return WorkerTimeout(err.timeout, stacks, [*err.finished_ranks, *late], outcome=err.outcome)
+
+
+def _all_reach(store: Any, stage: str, rank: int, world_size: int) -> None:
+    """A barrier through the job's store, not a collective: it cannot pair with one of the answer's, and it still
+    works after an answer destroyed the process group."""
+    store.set(f"dtlib-check/{stage}/{rank}", "1")
+    store.wait([f"dtlib-check/{stage}/{other}" for other in range(world_size)])
+
+
+def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any) -> list[str]:
+    """In a rank, once the answer returned and every rank has (a barrier through ``store``): what the answer left
+    the job (a destroyed or an added process group, work never waited for, keys written to the store, a channel
+    beside the collectives), then whether one all-reduce of the checker's own still pairs up on the default group.
+    ``groups`` and ``keys`` are the counts before the answer ran."""
+    _all_reach(store, "returned", rank, world_size)  # the all-reduce below cannot meet a slower rank's answer
+    if not dist.is_initialized():
+        return [f"Rank {rank}'s function destroyed the process group (dist.destroy_process_group). The job goes on "
+                "after an exercise's function returns (the next step, the next call): whoever started the group "
+                "ends it, once, at the very end. Remove the call."]
+    said = []
+    made = len(distributed_c10d._world.pg_map) - groups
+    if made > 0:
+        said.append(f"Rank {rank}'s function created {made} process group{'s' * (made > 1)} and left "
+                    f"{'them' if made > 1 else 'it'} (dist.new_group, a DeviceMesh): each call adds another, with its "
+                    "own connections, and NCCL gives each its own communicator and GPU memory. Create groups once, "
+                    "outside the function that runs every step, or use the default group.")
+    written = store.num_keys() - keys - world_size  # the barrier above wrote one key per rank
+    if written > 0 and made <= 0:  # a new group writes keys of its own: said above
+        said.append(f"The ranks' functions wrote {written} key{'s' * (written > 1)} to the process group's store. "
+                    "The store is how ranks find each other, not a way to hand each other data: on a cluster it is "
+                    "one TCP server that every rank waits on. Only a collective may bring a rank another's data.")
+    said += [f"Rank {rank} never waited for its {what}: gloo finishes it anyway, NCCL promises nothing before "
+             "wait(), and the tensor it writes or sends may still change. Call .wait() on the work it returned "
+             "before returning." for what in strict.unwaited()]
+    check = torch.ones(1, device=rank_device())
+    dist.all_reduce(check)  # the checker's own collective, as the job's next step would run one
+    if check.item() != world_size:
+        said.append(f"After your function returned on rank {rank}, the checker's own all-reduce of ones gave "
+                    f"{check.item():g}, not {world_size}: the ranks had not called the same collectives in the same "
+                    "order, so the next collective paired with one left over. Every rank must call the same ones.")
+    return said
+
+
+def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
+          ) -> tuple[Any, dict[str, int], list[Carried], list[nccl_order.Launch], list[str]]:
+    """What every checker's rank runs: the answer, its collectives counted (and, given this rank's own input,
+    recorded), what strict mode saw it post (for :func:`nccl_order.deadlock`), and what it left the job
+    (:func:`_left_behind`)."""
+    store = distributed_c10d._get_default_store()
+    _all_reach(store, "ready", rank, world_size)  # every rank's keys are written: count them
+    groups, keys = len(distributed_c10d._world.pg_map), store.num_keys()
+    with nccl_order.recording() as posted:
+        if not given:
+            value, calls = count_collectives(fn, rank, world_size)
+            carried: list[Carried] = []
+        else:
+            value, calls, carried = _recorded(rank, world_size, fn, *given)
+    return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store)
 
 
 def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed: int | None = None) -> Feedback:
@@ -245,18 +362,18 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
     first: list[Any] = []  # every rank's value in the first run, for the message of a right answer
     for size in sizes:
         inputs: list[Any] = []
-        carried: list[list[Carried]] = []
         try:
             if exercise.inputs is None:
                 expected = exercise.expected(size)
-                results, calls = spawn_counting(fn, size, timeout=timeout, **ON_GLOO)
             else:
                 inputs = exercise.inputs(size, generator)
                 expected = exercise.expected(inputs)
-                reports = spawn(_recorded, size, args=(fn, inputs), timeout=timeout, output="none", **ON_GLOO)
-                results, calls, carried = (list(column) for column in zip(*reports, strict=True))
+            reports = spawn(_rank, size, args=(fn,), rank_args=inputs if exercise.inputs is not None else None,
+                            timeout=timeout, output="none", **ON_GLOO)
+            results, calls, carried, posted, left = (list(column) for column in zip(*reports, strict=True))
         except WorkerTimeout as err:
-            return Feedback(False, exercise.hang(err, getattr(fn, "__name__", "")))
+            err = _returned(err)
+            return Feedback(False, transfers_hang(err) or exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
             return Feedback(False, exercise.failure(err))
         except CannotSend as err:  # dtlib.spawn's refusal to send the answer, before any rank started
@@ -264,7 +381,8 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
         if exercise.calls_in is not None:
             calls = [exercise.calls_in(result) for result in results]
         values = [exercise.read(value) for value in results]
-        wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried)
+        wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried,
+                       nccl_order.deadlock(posted) or next((said for rank in left for said in rank), None))
         if wrong is not None:
             return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
         first = first or values
@@ -272,10 +390,12 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
 
 
 def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,
-           calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]]) -> str | None:
+           calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]], job: str | None = None
+           ) -> str | None:
     """What is wrong with one run's answers, in the learner's terms, or None: the first wrong rank's value
-    explained by the first hint that holds, or, every value right, what no collective, a stand-in, more
-    collectives than needed or the exercise's own last checks (``also``) say."""
+    explained by the first hint that holds, or, every value right, what no collective, a stand-in, the state the
+    job was left in (``job``: transfers that hang on NCCL, a group destroyed or added, work never waited for),
+    more collectives than needed or the exercise's own last checks (``also``) say."""
     for rank, value in enumerate(values):
         if value is not UNREADABLE and exercise.same(value, expected):
             continue
@@ -287,4 +407,4 @@ def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any
     if silent is not None:
         return exercise.no_collective(silent, expected, calls[silent])
     stand_in = exercise.moved(inputs, carried) if exercise.inputs is not None else None
-    return stand_in or exercise.excess(calls) or exercise.also(values, size)
+    return stand_in or job or exercise.excess(calls) or exercise.also(values, size)

@@ -120,9 +120,10 @@ class Job:
         """
         self.store_dir = tempfile.mkdtemp(prefix="store-", dir=own_temp_dir())
 
-    def start(self, ctx: Any, payload: bytes, backend: str | None, sources: dict[str, list[str]],
+    def start(self, ctx: Any, payload: bytes | list[bytes], backend: str | None, sources: dict[str, list[str]],
               start: Callable[[Any], None], env: dict[str, str] | None = None) -> None:
-        """Start every rank; ``start(process)`` starts one (with SIGINT blocked, say).
+        """Start every rank; ``start(process)`` starts one (with SIGINT blocked, say). ``payload`` is the call every
+        rank unpickles, or a list of one per rank.
 
         ``env`` adds variables to every rank's environment; each rank's ``channels`` (this end)
         are in its state's ``channels``, the other end in the rank's :func:`dtlib.launch.worker.channels`.
@@ -152,7 +153,8 @@ class Job:
                         close_fds=sorted(_job_fds - keep) if self.method == "fork" else [],
                         store_file=store_file,
                     )
-                    process = ctx.Process(target=worker.main, args=(payload, config, child),
+                    own = payload[rank] if isinstance(payload, list) else payload
+                    process = ctx.Process(target=worker.main, args=(own, config, child),
                                           name=f"dtlib-rank-{rank}")
                     state = RankState(rank, process, *[r for r, _ in ends], channels=[ours for ours, _ in both])
                     self.ranks.append(state)

@@ -133,6 +133,22 @@ def _payload(fn: Callable[..., Any], args: tuple[Any, ...],
     return pickling.dumps((fn, args, kwargs), parts=parts, refusal="dtlib.spawn cannot send {part} to the ranks")
 
 
+def _payloads(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int,
+              rank_args: Sequence[Any] | None) -> tuple[bytes | list[bytes], dict[str, list[str]]]:
+    """One payload for every rank, or, with ``rank_args``, one per rank holding that rank's value alone."""
+    if rank_args is None:
+        return _payload(fn, args, kwargs)
+    if isinstance(rank_args, (str, bytes, bytearray)) or not isinstance(rank_args, Sequence) or \
+            len(rank_args) != world_size:
+        raise TypeError(f"rank_args must be a list of one value per rank ({world_size}), got {rank_args!r:.60}")
+    payloads, sources = [], {}
+    for value in rank_args:
+        payload, more = _payload(fn, (*args, value), kwargs)
+        payloads.append(payload)
+        sources |= more
+    return payloads, sources
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on. Example: ``usable_cores()`` is 2 on a two-core laptop."""
     if hasattr(os, "sched_getaffinity"):
@@ -206,6 +222,7 @@ def spawn(
     output: str = "all",
     strict: bool | None = None,
     env: Mapping[str, str] | None = None,
+    rank_args: Sequence[Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` new processes.
 
@@ -239,6 +256,9 @@ def spawn(
         env: more environment variables for every rank, set before torch starts there, over dtlib's own:
             ``{"NCCL_DEBUG": "INFO"}``, or ``{"CUDA_VISIBLE_DEVICES": ""}`` for CPU ranks that must not see
             a GPU (the checkers' ranks: a ``fully_shard`` without a mesh would otherwise build a CUDA one).
+        rank_args: one value per rank: rank ``r`` gets ``rank_args[r]`` as one more positional argument, after
+            ``args``, and only its own, sent to it alone (the checkers hand each rank its own input this way, so
+            no rank can find another's in what it was sent).
 
     Raises:
         WorkerError: a rank raised or died; every failed rank is reported.
@@ -259,7 +279,7 @@ def spawn(
         raise ValueError(f"output must be one of {OUTPUT_MODES}, got {output!r}")
     resolved_backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
-    payload, sources = _payload(fn, args, kwargs)
+    payload, sources = _payloads(fn, args, kwargs, world_size, rank_args)
 
     if strict is not None and not isinstance(strict, bool):
         raise TypeError(f"strict must be True, False or None, got {strict!r}")
@@ -281,7 +301,7 @@ def spawn(
     return results
 
 
-def start_job(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
+def start_job(job: Job, method: str, payload: bytes | list[bytes], sources: dict[str, list[str]], backend: str | None,
               env: dict[str, str] | None = None) -> None:
     """Start ``job``'s ranks with ``method`` and serve their rendezvous store (used by :class:`dtlib.LiveRanks` too)."""
     ctx = mp.get_context(method)
@@ -300,7 +320,7 @@ def start_job(job: Job, method: str, payload: bytes, sources: dict[str, list[str
         job.store = compat.store_on(job.listener)
 
 
-def _run(job: Job, method: str, payload: bytes, sources: dict[str, list[str]], backend: str | None,
+def _run(job: Job, method: str, payload: bytes | list[bytes], sources: dict[str, list[str]], backend: str | None,
          timeout: float | None, env: dict[str, str] | None = None) -> list[Any]:
     start_job(job, method, payload, sources, backend, env)
     outcome = job.wait(timeout)

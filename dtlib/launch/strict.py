@@ -23,6 +23,11 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   another, and a large message then waits for a receive that is queued behind it. Strict mode warns once per
   place in the code.
 
+What one rank posts cannot tell whether the ranks' transfers, taken together, finish on NCCL (a ring where every
+rank posts its ``isend`` before its ``irecv`` hangs there; an even/odd order does not), so strict mode also notes
+each call it sees for :mod:`dtlib.launch.nccl_order`, which replays every rank's notes as NCCL runs them, and
+:func:`unwaited` names the ``isend``, ``irecv`` and async collectives never waited for.
+
 Only calls made from outside torch are held to it: torch's own (FSDP, DDP, DTensor) keep gloo's behaviour.
 It is on in every gloo rank that ``dtlib.spawn`` or live ranks start (NCCL ranks need none);
 ``dtlib.spawn(..., strict=False)``, or ``DTLIB_STRICT=0`` in the environment, shows gloo's own behaviour instead.
@@ -49,6 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib.launch import nccl_order
+
 #: The environment variable that turns strict mode off in every gloo rank (``0``); unset or anything else: on.
 STRICT_ENV = "DTLIB_STRICT"
 
@@ -63,6 +70,27 @@ WRITES = {
 }
 BITWISE = ("BAND", "BOR", "BXOR")
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+_posted: list[Any] = []  # every isend, irecv and async collective strict mode handed out, until waited for
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group), in order."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def unwaited() -> list[str]:
+    """What the learner's code posted and never waited for, this process, in its words ("dist.isend to rank 1"):
+    gloo finishes such work anyway, NCCL promises nothing until ``wait()``."""
+    _posted[:] = [work for work in _posted if work.pending]
+    return [work.what for work in _posted]
+
+
+def _track(work: Any) -> Any:
+    """Keep ``work`` (with ``pending`` and ``what``) among the posted until it is waited for; returns it."""
+    _posted[:] = [posted for posted in _posted if posted.pending]
+    _posted.append(work)
+    return work
 
 
 class StrictWarning(UserWarning):
@@ -113,10 +141,17 @@ class DeferredWork:
     Everything else is the real work's (``is_completed``, ``exception``, ...).
     """
 
-    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+    def __init__(self, work: Any, finish: Callable[[], None], what: str = "") -> None:
         self._work = work
         self._finish = finish
         self._done = False
+        self._claimed = False  # its future was asked for: whoever holds it orders what follows
+        self.what = what
+
+    @property
+    def pending(self) -> bool:
+        """Whether nobody has waited for it (nor asked for its future) yet."""
+        return not (self._done or self._claimed)
 
     def _deliver(self) -> None:
         if not self._done:
@@ -133,6 +168,7 @@ class DeferredWork:
             future.wait()
             self._deliver()
             return future.value()
+        self._claimed = True
         return self._work.get_future().then(delivered)
 
     def __getattr__(self, name: str) -> Any:
@@ -155,6 +191,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
         _refuse_non_contiguous(name, arguments)
+        nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), f"dist.{name}"))
         rank = dist.get_rank()
         undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
         if not arguments.get("async_op"):
@@ -182,7 +219,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             if not undefined_here:  # a reduce's non-root tensor stays undefined after wait() too
                 for tensor in theirs:
                     tensor.copy_(copies[id(tensor)])
-        return DeferredWork(work, finish)
+        return _track(DeferredWork(work, finish, f"dist.{name}(..., async_op=True)"))
     return collective
 
 
@@ -215,9 +252,10 @@ def _global_root(arguments: dict[str, Any], key: str) -> int:
 class _Posted:
     """An unbatched ``isend``/``irecv``'s work: pending until it is waited for (or its future is)."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, what: str) -> None:
         self._work = work
         self.pending = True
+        self.what = what
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         result = self._work.wait(*args, **kwargs)
@@ -266,6 +304,8 @@ class _PointToPoint:
                 raise ValueError(f"dist.{name} without src receives from any rank: gloo allows it, NCCL does not. "
                                  f"Name the sender: dist.{name}(tensor, src=...)")
             _refuse_non_contiguous(name, arguments)
+            nccl_order.note(nccl_order.Op("send" if name in ("send", "isend") else "recv", peer,
+                                          _group_ranks(arguments.get("group")), f"dist.{name}"))
             if arguments.get("tag"):
                 self._warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): NCCL ignores tags and matches "
                                 "two ranks' messages in the order they were posted; strict mode does the same "
@@ -287,9 +327,10 @@ class _PointToPoint:
                                 "after another: a large message then waits for a receive queued behind it, and "
                                 "the ranks hang. Post them together: dist.batch_isend_irecv([dist.P2POp(dist.isend, "
                                 "...), dist.P2POp(dist.irecv, ...)]) then wait() on each.")
-            posted = _Posted(original(*bound.args, **bound.kwargs))
+            posted = _Posted(original(*bound.args, **bound.kwargs),
+                             f"dist.{name} {'to' if name == 'isend' else 'from'} rank {peer}")
             self.unwaited.append(posted)
-            return posted
+            return _track(posted)
         return point_to_point
 
 
@@ -315,6 +356,19 @@ def _p2p_op_init(self: Any, op: Any, *args: Any, **kwargs: Any) -> None:
     _active["P2POp.__init__"](self, _original(op), *args, **kwargs)
 
 
+def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
+    """torch's ``batch_isend_irecv``, its transfers noted as posted together (:mod:`dtlib.launch.nccl_order`) and
+    its works kept until waited for."""
+    original = _active["batch_isend_irecv"]
+    if _called_from_torch():  # a pipeline schedule's own
+        return original(p2p_op_list)
+    ops = list(p2p_op_list)
+    kinds = ["send" if "send" in getattr(op.op, "__name__", "") else "recv" for op in ops]
+    nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"dist.batch_isend_irecv's i{kind}")
+                      for kind, op in zip(kinds, ops, strict=True)))
+    return [_track(_Posted(work, "a work of dist.batch_isend_irecv")) for work in original(ops)]
+
+
 def install() -> bool:
     """Hold this process's later ``torch.distributed`` calls to NCCL's contract; False where it already is.
 
@@ -332,6 +386,8 @@ def install() -> bool:
         setattr(dist, name, point_to_point.wrap(name, _active[name]))
     _active["P2POp.__new__"], _active["P2POp.__init__"] = dist.P2POp.__new__, dist.P2POp.__init__
     dist.P2POp.__new__, dist.P2POp.__init__ = _p2p_op_new, _p2p_op_init
+    _active["batch_isend_irecv"] = dist.batch_isend_irecv
+    dist.batch_isend_irecv = _batch_isend_irecv
     return True
 
 

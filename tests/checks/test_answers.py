@@ -233,7 +233,7 @@ def test_any_text_gets_a_verdict_never_an_exception(pieces, separator):
 #: 81 GiB, pp=4 at about 49 (dtlib.sim.simulate). (answer, ok, what the message must say)
 SMALLEST_PIPELINE = [
     (4, True, ["Right: with pp=4 (32 GPUs)", "pp=2 would peak at"]),
-    ("4", False, ["whole number of pipeline stages, not '4'"]),  # a string, not a number
+    ("4", True, ["Right: with pp=4"]),  # typed as text: the same number (dtlib.checks.typed)
     (4.0, True, ["Right"]),
     (2, False, ["With pp=2, rank 0 peaks at", "over the 79 GiB", "but hardly its activations"]),
     (1, False, ["With pp=1, rank 0 peaks at"]),
@@ -244,7 +244,7 @@ SMALLEST_PIPELINE = [
     (-4, False, ["cannot split the 80 layers"]),
     (2.5, False, ["whole number of pipeline stages"]),
     (None, False, ["No answer yet"]),
-    ("four", False, ["whole number of pipeline stages"]),
+    ("four", False, ["Answer with a whole number of pipeline stages, not the text 'four'"]),
 ]
 
 

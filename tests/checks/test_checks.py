@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from decimal import Decimal
 
 import cloudpickle
 import numpy as np
@@ -668,12 +669,15 @@ FULL_SHARD_BYTES = 16 * 28_064 / 4  # 112,256: 16 bytes per fp32 parameter with 
         (16 * 28_064, False, ["449,024 bytes: that is every rank holding everything"]),
         (0.2, False, ["0.2 bytes is off by a factor of 1.78e-06"]),
         (None, False, ["No answer yet"]),
-        ("112256", False, ["not str"]),
+        ("112256", True, ["112,256 bytes per rank"]),  # typed as text: the same number (dtlib.checks.typed)
+        ("112,256 bytes", True, ["112,256 bytes per rank"]),
+        (Decimal(112256), True, ["112,256 bytes per rank"]),
+        ("about 112 kB", False, ["not the text 'about 112 kB'"]),
         (np.int64(FULL_SHARD_BYTES), True, ["112,256 bytes per rank"]),  # computed with numpy
         (torch.tensor(16 * 28_064) / 4, True, ["112,256 bytes per rank"]),  # or with torch
         (4 * 28_064 / 4, False, ["counts the parameters only"]),
         (12 * 28_064 / 4, False, ["misses the gradients"]),
-        (float("nan"), False, ["nan is not a number of bytes"]),
+        (float("nan"), False, ["Answer with a finite number of bytes, not nan"]),
         (-FULL_SHARD_BYTES, False, ["a positive count"]),
     ],
 )

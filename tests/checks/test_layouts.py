@@ -17,7 +17,8 @@ from dtlib import checks
     (0, False, ["at least one micro-batch"]),
     (-4, False, ["at least one micro-batch"]),
     (2.5, False, ["whole number"]),
-    ("32", False, ["whole number"]),
+    ("32", True, ["32 micro-batches of 2 samples"]),  # typed as text: the same number (dtlib.checks.typed)
+    ("thirty-two", False, ["whole number"]),
     (True, False, ["whole number"]),
     (float("nan"), False, ["whole number"]),
     (128, False, ["do not split 64 samples evenly"]),

@@ -762,6 +762,27 @@ def test_unpicklable_argument_named(no_process_start, args, kwargs, culprit):
     assert culprit in str(info.value)
 
 
+@pytest.mark.parametrize("rank_args", [[1], [1, 2, 3], "ab", 5], ids=["short", "long", "str", "int"])
+def test_rank_args_must_hold_one_value_per_rank(no_process_start, rank_args):
+    with pytest.raises(TypeError, match=r"rank_args must be a list of one value per rank \(2\)"):
+        dtlib.spawn(report, world_size=2, rank_args=rank_args)
+
+
+def what_each_rank_was_sent(rank: int, world_size: int, shared: str, own: str) -> tuple[str, int, int]:
+    import multiprocessing
+
+    payload = multiprocessing.current_process()._args[0]  # the pickled call this rank was started with
+    return shared, len(own), len(payload)
+
+
+def test_rank_args_reach_their_rank_alone():
+    """Each rank gets its own value after args; rank 1's payload is too small to hold rank 0's 100 kB."""
+    (shared0, own0, sent0), (shared1, own1, sent1) = dtlib.spawn(
+        what_each_rank_was_sent, world_size=2, args=("both",), rank_args=["a" * 100_000, "b"], timeout=60)
+    assert (shared0, own0, shared1, own1) == ("both", 100_000, "both", 1)
+    assert sent0 > 100_000 > sent1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA GPUs")
 def test_nccl_without_gpus_rejected(no_process_start):
     """backend='nccl' without one GPU per rank is a ValueError that says so."""

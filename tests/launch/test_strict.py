@@ -284,3 +284,32 @@ def test_strict_mode_is_on_by_default_and_off_on_request(monkeypatch):
     monkeypatch.setenv(strict.STRICT_ENV, "0")
     assert dtlib.spawn(_strict_is_on, 2) == [False, False]
     assert dtlib.spawn(_strict_is_on, 2, strict=True) == [True, True]
+
+
+def _posted_and_left(rank, world_size):
+    from dtlib.launch import nccl_order
+
+    peer = 1 - rank
+    with nccl_order.recording() as notes:
+        mine, theirs = torch.full((2,), float(rank)), torch.empty(2)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)])
+        pending_batch = strict.unwaited()
+        for work in works:
+            work.wait()
+        dist.all_reduce(mine)
+        sending = dist.isend(torch.ones(1), peer) if rank == 0 else dist.irecv(torch.empty(1), peer)
+        pending_single = strict.unwaited()
+        sending.wait()
+    return ([[(op.kind, op.peer, op.call) for op in launch] for launch in notes], pending_batch, pending_single,
+            strict.unwaited(), theirs.tolist())
+
+
+def test_strict_mode_notes_what_each_rank_posts_and_the_work_it_never_waited_for():
+    (notes0, batch0, single0, left0, got0), (notes1, *_rest, got1) = dtlib.spawn(_posted_and_left, 2, strict=True,
+                                                                                   timeout=60)
+    assert notes0 == [[("send", 1, "dist.batch_isend_irecv's isend"), ("recv", 1, "dist.batch_isend_irecv's irecv")],
+                      [("all_reduce", None, "dist.all_reduce")], [("send", 1, "dist.isend")]]
+    assert notes1[-1] == [("recv", 0, "dist.irecv")]
+    assert batch0 and set(batch0) == {"a work of dist.batch_isend_irecv"}  # one work per transfer on gloo
+    assert single0 == ["dist.isend to rank 1"] and left0 == []
+    assert (got0, got1) == ([1.0, 1.0], [0.0, 0.0])

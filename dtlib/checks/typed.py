@@ -1,0 +1,105 @@
+"""Reading a typed answer the way a person means it: a name from a list, or a number, however it was written.
+
+A learner who types ``"fsdp full sharding "``, ``"ZeRO-3"`` or ``Decimal("112256")`` gave the right answer; a
+checker that compares strings or types refuses it. Every checker that reads a typed answer goes through here:
+
+- :func:`choice`: one of an exercise's names, matched without regard to case, spacing, ``_`` or ``-``, and through
+  the exercise's synonyms (``FULL_SHARD`` and ``ZeRO-3`` for full sharding);
+- :func:`number`: any real number (``int``, ``float``, ``Decimal``, ``Fraction``, a NumPy scalar, a one-element
+  tensor) or a string of one (``"112,256"``, ``"1.1e5"``, ``"112256 bytes"`` with the unit the exercise asks for).
+
+Each returns the value in the exercise's own terms, or what to say about the answer (a ``str``).
+
+Example::
+
+    choice("zero-3", ("DDP", "FSDP full sharding"), {"zero 3": "FSDP full sharding"}, "a strategy")
+    # 'FSDP full sharding'
+    number("112,256 bytes", "bytes")   # 112256
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+
+def key(text: str) -> str:
+    """``text`` as a comparison key: lower case, ``_`` and ``-`` as spaces, one space between words, none before
+    a comma, one around a ``+``. Example: ``key(" FSDP_full   Sharding +CPU offload")`` is
+    ``"fsdp full sharding + cpu offload"``."""
+    text = text.casefold().replace("_", " ").replace("-", " ")
+    text = re.sub(r"\s*\+\s*", " + ", text)
+    text = re.sub(r"\s*,\s*", ", ", text)
+    return " ".join(text.split())
+
+
+def choice(answer: Any, choices: Sequence[str], synonyms: Mapping[str, str] | None = None,
+           what: str = "an answer") -> str:
+    """The name in ``choices`` that ``answer`` means, or a message (starting "Answer with") when it means none.
+
+    ``synonyms`` maps other names (compared by :func:`key`) to one of ``choices``. A message is recognised by
+    ``not in choices``; :func:`chosen` says which.
+    """
+    if answer is None:
+        return f"No answer yet: set `answer` to {what}, one of: {_listed(choices)}."
+    if not isinstance(answer, str):
+        return f"Answer with {what} as a string, one of: {_listed(choices)} (not {type(answer).__name__})."
+    table = {key(name): name for name in choices}
+    table |= {key(other): name for other, name in (synonyms or {}).items()}
+    found = table.get(key(answer))
+    if found is None:
+        return f"Answer with {what}, one of: {_listed(choices)}; {answer.strip()!r:.60} is none of them."
+    return found
+
+
+def chosen(result: str, choices: Sequence[str]) -> bool:
+    """Whether :func:`choice` returned a name (True) or a message (False)."""
+    return result in choices
+
+
+def _listed(choices: Sequence[str]) -> str:
+    return ", ".join(repr(name) for name in choices)
+
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def number(answer: Any, unit: str, whole: bool = False) -> float | int | str:
+    """``answer`` as an ``int`` (when whole) or a ``float``, or a message saying what was wrong.
+
+    Accepted: any real number (``bool`` aside), a one-element tensor or array, and a string holding one number,
+    with ``,`` or ``_`` between thousands, optionally followed by ``unit`` (``"112,256 bytes"``). ``whole``: the
+    messages ask for a whole number (the caller checks that it is one).
+    """
+    kind = "whole number" if whole else "number"
+    value = _item(answer)
+    if value is None:
+        return f"No answer yet: set `answer` to a {kind} of {unit}."
+    if isinstance(value, str):
+        text = value.strip()
+        if text.casefold().endswith(unit.casefold()):
+            text = text[: -len(unit)].strip()
+        text = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", text)
+        if not _NUMBER.fullmatch(text):
+            return f"Answer with a {kind} of {unit}, not the text {value.strip()!r:.40}."
+        value = float(text) if any(mark in text for mark in ".eE") else int(text)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Decimal)):
+        return f"Answer with a {kind} of {unit}, not {type(value).__name__}."
+    if isinstance(value, (Decimal, Fraction)):
+        value = float(value)
+    if not math.isfinite(value):
+        return f"Answer with a finite {kind} of {unit}, not {value!r}."
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def _item(answer: Any) -> Any:
+    """A one-element tensor or array as its number; anything else as it is."""
+    try:
+        return answer.item()
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return answer

@@ -1,0 +1,145 @@
+"""Would these ranks' transfers finish on NCCL? Replay the order each rank posted them in, as NCCL runs it.
+
+gloo buffers a send: ``dist.send`` returns once the bytes are on their way, whether or not the peer has
+reached its ``recv``. NCCL does not. A rank's transfers run one after another on its group's stream, in the
+order they were posted (under eager initialisation, with ``device_id``: one communicator for the group), and a
+send can only finish while the peer's matching receive runs (small messages may slip through NCCL's buffers;
+large ones cannot, so code may not rely on it). A ring where every rank first sends to the next and then
+receives from the previous one therefore runs on gloo and hangs on NCCL: each rank's send waits for a
+receive that sits behind its peer's own send. ``batch_isend_irecv`` posts its transfers together, so they run
+at once.
+
+Strict mode (:mod:`dtlib.launch.strict`) notes what a rank posts while :func:`recording` is on: each
+point-to-point call, each ``batch_isend_irecv``, each collective, with its group. :func:`deadlock` replays every
+rank's notes under NCCL's rules and says who waits for whom, or None when everything finishes. The checkers
+refuse an answer whose replay hangs.
+
+Example::
+
+    ring = [[("send", 1), ("recv", 2)], [("send", 2), ("recv", 0)], [("send", 0), ("recv", 1)]]
+    deadlock([[launch(kind, peer) for kind, peer in rank] for rank in ring])
+    # 'On NCCL these transfers hang: rank 0 waits in send to rank 1, ...'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+#: The group a call went to: its members' global ranks, in order.
+Group = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One transfer or collective as posted: ``kind`` is "send", "recv" or a collective's name; ``peer`` the other
+    rank of a transfer (global), None for a collective; ``call`` what the learner wrote ("isend", "send", ...)."""
+
+    kind: str
+    peer: int | None
+    group: Group
+    call: str
+
+
+#: One launch on a stream: the ops posted together (one call, or one batch_isend_irecv).
+Launch = tuple[Op, ...]
+
+_notes: list[Launch] | None = None  # this process's notes while recording() is on
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Inside a rank: note what strict mode sees posted in this block; yields the list the notes go into."""
+    global _notes
+    kept, _notes = _notes, []
+    try:
+        yield _notes
+    finally:
+        _notes = kept
+
+
+def note(*ops: Op) -> None:
+    """Strict mode's hook: ``ops`` were posted together (a no-op unless :func:`recording` is on)."""
+    if _notes is not None and ops:
+        _notes.append(tuple(ops))
+
+
+def launch(kind: str, peer: int | None = None, group: Group = (), call: str = "") -> Launch:
+    """One op posted alone (``group=()`` stands for the default group)."""
+    return (Op(kind, peer, group, call or kind),)
+
+
+def _said(rank: int, op: Op) -> str:
+    if op.peer is None:
+        return f"rank {rank} waits in {op.call}"
+    towards = "to" if op.kind == "send" else "from"
+    return f"rank {rank} waits in {op.call} {towards} rank {op.peer}"
+
+
+def deadlock(ranks: Sequence[Sequence[Launch]]) -> str | None:
+    """Replay each rank's launches in the order posted, one stream per (rank, group); a transfer runs when its
+    match (the k-th send from a to b meets b's k-th receive from a, in the same group) is at the head of the
+    peer's stream too, a collective when every member has its k-th collective of that group at its head.
+    Returns what is left waiting, in the learner's terms, or None when every launch finishes."""
+    streams: dict[tuple[int, Group], list[list[tuple[Op, tuple]]]] = {}
+    counts: dict[tuple, int] = {}
+    posted: set[tuple[int, tuple]] = set()
+    for rank, launches in enumerate(ranks):
+        for ops in launches:
+            keyed = []
+            for op in ops:
+                group = op.group or tuple(range(len(ranks)))
+                if op.peer is None:
+                    key: tuple = ("collective", group)
+                else:
+                    sender, receiver = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
+                    key = ("p2p", group, sender, receiver, op.kind)
+                index = counts.get((rank, key), 0)
+                counts[(rank, key)] = index + 1
+                keyed.append((op, (*key, index)))
+                posted.add((rank, (*key, index)))
+            streams.setdefault((rank, ops[0].group or tuple(range(len(ranks)))), []).append(keyed)
+
+    def heads() -> set[tuple[int, tuple]]:
+        return {(rank, key) for (rank, _), queue in streams.items() if queue for _, key in queue[0]}
+
+    while True:
+        at_head = heads()
+        runs = set()
+        for rank, key in at_head:
+            if key[0] == "collective":
+                if all((member, key) in at_head for member in key[1]):
+                    runs.add((rank, key))
+            elif _match(rank, key) in at_head:
+                runs.add((rank, key))
+        if not runs:
+            break
+        for (rank, _), queue in streams.items():
+            if queue:
+                queue[0] = [(op, key) for op, key in queue[0] if (rank, key) not in runs]
+                if not queue[0]:
+                    queue.pop(0)
+    waiting = [(rank, queue[0][0]) for (rank, _), queue in sorted(streams.items()) if queue]
+    if not waiting:
+        return None
+    unmatched = [(rank, op) for rank, (op, key) in waiting if key[0] == "p2p" and
+                 _match(rank, key) not in posted]
+    if unmatched:
+        rank, op = unmatched[0]
+        side = "receive" if op.kind == "send" else "send"
+        towards = "to" if op.kind == "send" else "from"
+        return (f"Rank {rank}'s {op.call} {towards} rank {op.peer} is never matched: rank {op.peer} posts no {side} "
+                "for it. gloo lets the job end with it pending; on NCCL it waits forever.")
+    shown = ", ".join(_said(rank, op) for rank, (op, _) in waiting[:6]) + (", ..." if len(waiting) > 6 else "")
+    return (f"On NCCL these transfers hang: {shown}. NCCL runs a rank's transfers one after another, in the order "
+            "posted, and a send ends only while its receive runs. Post each rank's sends and receives together, in "
+            "one dist.batch_isend_irecv, or order them so that each pair meets: even ranks send first, odd ranks "
+            "receive first.")
+
+
+def _match(rank: int, key: tuple) -> tuple[int, tuple]:
+    """The (rank, key) of the transfer that matches ``rank``'s transfer ``key``."""
+    _, group, sender, receiver, kind, index = key
+    return (receiver if kind == "send" else sender,
+            ("p2p", group, sender, receiver, "recv" if kind == "send" else "send", index))

@@ -1,0 +1,276 @@
+"""What every rank-function checker holds an answer to, whatever its exercise (dtlib.checks.skeleton.judge):
+transfers that finish in the order NCCL runs them, and a job left as the answer found it.
+
+Each principle is tested through ``sum_of_ranks``, the simplest checker, with a right answer beside the wrong
+one: the principle lives in the skeleton, so every checker built on it inherits these verdicts. Oracle: NCCL's
+documented rules (dtlib.launch.nccl_order) and the state torch reports after the answer (``dist.is_initialized``,
+the groups that exist, works never waited for). Rank functions travel by value, as a notebook cell's do.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtlib import checks
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _ring(rank, world_size, x, post):
+    total, current, incoming = x.clone(), x.clone(), torch.empty_like(x)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for _ in range(world_size - 1):
+        post(current, incoming, right, left, rank)
+        total += incoming
+        current = incoming.clone()
+    return total
+
+
+def _isend_then_irecv(current, incoming, right, left, rank):
+    sending, receiving = dist.isend(current, right), dist.irecv(incoming, left)
+    sending.wait()
+    receiving.wait()
+
+
+def _batched(current, incoming, right, left, rank):
+    ops = [dist.P2POp(dist.isend, current, right), dist.P2POp(dist.irecv, incoming, left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _even_sends_first(current, incoming, right, left, rank):
+    if rank % 2 == 0:
+        dist.send(current, right)
+        dist.recv(incoming, left)
+    else:
+        dist.recv(incoming, left)
+        dist.send(current, right)
+
+
+def _every_rank_sends_first(current, incoming, right, left, rank):
+    dist.send(current, right)
+    dist.recv(incoming, left)
+
+
+def ring_unbatched(rank, world_size, x):
+    return _ring(rank, world_size, x, _isend_then_irecv)
+
+
+def ring_batched(rank, world_size, x):
+    return _ring(rank, world_size, x, _batched)
+
+
+def ring_even_odd(rank, world_size, x):
+    return _ring(rank, world_size, x, _even_sends_first)
+
+
+def ring_blocking(rank, world_size, x):
+    return _ring(rank, world_size, x, _every_rank_sends_first)
+
+
+@pytest.mark.parametrize("answer", [ring_batched, ring_even_odd])
+def test_transfers_posted_together_or_in_meeting_order_pass(answer):
+    feedback = checks.sum_of_ranks(answer, world_size=2)
+    assert feedback.ok, feedback.message
+
+
+def test_an_unbatched_ring_that_gloo_finishes_is_refused_for_nccl():
+    feedback = checks.sum_of_ranks(ring_unbatched, world_size=2)
+    assert not feedback.ok
+    assert feedback.message.startswith("On NCCL these transfers hang: rank 0 waits in dist.isend to rank 1, "
+                                       "rank 1 waits in dist.isend to rank 0."), feedback.message
+    assert "dist.batch_isend_irecv" in feedback.message
+
+
+def test_a_ring_of_blocking_sends_hangs_and_is_said_to_wait_in_its_transfers():
+    feedback = checks.sum_of_ranks(ring_blocking, world_size=2, timeout=15)
+    assert not feedback.ok
+    assert feedback.message.startswith("It hung: rank 0 in dist.send, rank 1 in dist.send."), feedback.message
+    assert "even ranks send first" in feedback.message
+
+
+def destroys_the_group(rank, world_size, x):
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    return x
+
+
+def adds_a_group(rank, world_size, x):
+    dist.all_reduce(x, group=dist.new_group())
+    return x
+
+
+def never_waits_for_its_isend(rank, world_size, x):
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.isend(torch.ones(1), 1)  # received, but its work never waited for
+    elif rank == 1:
+        dist.recv(torch.empty(1), 0)
+    return x
+
+
+def never_waits_for_an_async_all_reduce(rank, world_size, x):
+    spare = x.clone()
+    dist.all_reduce(x)
+    dist.all_reduce(spare, async_op=True)
+    return x
+
+
+def sends_to_nobody(rank, world_size, x):
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.isend(torch.ones(1), 1)  # rank 1 receives nothing
+    return x
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (destroys_the_group, "Rank 0's function destroyed the process group (dist.destroy_process_group)."),
+    (adds_a_group, "Rank 0's function created 1 process group and left it"),
+    (never_waits_for_its_isend, "Rank 0 never waited for its dist.isend to rank 1"),
+    (never_waits_for_an_async_all_reduce, "Rank 0 never waited for its dist.all_reduce(..., async_op=True)"),
+    (sends_to_nobody, "Rank 0's dist.isend to rank 1 is never matched: rank 1 posts no receive for it."),
+])
+def test_an_answer_right_in_value_that_leaves_the_job_broken_is_refused(answer, said):
+    feedback = checks.sum_of_ranks(answer, world_size=2)
+    assert not feedback.ok
+    assert feedback.message.startswith(said), feedback.message
+
+
+def one_all_reduce_more_on_rank_0(rank, world_size, x):
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.all_reduce(torch.zeros(1))  # no other rank calls it
+    return x
+
+
+def test_a_collective_left_over_on_one_rank_is_named_in_the_answer_not_in_the_checker():
+    # The checker's own all-reduce waits until every rank has returned, so it cannot pair with rank 0's extra one:
+    # the hang is reported where the answer is, never in the checker's code.
+    feedback = checks.sum_of_ranks(one_all_reduce_more_on_rank_0, world_size=2, timeout=15)
+    assert not feedback.ok
+    line = one_all_reduce_more_on_rank_0.__code__.co_firstlineno + 3
+    assert feedback.message.startswith(f"It hung: rank 0 waited in all_reduce (line {line}, in "
+                                       "one_all_reduce_more_on_rank_0), while rank 1 returned without calling it."), \
+        feedback.message
+
+
+def hunts_for_the_other_inputs(rank, world_size, x):
+    """Sums every rank's input found in what the rank was sent (its frames' pickled bytes, its process's
+    arguments), and all-reduces a copy of its own so that a collective carried its data."""
+    import multiprocessing
+
+    import cloudpickle as pickler
+
+    dist.all_reduce(x.clone())
+    sent = [value for value in multiprocessing.current_process()._args if isinstance(value, bytes)]
+    frame = sys._getframe()
+    while frame is not None:
+        sent += [value for value in frame.f_locals.values() if isinstance(value, bytes)]
+        frame = frame.f_back
+    for payload in sent:
+        try:
+            _, args, _ = pickler.loads(payload)
+        except Exception:  # noqa: BLE001, S112 - not a call's payload
+            continue
+        for value in args:
+            if isinstance(value, list) and len(value) == world_size:
+                return torch.stack([torch.as_tensor(given) for given in value]).sum(0).to(x.dtype)
+    return x
+
+
+def test_a_rank_is_sent_its_own_input_alone():
+    feedback = checks.sum_of_ranks(hunts_for_the_other_inputs, world_size=2)
+    assert not feedback.ok, feedback.message
+    assert "but it returned its own x" in feedback.message, feedback.message  # it found no other input
+
+
+def hands_data_through_the_store(rank, world_size, x):
+    """Publishes its input in the process group's store and reads the others' there; all-reduces a copy of its
+    own so that a collective carried its data."""
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    store.set(f"mine/{rank}", repr(x.tolist()))
+    dist.all_reduce(x.clone())
+    values = [eval(store.get(f"mine/{other}").decode()) for other in range(world_size)]  # noqa: S307
+    return torch.tensor(values, dtype=x.dtype).sum(0)
+
+
+def test_the_store_is_not_a_channel():
+    feedback = checks.sum_of_ranks(hands_data_through_the_store, world_size=2)
+    assert not feedback.ok
+    assert feedback.message.startswith("The ranks' functions wrote 2 keys to the process group's store."), \
+        feedback.message
+
+
+# -- inputs that expose shortcuts (01's and 02's rank inputs) ------------------------------------------------------
+
+
+def sum_rounded_to_4_decimals(rank, world_size, x):
+    dist.all_reduce(x)
+    return torch.round(x, decimals=4)
+
+
+def sum_over_a_float16_wire(rank, world_size, x):
+    y = x.half()
+    dist.all_reduce(y)
+    return y.float()
+
+
+def sum_over_a_bfloat16_wire(rank, world_size, x):
+    y = x.bfloat16()
+    dist.all_reduce(y)
+    return y.float()
+
+
+def sum_in_float64(rank, world_size, x):
+    y = x.double()
+    dist.all_reduce(y)
+    return y
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (sum_rounded_to_4_decimals, "Digits were lost on the way"),
+    (sum_over_a_float16_wire, "Rank 0's collectives carried float16"),
+    (sum_over_a_bfloat16_wire, "Rank 0's collectives carried bfloat16"),
+])
+def test_digits_lost_on_the_way_show_at_the_small_slots(answer, said):
+    feedback = checks.sum_of_ranks(answer, world_size=2)
+    assert not feedback.ok
+    assert "close, but not to float32's precision" in feedback.message and said in feedback.message, \
+        feedback.message
+
+
+def test_more_precision_than_asked_passes():
+    feedback = checks.sum_of_ranks(sum_in_float64, world_size=2)
+    assert feedback.ok, feedback.message
+
+
+def mean_over_numel_minus_2(rank, world_size, values):
+    dist.all_reduce(values)
+    return values / (values.numel() - 2)
+
+
+def test_a_length_tied_to_the_world_size_is_never_drawn_at_both_sizes():
+    feedback = checks.average_of_ranks(mean_over_numel_minus_2, world_size=2)
+    assert not feedback.ok and "holds the sum divided by" in feedback.message, feedback.message
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 7])
+def test_the_inputs_lengths_and_magnitudes(size):
+    from dtlib.checks.rank_functions import _vectors
+
+    generator = torch.Generator().manual_seed(size)
+    offsets = set()
+    for _ in range(20):
+        here, there = _vectors(size, generator), _vectors(size + 1, generator)
+        assert len(here) == size and all(x.dtype == torch.float32 for x in here)
+        offsets.add((here[0].numel() - size) % 2 != (there[0].numel() - size - 1) % 2)
+        magnitudes = here[0].abs().log10().floor()
+        assert magnitudes.min() <= -1 and magnitudes.max() >= 1  # small slots and large ones in every draw
+    assert offsets == {True}  # length - world_size never the same at both sizes

@@ -1,0 +1,91 @@
+"""dtlib.checks.typed: a typed answer read as a person means it, and the typed checkers that read through it.
+
+Oracle: the exercise's own names and numbers, written the ways a learner writes them (case, spacing, torch's
+enum names, the ZeRO paper's names, Decimal, strings with thousands separators and a unit), against things that
+only look alike (another strategy, a number of another unit, text).
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from dtlib import checks
+from dtlib.checks import typed
+from dtlib.train import guide
+
+CHOICES = ("DDP", "FSDP full sharding", "FSDP, no reshard after forward")
+
+
+@pytest.mark.parametrize(("answer", "meant"), [
+    ("ddp", "DDP"), ("  DDP\n", "DDP"), ("fsdp full sharding ", "FSDP full sharding"),
+    ("Fsdp_Full-Sharding", "FSDP full sharding"), ("FSDP,no reshard after forward", "FSDP, no reshard after forward"),
+    ("zero-3", "FSDP full sharding"), ("FULL_SHARD", "FSDP full sharding"),
+])
+def test_a_choice_is_matched_whatever_its_case_spacing_or_synonym(answer, meant):
+    assert typed.choice(answer, CHOICES, {"ZeRO 3": "FSDP full sharding", "full shard": "FSDP full sharding"},
+                        "a strategy") == meant
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (None, "No answer yet: set `answer` to a strategy, one of: 'DDP', "),
+    (3, "Answer with a strategy as a string, one of: 'DDP', "),
+    ("FSDP", "Answer with a strategy, one of: 'DDP', "),  # which FSDP? not a name the exercise has
+    ("DDPP", "'DDPP' is none of them"),
+])
+def test_what_matches_no_choice_is_told_so(answer, said):
+    result = typed.choice(answer, CHOICES, {}, "a strategy")
+    assert not typed.chosen(result, CHOICES) and said in result
+
+
+@pytest.mark.parametrize(("answer", "value"), [
+    (112256, 112256), (112256.0, 112256), (Decimal("112256"), 112256), (Fraction(224512, 2), 112256),
+    (np.float32(112256), 112256), (np.int64(112256), 112256), (torch.tensor([112256.0]), 112256),
+    ("112256", 112256), ("112,256", 112256), ("112_256", 112256), ("112,256 bytes", 112256), (" 1.12256e5 ", 112256),
+    ("0.5", 0.5), (Decimal("0.5"), 0.5),
+])
+def test_a_number_is_read_however_it_was_written(answer, value):
+    read = typed.number(answer, "bytes")
+    assert read == value and type(read) is type(value)
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (None, "No answer yet"), (True, "not bool"), ("abc", "not the text 'abc'"), ("112 MB", "not the text '112 MB'"),
+    ("1,12,256", "not the text"), (float("inf"), "finite"), ([1, 2], "not list"), (torch.ones(2), "not Tensor"),
+])
+def test_what_is_no_number_is_told_so(answer, said):
+    read = typed.number(answer, "bytes")
+    assert isinstance(read, str) and said in read, read
+
+
+@pytest.mark.parametrize("answer", ["fsdp full sharding", "FSDP full sharding ", "Fsdp Full Sharding", "FULL_SHARD",
+                                    "ZeRO-3"])
+def test_06s_strategy_is_taken_in_any_spelling(answer):
+    feedback = checks.strategy_choice(answer, 13e9, 80, 8)
+    assert feedback.ok and guide.CHOICES[4] == "FSDP full sharding", feedback.message
+
+
+def test_06s_synonyms_name_real_choices():
+    assert set(checks.answers.STRATEGY_SYNONYMS.values()) <= set(guide.CHOICES)
+
+
+@pytest.mark.parametrize("answer", [Decimal(112256), "112,256", "112256 bytes", np.float64(112256.0)])
+def test_05s_bytes_are_taken_as_any_number(answer):
+    assert checks.fsdp_memory(answer).ok
+
+
+@pytest.mark.parametrize("words", ["--no-python python train.py", "--no-python python3 -u train.py"])
+def test_07s_command_may_run_python_itself(words):
+    command = f"torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 {words}"
+    feedback = checks.torchrun_command(command, nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1")
+    assert feedback.ok, feedback.message
+
+
+def test_07s_no_python_still_needs_the_script():
+    command = "torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --no-python python -m x"
+    feedback = checks.torchrun_command(command, nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1")
+    assert not feedback.ok

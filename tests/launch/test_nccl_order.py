@@ -1,0 +1,86 @@
+"""dtlib.launch.nccl_order: a replay of what each rank posted, as NCCL runs it, finds the orders that hang there.
+
+Oracle: NCCL's rules as its documentation states them (a rank's transfers run one after another on its group's
+stream; a send ends only while its receive runs; a group call posts its transfers together), worked by hand for
+each case: the classic deadlocks hang, their textbook fixes (even/odd order, batching) finish.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtlib.launch.nccl_order import Op, deadlock, launch, note, recording
+
+
+def _program(*calls: tuple[str, int | None]) -> list[tuple[Op, ...]]:
+    return [launch(kind, peer) for kind, peer in calls]
+
+
+def _ring(world_size: int, first: str) -> list[list[tuple[Op, ...]]]:
+    order = {"send": lambda r: [("send", (r + 1) % world_size), ("recv", (r - 1) % world_size)],
+             "recv": lambda r: [("recv", (r - 1) % world_size), ("send", (r + 1) % world_size)]}
+    return [_program(*order[first](rank)) for rank in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+@pytest.mark.parametrize("first", ["send", "recv"])
+def test_a_ring_where_every_rank_posts_the_same_side_first_hangs(world_size, first):
+    said = deadlock(_ring(world_size, first))
+    assert said is not None and said.startswith("On NCCL these transfers hang")
+    for rank in range(world_size):
+        assert f"rank {rank} waits in {first}" in said
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_even_ranks_sending_first_and_odd_ones_receiving_first_finishes(world_size):
+    ranks = [(_ring(world_size, "send") if rank % 2 == 0 else _ring(world_size, "recv"))[rank]
+             for rank in range(world_size)]
+    assert deadlock(ranks) is None
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_ring_posted_in_one_batch_per_rank_finishes(world_size):
+    ranks = [[(Op("send", (rank + 1) % world_size, (), "isend"), Op("recv", (rank - 1) % world_size, (), "irecv"))]
+             for rank in range(world_size)]
+    assert deadlock(ranks) is None
+
+
+def test_transfers_wait_behind_a_collective_that_their_peer_reaches_later():
+    # rank 0: all_reduce, then send to 1; rank 1: recv from 0, then all_reduce. Each waits for the other.
+    said = deadlock([[launch("all_reduce"), launch("send", 1)], [launch("recv", 0), launch("all_reduce")]])
+    assert said is not None and "rank 0 waits in all_reduce" in said and "rank 1 waits in recv from rank 0" in said
+    assert deadlock([[launch("all_reduce"), launch("send", 1)], [launch("all_reduce"), launch("recv", 0)]]) is None
+
+
+def test_another_group_has_a_stream_of_its_own():
+    pair = (0, 1)  # of three ranks
+    # On the default group's stream rank 0's send would wait for rank 1's all_reduce; on a group of its own it runs.
+    ranks = [[launch("all_reduce"), launch("send", 1, pair)], [launch("recv", 0, pair), launch("all_reduce")],
+             [launch("all_reduce")]]
+    assert deadlock(ranks) is None
+    assert deadlock([[launch("all_reduce"), launch("send", 1)], [launch("recv", 0), launch("all_reduce")],
+                     [launch("all_reduce")]]) is not None
+
+
+def test_a_transfer_that_no_peer_matches_is_named():
+    said = deadlock([[launch("send", 1, call="dist.isend")], []])
+    assert said == ("Rank 0's dist.isend to rank 1 is never matched: rank 1 posts no receive for it. gloo lets the "
+                    "job end with it pending; on NCCL it waits forever.")
+
+
+def test_the_kth_send_meets_the_kth_receive():
+    # Two sends from 0 to 1, received in order: fine. A third send with no receive: never matched.
+    assert deadlock([_program(("send", 1), ("send", 1)), _program(("recv", 0), ("recv", 0))]) is None
+    said = deadlock([_program(("send", 1), ("send", 1), ("send", 1)), _program(("recv", 0), ("recv", 0))])
+    assert said is not None and "never matched" in said
+
+
+def test_notes_are_kept_only_while_recording_and_nest():
+    note(*launch("all_reduce"))  # outside: dropped
+    with recording() as outer:
+        note(*launch("send", 1))
+        with recording() as inner:
+            note(*launch("recv", 0))
+        note(*launch("all_reduce"))
+    assert [ops[0].kind for ops in outer] == ["send", "all_reduce"]
+    assert [ops[0].kind for ops in inner] == ["recv"]
