@@ -16,13 +16,19 @@ One module per kind of exercise, every checker named here:
 - ``tensor_parallel``: a tensor-parallel MLP by hand (09);
 - ``layouts``: a pipeline's micro-batches (10) and a 2-D mesh laid on nodes (11), from typed answers;
 - ``attention``: the softmax merge of ring attention (12);
-- ``experts``: an expert-parallel mixture of experts, tokens moved by all-to-all (13).
+- ``experts``: an expert-parallel mixture of experts, tokens moved by all-to-all (13);
+- ``cluster``: the largest micro-batch and the smallest pipeline of a simulated cluster (14);
+- ``faults``: the checkpoint interval that wastes the least time, as a function of the job (16).
+
+Typed answers are read by ``typed`` (a name from a list, a number however written); every rank-function checker
+runs on ``skeleton``, which holds the principles they share (``docs/testing.md``).
 """
 
 from dtlib.checks.answers import backend_choice, fsdp_memory, strategy_choice, torchrun_command
 from dtlib.checks.attention import softmax_merge
 from dtlib.checks.cluster import largest_micro_batch, smallest_pipeline
 from dtlib.checks.experts import expert_parallel_moe
+from dtlib.checks.faults import checkpoint_interval
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.layouts import mesh_for_nodes, pipeline_micro_batches
 from dtlib.checks.rank_functions import average_of_ranks, fixed_barrier, sum_of_ranks
@@ -30,7 +36,7 @@ from dtlib.checks.ring_phases import ring_phase
 from dtlib.checks.tensor_parallel import tensor_parallel_mlp
 from dtlib.checks.training import fsdp_wrap, gradient_hook
 
-__all__ = ["Feedback", "average_of_ranks", "backend_choice", "expert_parallel_moe", "fixed_barrier", "fsdp_memory",
-           "fsdp_wrap", "gradient_hook", "largest_micro_batch", "mesh_for_nodes", "pipeline_micro_batches",
-           "ring_phase", "smallest_pipeline", "softmax_merge", "strategy_choice", "sum_of_ranks", "tensor_parallel_mlp",
-           "torchrun_command"]
+__all__ = ["Feedback", "average_of_ranks", "backend_choice", "checkpoint_interval", "expert_parallel_moe",
+           "fixed_barrier", "fsdp_memory", "fsdp_wrap", "gradient_hook", "largest_micro_batch", "mesh_for_nodes",
+           "pipeline_micro_batches", "ring_phase", "smallest_pipeline", "softmax_merge", "strategy_choice",
+           "sum_of_ranks", "tensor_parallel_mlp", "torchrun_command"]

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dtlib import arguments
 from dtlib.launch.processes import free_port
@@ -59,15 +60,17 @@ def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
 
 #: Set where torchrun may restart its ranks. torch 2.13's agent keeps one rendezvous store, under one prefix,
 #: across attempts, while the ranks assume a new one: restarted gloo ranks read the dead ranks' addresses and
-#: fail with "Connection refused" (pytorch issue 167288). With this variable each attempt gets its own store.
+#: fail with "Connection refused" (pytorch issue 167288). With this variable each attempt of the c10d rendezvous
+#: (``--standalone``'s) gets its own store. The static rendezvous keeps its one store whatever it says: there,
+#: only a script that joins under a prefix of its attempt (``TORCHELASTIC_RESTART_COUNT``) restarts (notebook 16).
 RESTART_FIX = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 _SET_BY_DTLIB = ("nproc_per_node", "tee", "standalone", "nnodes", "node_rank", "master_addr", "master_port",
                  "rdzv_backend", "rdzv_endpoint", "rdzv_id")
 
 
-def _torchrun_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+def _torchrun_options(options: Sequence[str], restart_fix: bool = True) -> tuple[list[str], dict[str, str]]:
     """``options`` checked by torchrun's own parser, and the environment they need: :data:`RESTART_FIX` where
-    they allow restarts (unless this environment sets it already)."""
+    they allow restarts (unless this environment sets it already, or ``restart_fix`` is False)."""
     if isinstance(options, str) or not all(isinstance(option, str) for option in options):
         raise ValueError(f"options must be a list of torchrun's options, as strings (['--max_restarts=1']), "
                          f"got {options!r:.80}")
@@ -82,7 +85,9 @@ def _torchrun_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]
         raise ValueError(f"--{ours[0]} is set by this helper itself; pass the others only")
     restarts = parsed.get("max_restarts")
     env = {}
-    if restarts is not NOT_GIVEN and int(restarts) > 0 and RESTART_FIX[0] not in os.environ:  # type: ignore[call-overload]
+    if restart_fix is not True and restart_fix is not False:
+        raise ValueError(f"restart_fix must be True or False, got {restart_fix!r}")
+    if restart_fix and restarts is not NOT_GIVEN and int(restarts) > 0 and RESTART_FIX[0] not in os.environ:  # type: ignore[call-overload]
         env[RESTART_FIX[0]] = RESTART_FIX[1]
     return list(options), env
 
@@ -135,17 +140,18 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
 
 
 def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequence[str] = (),
-                timeout: float = 60.0, legacy: bool = False) -> Finished:
+                timeout: float = 60.0, legacy: bool = False, restart_fix: bool = True) -> Finished:
     """``torchrun --standalone --nproc_per_node=N [options] <target>``: one node, a fresh rendezvous on a free port.
 
     ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or
     ``["-m", "dtlib.train", "ddp"]``. ``options`` are more of torchrun's own (``["--max_restarts=1"]``), checked
-    by its parser; where they allow restarts, :data:`RESTART_FIX` is set too, and shown in ``command``.
-    ``legacy=True`` runs the deprecated ``python -m torch.distributed.launch`` instead, which also passes
+    by its parser; where they allow restarts, :data:`RESTART_FIX` is set too, and shown in ``command``
+    (``restart_fix=False`` leaves it out, to show what torch does without it). ``legacy=True`` runs the
+    deprecated ``python -m torch.distributed.launch`` instead, which also passes
     ``--local-rank=N`` to the script.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
-    options, env = _torchrun_options(options)
+    options, env = _torchrun_options(options, restart_fix)
     module = "torch.distributed.launch" if legacy else "torch.distributed.run"
     command = _command(target, nproc_per_node, ["--standalone", *options], module)
     return _finish([_start(command, env)], [command], timeout, env)[0]
@@ -160,7 +166,7 @@ def exit_codes(finished: Finished) -> dict[int, int]:
 
 
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
-                   options: Sequence[str] = (), timeout: float = 60.0) -> list[Finished]:
+                   options: Sequence[str] = (), timeout: float = 60.0, restart_fix: bool = True) -> list[Finished]:
     """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.
 
     ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the agent on
@@ -168,10 +174,10 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     does), and node ranks are given out when the rendezvous completes, not in order of arrival.
     ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
     node 0 hosting the store, as with ``torch.distributed.launch`` of old. ``options``: more of torchrun's
-    own, given to every node, as in :func:`single_node`.
+    own, given to every node, and ``restart_fix``, as in :func:`single_node`.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
-    extra, env = _torchrun_options(options)
+    extra, env = _torchrun_options(options, restart_fix)
     nnodes = arguments.count("nnodes", nnodes, 1)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
@@ -192,6 +198,25 @@ def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:
     """The ``DTLIB_ENV {...}`` lines that ``dtlib.examples.env`` prints, parsed, sorted by RANK."""
     records = [json.loads(match) for run in finished for match in re.findall(r"DTLIB_ENV (\{.*?\})", run.output)]
     return sorted(records, key=lambda record: int(record["RANK"]))
+
+
+def json_records(finished: Finished | Sequence[Finished]) -> list[dict[str, Any]]:
+    """Every line a rank printed that holds one JSON object (``print(json.dumps(record))``), parsed, in the order
+    each node's torchrun relayed them (``[default<LOCAL_RANK>]:`` removed); lines of anything else are skipped.
+    Example: ``json_records(single_node(["train.py"]))`` -> ``[{"rank": 0, "step": 1, ...}, ...]``."""
+    runs = [finished] if isinstance(finished, Finished) else list(finished)
+    records = []
+    for run in runs:
+        for line in run.output.splitlines():
+            text = re.sub(r"^\[[a-z]*\d+\]:", "", line).strip()
+            if text.startswith("{") and text.endswith("}"):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(value, dict):
+                    records.append(value)
+    return records
 
 
 NOT_GIVEN = object()  # parse_options: marks the options a command line leaves to torchrun's defaults

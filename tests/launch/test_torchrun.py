@@ -254,6 +254,8 @@ def test_bad_node_settings():
     (lambda: torchrun.single_node(["x.py"], options=["--nproc_per_node=4"]), "--nproc_per_node is set by this"),
     (lambda: torchrun.simulate_nodes(["x.py"], options=["--rdzv_id=7"]), "--rdzv_id is set by this"),
     (lambda: torchrun.single_node(["x.py"], options=["y.py"]), "torchrun's options only, not the script"),
+    (lambda: torchrun.single_node(["x.py"], options=["--max_restarts=1"], restart_fix="no"),
+     "restart_fix must be True or False"),
 ])
 def test_the_helpers_check_their_arguments_before_starting_anything(monkeypatch, call, message):
     monkeypatch.setattr(torchrun.subprocess, "Popen", lambda *a, **k: pytest.fail("torchrun started"))
@@ -273,3 +275,20 @@ def test_failure_report_shows_each_failed_ranks_own_lines_then_the_summary():
     assert "local rank 1 (exit code -6)" in report and "local rank 0 (exit code -15)" in report
     assert "noise 99" in report and "noise 96" not in report
     assert report.rstrip().endswith("exitcode  : -6 (pid: 8)") and "step 1" not in report
+
+
+def test_restart_fix_is_set_where_restarts_are_allowed_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(torchrun.RESTART_FIX[0], raising=False)
+    assert torchrun._torchrun_options(["--max_restarts=1"])[1] == dict([torchrun.RESTART_FIX])
+    assert torchrun._torchrun_options(["--max_restarts=1"], restart_fix=False)[1] == {}
+    assert torchrun._torchrun_options([])[1] == {}  # no restarts allowed: nothing to fix
+
+
+def test_json_records_are_every_ranks_json_lines_and_nothing_else():
+    output = "\n".join(['[default0]:{"rank": 0, "step": 1}', '[default1]:{"rank": 1, "step": 1}', "W1129 a warning",
+                        '[default1]:{not json}', '[default0]:[1, 2]', '[default10]:{"rank": 10, "step": 2}',
+                        '{"plain": true}'])
+    run = torchrun.Finished("torchrun x.py", 0, output)
+    assert torchrun.json_records(run) == [{"rank": 0, "step": 1}, {"rank": 1, "step": 1}, {"rank": 10, "step": 2},
+                                          {"plain": True}]
+    assert torchrun.json_records([run, run]) == torchrun.json_records(run) * 2

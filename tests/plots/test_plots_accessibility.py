@@ -37,6 +37,7 @@ from dtlib import plots, ring  # noqa: E402
 from dtlib.bench.bandwidth import Row  # noqa: E402
 from dtlib.bench.startup import LaunchTiming  # noqa: E402
 from dtlib.measure.machine import MachineInfo  # noqa: E402
+from dtlib.sim import failures  # noqa: E402
 from dtlib.train import data, fsdp_compare, guide
 from dtlib.train.ddp import RankResult  # noqa: E402
 from dtlib.train.fsdp_compare import StrategyRow  # noqa: E402
@@ -53,7 +54,8 @@ OVERFLOW_TOLERANCE_PX = 2.0
 
 # A quantity's label names its unit as its first word ("ms per step") or first inside brackets
 # ("model state per rank (GB)", "message size S (bytes, log scale)").
-UNITS = {"s", "ms", "us", "seconds", "B", "bytes", "kB", "MB", "GB", "KiB", "MiB", "GiB", "MB/s", "GB/s", "%"}
+UNITS = {"s", "ms", "us", "seconds", "minutes", "hours", "B", "bytes", "kB", "MB", "GB", "KiB", "MiB", "GiB", "MB/s",
+         "GB/s", "%"}
 # Counts, indices and dimensionless numbers need no unit: a label that begins with one of these.
 UNITLESS = {
     "rank", "ranks", "world size", "step", "steps", "epoch", "element", "elements", "position", "index",
@@ -195,6 +197,13 @@ def _simulated() -> dict:
     return {f"{n} ranks": simulate(LLAMA["tiny"], dp=n, seq_len=64, depths=None) for n in (2, 4)}
 
 
+def _restart_records() -> list[dict[str, float]]:  # notebook 16: killed after step 6, checkpoints every 4
+    first = [{"t": 0.1 * step, "attempt": 0, "rank": rank, "step": step} for rank in (0, 1) for step in range(1, 7)]
+    again = [{"t": 5 + 0.1 * step, "attempt": 1, "rank": rank, "step": step} for rank in (0, 1)
+             for step in range(5, 13)]
+    return first + again
+
+
 def _tokens_beyond() -> object:
     from dtlib.sim.llama import LLAMA
 
@@ -267,6 +276,12 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
                              "Rank 1's parameter bytes around fully_shard", "kB (1e3 bytes)", "{:.1f}"),
     },
     "nodes": {"1 node": lambda: call(_records(1, 2)), "2 nodes": lambda: call(_records(2, 2))},
+    "restart_timeline": {"notebook 16": lambda: call(_restart_records(), every=4),
+                         "no restart": lambda: call([r for r in _restart_records() if r["attempt"] == 0])},
+    "job_time": {"one job": lambda: call(failures.simulate(20 * 3600, 1800, 4 * 3600, 60, 300, seed=1).events)},
+    "waste_curve": {"exact and simulated": lambda: call([300, 900, 1800, 3600], [0.2, 0.11, 0.12, 0.19],
+                                                        [0.21, 0.1, 0.12, 0.2], {"Young": 1315.0, "best": 1275.0}),
+                    "exact only": lambda: call([60, 600, 6000], [0.5, 0.1, 0.4])},
 }
 
 
