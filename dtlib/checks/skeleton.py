@@ -16,10 +16,12 @@ process (random, rank-dependent), hands rank ``r`` its own on ``dtlib.rank_devic
 right value from all of them in one process (``expected``, the oracle). Each collective a rank calls is
 recorded (:class:`Carried`: what it sent, what it received), so hints and ``moved`` can say what it carried.
 
-Every answer is also held to what any job needs of it, whatever the exercise: its transfers must finish in the
-order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of blocking sends runs on gloo and hangs on NCCL),
-and it must leave the job as it found it: the default group alive, no group added, every async work waited
-for, and the ranks' collectives paired, which one all-reduce of the checker's own, run after the answer, shows.
+Every answer is also held to what any job needs of it, whatever the exercise. Each rank is sent its own input
+alone (``dtlib.spawn(rank_args=...)``), so only a collective can bring it another's. Its transfers must finish
+in the order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of unbatched ``isend``/``irecv`` runs on
+gloo and hangs on NCCL). And it must leave the job as it found it: the default group alive, no group added, no
+work unwaited, no data left in the store (not a channel), and the ranks' collectives paired, which one
+all-reduce of the checker's own, run once every rank has returned, shows.
 
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
 """

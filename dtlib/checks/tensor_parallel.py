@@ -383,6 +383,11 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
     a shape that does not fit, and right numbers reached some other way (every rank computing everything, a
     broadcast, a batch split).
     """
+    judged = [size for size in range(2, HIDDEN + 1) if HIDDEN % size == 0 and HIDDEN % (size + 1) == 0]
+    if world_size not in judged:  # a share of the hidden features per rank, equal at both sizes the check runs
+        raise ValueError(f"tensor_parallel_mlp checks world sizes {' or '.join(map(str, judged))}: it runs "
+                         f"world_size ranks and one more, and the MLP's {HIDDEN} hidden features split evenly over "
+                         f"both only then (got {world_size!r})")
     verdict = judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
     if not verdict.ok:
         return verdict

@@ -359,3 +359,17 @@ def test_an_all_reduce_read_part_way_is_named_as_unfinished():
     assert _part_way(torn, summand, total) and _part_way(summand, summand, total)
     assert not _part_way(total, summand, total)  # finished: right
     assert not _part_way(torch.full((4, 8), 0.5, dtype=torch.float64), summand, total)  # something else
+
+
+def megatron_by_tensor_split(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.tensor_split(world_size, 0)[rank].T) @ down.tensor_split(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return y
+
+
+def test_the_model_answer_passes_at_every_world_size_the_checker_accepts_and_others_are_refused_by_name():
+    assert checks.tensor_parallel_mlp(megatron_by_tensor_split, world_size=3).ok  # runs 3 and 4 ranks
+    for world_size in (1, 4, 5, 6):  # 12 hidden features: 4 and 5 ranks, 5 and 6, 6 and 7 cannot both split evenly
+        with pytest.raises(ValueError, match="tensor_parallel_mlp checks world sizes 2 or 3"):
+            checks.tensor_parallel_mlp(megatron_by_tensor_split, world_size=world_size)
