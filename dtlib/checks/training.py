@@ -13,11 +13,11 @@ import dataclasses
 import functools
 import inspect
 import random
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
@@ -26,6 +26,7 @@ from dtlib.checks._numbers import constant_divisor
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
 from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.launch import nccl_order
 from dtlib.launch.entry import device_ids, rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
@@ -40,6 +41,7 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
     """``hook``, noting in ``report`` whether it changed the gradient it was given (torch's contract for
     ``Tensor.register_hook``: "The hook should not modify its argument"), what wrote into it, and the dtypes
     of the tensors its collectives moved."""
+    @functools.wraps(hook)  # torch names a hook in its errors: the learner's name, not this wrapper's
     def watched(grad: Any) -> Any:
         before = grad.detach().clone()
         storage = grad.untyped_storage().data_ptr()
@@ -222,11 +224,22 @@ def _in_place(values: Sequence[dict[str, Any]], size: int) -> str | None:
             "grad = grad / dist.get_world_size(), then dist.all_reduce(grad), and return it.")
 
 
+#: torch's legacy tensor type names, as its hook errors print them, and the dtypes they are.
+_TENSOR_TYPES = {"FloatTensor": "float32", "HalfTensor": "float16", "BFloat16Tensor": "bfloat16",
+                 "DoubleTensor": "float64"}
+
+
 def _hook_failed(err: WorkerError) -> str:
     cause = err.cause()
     if cause.exc_type is None:  # it exited or was killed, without raising: the others only lost it
         return (f"A rank stopped inside your hook without raising ({cause.headline()}): every rank must run the "
                 "whole backward pass, all-reducing every gradient, and return a gradient from the hook.")
+    changed = re.search(r"has changed the type of value \(was torch\.(\w+) got torch\.(\w+)\)", cause.message)
+    if changed:
+        was, got = (_TENSOR_TYPES.get(name, name) for name in changed.groups())
+        return (f"Your hook returned a {got} gradient for a {was} parameter, and torch refuses a hook that changes "
+                f"the gradient's dtype. Communicate in {got} if you like, but return the gradient in {was}: "
+                f"grad.copy_(...) or .to(grad.dtype) before returning.")
     if "gloo" not in cause.message:
         return f"Your hook raised on a rank:\n{cause.headline()}"
     return ("A rank died waiting for an all-reduce that another rank never made: every rank must all-reduce every "
@@ -299,24 +312,14 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:
     """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
     grad = torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())
-    ops: list[Any] = []
-    all_reduce = dist.all_reduce
-
-    def noting(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
-        ops.append(op)
-        return all_reduce(tensor, op, *args, **kwargs)
-
-    dist.all_reduce = noting  # which reduce op the hook asks for: NCCL's AVG divides as it sums, gloo's after
-    try:
+    with nccl_order.recording() as posted:  # which reduce op the hook asks for: NCCL's AVG divides as it sums
         returned = hook(grad)
-    finally:
-        dist.all_reduce = all_reduce
     if returned is None:
         returned = grad  # as autograd does: None means the hook changed the gradient in place, or not at all
     if not isinstance(returned, torch.Tensor):
         raise TypeError(f"your hook returned a {type(returned).__name__}: return the gradient tensor (or None "
                         "after changing it in place)")
-    return {"grad": returned.float().cpu(), "avg": any(op == dist.ReduceOp.AVG for op in ops)}
+    return {"grad": returned.float().cpu(), "avg": any(op.reduce_op == "AVG" for ops in posted for op in ops)}
 
 
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it

@@ -40,6 +40,7 @@ class Op:
     peer: int | None
     group: Group
     call: str
+    reduce_op: str = ""  # a reduction's op as ReduceOp names it ("SUM", "AVG"), where the call has one
 
 
 #: One launch on a stream: the ops posted together (one call, or one batch_isend_irecv).

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from dtlib.launch import nccl_order
 
@@ -187,11 +188,12 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         bound.apply_defaults()
         arguments = bound.arguments
         op = arguments.get("op")
-        if op is not None and getattr(op, "name", str(op).rsplit(".", 1)[-1]) in BITWISE:
+        op_name = "" if op is None else getattr(op, "name", str(op).rsplit(".", 1)[-1])
+        if op_name in BITWISE:
             raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
         _refuse_non_contiguous(name, arguments)
-        nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), f"dist.{name}"))
+        nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), f"dist.{name}", op_name))
         rank = dist.get_rank()
         undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
         if not arguments.get("async_op"):
@@ -369,10 +371,19 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
     return [_track(_Posted(work, "a work of dist.batch_isend_irecv")) for work in original(ops)]
 
 
+#: Where ``from torch.distributed import all_reduce`` finds the function, and where a pickled reference to it
+#: (a cell's function shipped by value) is looked up: strict mode replaces the collectives and the blocking
+#: transfers there too. Not ``isend``, ``irecv`` or ``batch_isend_irecv``: torch's own ``P2POp`` and
+#: ``batch_isend_irecv`` compare their ops with that module's ``isend`` by identity.
+_SOURCE = distributed_c10d
+_ALSO_IN_SOURCE = (*WRITES, "send", "recv")
+
+
 def install() -> bool:
     """Hold this process's later ``torch.distributed`` calls to NCCL's contract; False where it already is.
 
-    Call it inside a rank after the process group exists (the worker does, when strict mode is asked for).
+    The worker calls it before it unpickles the rank's function, so that the functions a cell imported by name
+    (``from torch.distributed import reduce``) come back held to it too.
     """
     if _active:
         return False
@@ -384,6 +395,10 @@ def install() -> bool:
     for name in ("send", "recv", "isend", "irecv"):
         _active[name] = getattr(dist, name)
         setattr(dist, name, point_to_point.wrap(name, _active[name]))
+    for name in _ALSO_IN_SOURCE:
+        if name in _active and getattr(_SOURCE, name, None) is _active[name]:
+            _active[f"{_SOURCE.__name__}:{name}"] = _active[name]
+            setattr(_SOURCE, name, getattr(dist, name))
     _active["P2POp.__new__"], _active["P2POp.__init__"] = dist.P2POp.__new__, dist.P2POp.__init__
     dist.P2POp.__new__, dist.P2POp.__init__ = _p2p_op_new, _p2p_op_init
     _active["batch_isend_irecv"] = dist.batch_isend_irecv
@@ -394,8 +409,9 @@ def install() -> bool:
 def uninstall() -> None:
     """Give ``torch.distributed`` its own functions back."""
     for name, original in _active.items():
+        module, _, name = name.rpartition(":")
         owner, _, attribute = name.rpartition(".")
-        setattr(dist.P2POp if owner else dist, attribute, original)
+        setattr(_SOURCE if module else dist.P2POp if owner else dist, attribute, original)
     _active.clear()
 
 

@@ -294,6 +294,10 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
     message: tuple[str, Any]
     initialised = False
     try:
+        # NCCL's contract on gloo, unless dtlib.spawn(strict=False) or DTLIB_STRICT=0; before the call is unpickled,
+        # so that a name a cell imported (from torch.distributed import reduce) comes back held to it too
+        if config.backend == "gloo" and strict.wanted():
+            strict.install()
         fn, args, kwargs = cloudpickle.loads(payload)
         if "OMP_NUM_THREADS" in os.environ:  # torch was imported before the variable was set
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -301,9 +305,6 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         if config.backend is not None:
             _init_process_group(config.backend, config)
             initialised = True
-            if config.backend == "gloo":
-                if strict.wanted():  # NCCL's contract on gloo, unless dtlib.spawn(strict=False) or DTLIB_STRICT=0
-                    strict.install()
         value = fn(config.rank, config.world_size, *args, **kwargs)
         try:
             message = ("ok", dumps_result(value))

@@ -15,6 +15,7 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import reduce
 
 from dtlib import checks
 
@@ -274,3 +275,20 @@ def test_the_inputs_lengths_and_magnitudes(size):
         magnitudes = here[0].abs().log10().floor()
         assert magnitudes.min() <= -1 and magnitudes.max() >= 1  # small slots and large ones in every draw
     assert offsets == {True}  # length - world_size never the same at both sizes
+
+
+# -- strict mode reaches a collective imported by name -----------------------------------------------------------------
+
+
+def reduce_imported_by_name(rank, world_size):
+    x = torch.full((2,), float(rank + 1))
+    reduce(x, dst=0)  # `from torch.distributed import reduce` in the cell: shipped by value, looked up by reference
+    return x.tolist()
+
+
+def test_a_collective_imported_by_name_is_held_to_nccls_contract_too():
+    import dtlib
+
+    root, other = dtlib.spawn(reduce_imported_by_name, 2, strict=True, timeout=60)
+    assert root == [3.0, 3.0]
+    assert all(value != value for value in other)  # NaN: NCCL leaves a reduce's other ranks undefined

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp, all_reduce
 
 from dtlib import checks
 
@@ -43,6 +44,18 @@ def right_by_avg(grad):  # right: NCCL averages as it sums (gloo's sum-then-divi
     averaged = grad.clone()
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
     return averaged
+
+
+def right_by_avg_imported_by_name(grad):  # the same, with `from torch.distributed import all_reduce` in a cell
+    averaged = grad.clone()
+    all_reduce(averaged, op=ReduceOp.AVG)
+    return averaged
+
+
+def returns_float16(grad):  # communicates in float16, as a compressing hook may, but returns float16 too
+    low = grad.half() / dist.get_world_size()
+    dist.all_reduce(low)
+    return low
 
 
 # -- wrong answers, one kind each -------------------------------------------------------------------
@@ -182,7 +195,7 @@ def averaged_on_rank_0_only(grad):
 
 
 RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce, right_by_avg,
-         functional_unwaited]
+         functional_unwaited, right_by_avg_imported_by_name]
 
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
@@ -209,6 +222,8 @@ WRONG = [
     (in_place_returning_none, ["changed the gradient it was given in place", "grad = grad / dist.get_world_size()"]),
     (sum_then_divide, ["in fp16 two gradients of 40000", "divides each gradient by the world size first"]),
     ("average_gradient", ["Pass your hook function itself"]),
+    (returns_float16, ["Your hook returned a float16 gradient for a float32 parameter", "return the gradient in "
+                       "float32"]),
 ]
 
 
