@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,11 +297,16 @@ def _returned(err: WorkerTimeout) -> WorkerTimeout:
     return WorkerTimeout(err.timeout, stacks, [*err.finished_ranks, *late], outcome=err.outcome)
 
 
-def _all_reach(store: Any, stage: str, rank: int, world_size: int) -> None:
-    """A barrier through the job's store, not a collective: it cannot pair with one of the answer's, and it still
-    works after an answer destroyed the process group."""
-    store.set(f"dtlib-check/{stage}/{rank}", "1")
-    store.wait([f"dtlib-check/{stage}/{other}" for other in range(world_size)])
+_REACHED = "dtlib-check/reached"  # the one key of the checker's barriers: a counter, so they add no keys after it
+
+
+def _all_reach(store: Any, stage: int, world_size: int) -> None:
+    """The ``stage``-th barrier (1, 2, ...) through the job's store, not a collective: it cannot pair with one of
+    the answer's, and it still works after an answer destroyed the process group. Every stage counts on the one
+    key, so that only the first creates it: the store's number of keys then changes only by what others write."""
+    store.add(_REACHED, 1)
+    while store.add(_REACHED, 0) < stage * world_size:
+        time.sleep(0.005)
 
 
 def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any) -> list[str]:
@@ -308,7 +314,7 @@ def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any)
     the job (a destroyed or an added process group, work never waited for, keys written to the store, a channel
     beside the collectives), then whether one all-reduce of the checker's own still pairs up on the default group.
     ``groups`` and ``keys`` are the counts before the answer ran."""
-    _all_reach(store, "returned", rank, world_size)  # the all-reduce below cannot meet a slower rank's answer
+    _all_reach(store, 3, world_size)  # every rank returned: the all-reduce below cannot meet a slower one's answer
     if not dist.is_initialized():
         return [f"Rank {rank}'s function destroyed the process group (dist.destroy_process_group). The job goes on "
                 "after an exercise's function returns (the next step, the next call): whoever started the group "
@@ -320,7 +326,7 @@ def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any)
                     f"{'them' if made > 1 else 'it'} (dist.new_group, a DeviceMesh): each call adds another, with its "
                     "own connections, and NCCL gives each its own communicator and GPU memory. Create groups once, "
                     "outside the function that runs every step, or use the default group.")
-    written = store.num_keys() - keys - world_size  # the barrier above wrote one key per rank
+    written = store.num_keys() - keys  # the barriers add no keys after the first
     if written > 0 and made <= 0:  # a new group writes keys of its own: said above
         said.append(f"The ranks' functions wrote {written} key{'s' * (written > 1)} to the process group's store. "
                     "The store is how ranks find each other, not a way to hand each other data: on a cluster it is "
@@ -343,8 +349,9 @@ def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
     recorded), what strict mode saw it post (for :func:`nccl_order.deadlock`), and what it left the job
     (:func:`_left_behind`)."""
     store = distributed_c10d._get_default_store()
-    _all_reach(store, "ready", rank, world_size)  # every rank's keys are written: count them
+    _all_reach(store, 1, world_size)  # every rank's joining keys are written, and the barrier's own
     groups, keys = len(distributed_c10d._world.pg_map), store.num_keys()
+    _all_reach(store, 2, world_size)  # every rank has counted before any answer writes
     with nccl_order.recording() as posted:
         if not given:
             value, calls = count_collectives(fn, rank, world_size)
