@@ -225,23 +225,6 @@ def exited(pid: int) -> bool:
         return True
 
 
-def clock_starts_when(monkeypatch, *paths: Path, limit_s: float = 20.0) -> None:
-    """spawn's timeout counts from when every one of ``paths`` exists (or a rank has exited, or ``limit_s``
-    passed): a test of the timeout then waits only as long as its assertion needs, however slowly the ranks
-    started. Job.wait starts the clock when it is called."""
-    real_wait = dtlib.launch.job.Job.wait
-
-    def wait_when_ready(self, timeout):
-        deadline = time.monotonic() + limit_s
-        while not all(path.exists() for path in paths) and time.monotonic() < deadline:
-            if any(exited(state.process.pid) for state in self.ranks):
-                break  # a rank died before it got there: let wait report it
-            time.sleep(0.01)
-        return real_wait(self, timeout)
-
-    monkeypatch.setattr(dtlib.launch.job.Job, "wait", wait_when_ready)
-
-
 # -- results and arguments -------------------------------------------------------------------
 
 
@@ -551,7 +534,7 @@ def test_traceback_shows_source_of_in_memory_cell(start_method):
 
 
 @pytest.mark.timeout(90)
-def test_timeout_reports_where_the_running_rank_waits(monkeypatch, tmp_path):
+def test_timeout_reports_where_the_running_rank_waits(monkeypatch, tmp_path, clock_starts_when):
     """A rank stuck in a barrier gives WorkerTimeout once timeout s have passed, with that rank's stack.
 
     The gloo rendezvous occasionally stalls 5 s in this sandbox (torch's store client), so the clock starts
@@ -560,7 +543,7 @@ def test_timeout_reports_where_the_running_rank_waits(monkeypatch, tmp_path):
     the time.
     """
     ready = tmp_path / "in_barrier"
-    clock_starts_when(monkeypatch, ready)
+    clock_starts_when(ready)
     start = time.monotonic()
     with pytest.raises(dtlib.WorkerTimeout) as info:
         dtlib.spawn(wait_in_barrier_on_rank_0, world_size=2, args=(str(ready),), timeout=2, output="none")
@@ -594,18 +577,18 @@ def test_no_leftovers_after_failure(leftovers, tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_no_leftovers_after_timeout(leftovers, tmp_path, monkeypatch):
+def test_no_leftovers_after_timeout(leftovers, tmp_path, clock_starts_when):
     """After a timeout (rank 0 still sleeping, rank 1 finished) every rank is gone."""
-    clock_starts_when(monkeypatch, tmp_path / "0.pid", tmp_path / "1.pid")  # both pids written, however slow
+    clock_starts_when(tmp_path / "0.pid", tmp_path / "1.pid")  # both pids written, however slow
     with pytest.raises(dtlib.WorkerTimeout):
         dtlib.spawn(sleep_on_rank_0, 2, args=(str(tmp_path),), timeout=1, output="none", init_process_group=False)
     leftovers.assert_clean(pids_in(tmp_path, 2))
 
 
 @pytest.mark.timeout(30)
-def test_rank_that_never_releases_the_gil_is_still_stopped(leftovers, tmp_path, monkeypatch):
+def test_rank_that_never_releases_the_gil_is_still_stopped(leftovers, tmp_path, clock_starts_when):
     """A rank stuck in C code holding the GIL (it cannot react to anything) is reported at the timeout and killed."""
-    clock_starts_when(monkeypatch, tmp_path / "0.pid", tmp_path / "1.pid")  # both pids written, however slow
+    clock_starts_when(tmp_path / "0.pid", tmp_path / "1.pid")  # both pids written, however slow
     since = time.time()
     try:
         with pytest.raises(dtlib.WorkerTimeout) as info:

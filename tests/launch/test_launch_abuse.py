@@ -119,27 +119,11 @@ def listening_on(port: int) -> list[str]:
 
 
 def exited(pid: int) -> bool:
+    """Gone, or a zombie: the process itself has ended."""
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def clock_starts_when(monkeypatch, *paths: Path, limit_s: float = 60.0) -> None:
-    """spawn's timeout counts from when every one of ``paths`` exists (or a rank has exited, or ``limit_s``
-    passed): a test of the timeout then waits only as long as its assertion needs, however slowly the ranks
-    started. Job.wait starts the clock when it is called."""
-    real_wait = dtlib.launch.job.Job.wait
-
-    def wait_when_ready(self, timeout):
-        deadline = time.monotonic() + limit_s
-        while not all(path.exists() for path in paths) and time.monotonic() < deadline:
-            if any(exited(state.process.pid) for state in self.ranks):
-                break  # a rank died before it got there: let wait report it
-            time.sleep(0.01)
-        return real_wait(self, timeout)
-
-    monkeypatch.setattr(dtlib.launch.job.Job, "wait", wait_when_ready)
 
 
 def interrupt_main_thread() -> None:
@@ -525,7 +509,7 @@ def _escapers(folder) -> list[int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("then", ["return", "raise", "hang"])
-def test_new_sessions_and_double_forked_daemons_end_with_the_call_whatever_its_outcome(tmp_path, monkeypatch,
+def test_new_sessions_and_double_forked_daemons_end_with_the_call_whatever_its_outcome(tmp_path, clock_starts_when,
                                                                                         then):
     """A rank's process in a session of its own outlived a timeout, and a double-forked daemon every path: each
     rank now reaps its orphans (PR_SET_CHILD_SUBREAPER), and the call ends the rank's whole tree.
@@ -535,7 +519,7 @@ def test_new_sessions_and_double_forked_daemons_end_with_the_call_whatever_its_o
     folder = tmp_path / "pids"
     folder.mkdir()
     if then == "hang":
-        clock_starts_when(monkeypatch, folder / "escaper0", folder / "escaper1")
+        clock_starts_when(folder / "escaper0", folder / "escaper1")
     outcome = contextlib.nullcontext() if then == "return" else pytest.raises(dtlib.WorkerError)
     with outcome:
         dtlib.spawn(start_escapers_then, 2, args=(str(folder), then), timeout=1 if then == "hang" else 60,
