@@ -60,7 +60,8 @@ def _command(target: Sequence[str], nproc_per_node: int, options: Sequence[str],
 
 #: Set where torchrun may restart its ranks. torch 2.13's agent keeps one rendezvous store, under one prefix,
 #: across attempts, while the ranks assume a new one: a restarted gloo rank that reads a peer's key before the
-#: peer rewrites it gets a dead rank's address, and fails with "Connection refused" or hangs (pytorch issue 167288). With this variable each attempt of the c10d rendezvous
+#: peer rewrites it gets a dead rank's address, and fails with "Connection refused" or hangs (pytorch issue
+#: 167288). With this variable each attempt of the c10d rendezvous
 #: (``--standalone``'s) gets its own store. The static rendezvous keeps its one store whatever it says: there,
 #: only a script that joins under a prefix of its attempt (``TORCHELASTIC_RESTART_COUNT``) restarts (notebook 16).
 RESTART_FIX = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -95,8 +95,8 @@ def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
 @pytest.mark.timeout(150)
 def test_max_restarts_starts_every_rank_again_and_the_restarted_ranks_join_a_new_group():
     """Under torch 2.13 and gloo, restarted ranks failed in init_process_group ("Connection refused") or hung
-    there, as a race decided: the agent kept one store across attempts. The helpers set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where restarts are
-    allowed, and say so in the command they show."""
+    there, as a race decided: the agent kept one store across attempts. The helpers set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where restarts are allowed, and say so in the command they show."""
     job = torchrun.single_node(["-m", "dtlib.examples.restart", "--rank", "1", "--failures", "1"],
                                options=["--max_restarts=1"], timeout=120)
     assert job.command.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --max_restarts=1 ")
