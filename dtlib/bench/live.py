@@ -5,7 +5,9 @@ Measured in one process, warm (the forkserver running, torch imported): the medi
 the median round trip of a trivial cell through ``ranks.run`` and through ``%%ranks`` (an
 IPython shell in this process), against a target of 20 ms. ``nbdistributed``, the peer that
 keeps workers alive behind IPython magics, is timed the same way where it is installed. Last, one
-small all-reduce with the live ranks' collective check on (the default) and off (``--no-check``).
+small all-reduce with the live ranks' collective check on (the default) and off (``--no-check``), and one
+step of a stepped cell (``ranks.step()``: every rank moves past one all-reduce and pauses at the next), against
+a target of 50 ms.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dtlib.launch.spawn import spawn
 from dtlib.live.ranks import LiveRanks
 
 ROUND_TRIP_TARGET_MS = 20.0
+STEP_TARGET_MS = 50.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,16 @@ def _collective_check(world_size: int, samples: int) -> list[LiveTiming]:
     return [LiveTiming("all_reduce, collectives checked", each[True], cells * 100,
                        note=f"{each[True] / each[False]:.1f}x unchecked"),
             LiveTiming("all_reduce, --no-check", each[False], cells * 100)]
+
+
+def _step_round_trip(world_size: int, samples: int) -> LiveTiming:
+    """``ranks.step()`` in a cell of all-reduces of 4 floats: one round trip, both ranks paused again after it."""
+    with LiveRanks(world_size) as ranks:
+        ranks.run(f"for _ in range({samples + 2}):\n    dist.all_reduce(torch.ones(4, device=device))", step=True)
+        ranks.step()  # warm
+        median = _median_ms(ranks.step, samples)
+        ranks.resume()
+    return LiveTiming("ranks.step round trip", median, samples, STEP_TARGET_MS, "collectives checked")
 
 
 def _median_ms(action: Callable[[], object], samples: int) -> float:
@@ -136,6 +149,7 @@ def measure(world_size: int = 2, samples: int = 50, starts: int = 5) -> list[Liv
         _magic_round_trip(world_size, samples),
         _nbdistributed(world_size, samples),
         *_collective_check(world_size, samples),
+        _step_round_trip(world_size, samples),
     ]
 
 

@@ -28,17 +28,19 @@ EXIT_GRACE_S = 10.0  # at close, how long ranks may take to leave their process 
 class Generation:
     """One generation of live ranks: the job, and what each rank answered to the current command.
 
-    Every command carries a number, and every answer the number of the command it answers; only answers to the
-    newest command count. A rank left behind in an earlier cell (one the kernel gave up on) answers that cell
-    late, and its answer is dropped: it is never taken for the next cell's. The doctor's questions are numbered
-    the same way.
+    Every command carries a number, and every answer the number of the command it answers; only a rank's answer to
+    the newest command it was sent counts. A rank left behind in an earlier cell (one the kernel gave up on)
+    answers that cell late, and its answer is dropped: it is never taken for the next cell's. A command may go to
+    some ranks only (stepping one rank, :mod:`dtlib.live.stepper`): the others keep waiting for their own. The
+    doctor's questions are numbered the same way.
     """
 
     def __init__(self, world_size: int, backend: str, method: str, env: dict[str, str] | None = None) -> None:
         self.job = Job(world_size, "all", method, channels=2)
         self.answers: dict[int, tuple[str, Any]] = {}
         self.doctor: dict[int, Any] = {}
-        self.command = 0  # the number of the command whose answers count; 0: the ranks' first "ready"
+        self.command = 0  # the newest command's number; 0: the ranks' first "ready"
+        self.expected: dict[int, int] = dict.fromkeys(range(world_size), 0)  # by rank: the answer that counts
         self.dropped: dict[int, int] = {}  # by rank: late answers to earlier commands, dropped
         self._asked = b"0"  # the doctor's newest question
         payload = cloudpickle.dumps((server.serve, (), {}))
@@ -58,7 +60,7 @@ class Generation:
         except (EOFError, OSError):
             self.job.unwatch(state.channels[0])  # the rank died: its exit is reported by the job
             return
-        if number == self.command:
+        if number == self.expected.get(state.rank):
             self.answers[state.rank] = (status, body)
         else:  # an earlier cell's answer, from a rank that was still in it: never this command's
             self.dropped[state.rank] = self.dropped.get(state.rank, 0) + 1
@@ -77,13 +79,17 @@ class Generation:
     def dead(self) -> list[RankFailure]:
         return self.job.failures()
 
-    def send(self, message: tuple[str, Any]) -> None:
-        """Send one command to every rank, under a new number: from now on only answers to it count. A rank
-        that died just now cannot take it; the event loop then reports its exit."""
+    def send(self, message: tuple[str, Any], ranks: set[int] | None = None) -> None:
+        """Send one command to every rank, or to ``ranks``, under a new number: from now on only their answers to
+        it count (the other ranks' answers, given or owed, stay). A rank that died just now cannot take it; the
+        event loop then reports its exit."""
         self.command += 1
-        self.answers.clear()
         data = pickle.dumps((self.command, *message))
         for state in self.job.ranks:
+            if ranks is not None and state.rank not in ranks:
+                continue
+            self.expected[state.rank] = self.command
+            self.answers.pop(state.rank, None)
             try:
                 state.channels[0].send_bytes(data)
             except OSError:  # BrokenPipeError and the like: the rank is gone

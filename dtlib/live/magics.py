@@ -6,6 +6,10 @@
 - ``%ranks push NAME ...``: copy kernel variables to every rank.
 - ``%ranks pull NAME ...``: every rank's ``NAME``, as a list under ``NAME`` in the kernel, shown side by side.
   With ``--quiet`` nothing is shown and the lists are returned instead: ``before, x = %ranks pull --quiet before x``.
+- ``%%ranks --step``: run the cell with every rank paused before its first collective; a table shows each rank's
+  call and line (:class:`dtlib.live.stepping.StepView`). ``%ranks step [K] [--rank R]`` moves on,
+  ``%ranks peek EXPR`` evaluates an expression in every paused frame, ``%ranks continue`` runs to the end,
+  ``%ranks abort`` ends the cell.
 - ``%ranks stop``; ``%ranks`` alone says what is running.
 """
 
@@ -45,6 +49,11 @@ def _parser() -> _Parser:
     pull.add_argument("--quiet", action="store_true")
     pull.add_argument("names", nargs="+")
     sub.add_parser("stop", add_help=False)
+    step = sub.add_parser("step", add_help=False)
+    step.add_argument("count", type=int, nargs="?", default=1)
+    step.add_argument("--rank", type=int, default=None)
+    sub.add_parser("continue", add_help=False)
+    sub.add_parser("abort", add_help=False)
     return parser
 
 
@@ -59,6 +68,13 @@ class RanksMagics(Magics):
         __tracebackhide__ = True  # IPython leaves dtlib's own frames out of the traceback: the error is the news
         if cell is not None:
             return self._run_cell(line, cell)
+        if line.strip().split(" ", 1)[0] == "peek":  # the rest of the line is Python, not options
+            expression = line.strip()[len("peek"):].strip()
+            if not expression:
+                raise UsageError("%ranks peek: give an expression to evaluate on every paused rank: "
+                                 "%ranks peek x.sum()")
+            display(RankValues(self._stepping().peek(expression), name=expression))
+            return None
         args = _parser().parse_args(shlex.split(line))
         if args.command is None:
             print(self.live if self.live is not None and not self.live.closed else "no live ranks")
@@ -75,6 +91,14 @@ class RanksMagics(Magics):
                 raise UsageError(f"%ranks start: {exc}") from None
             print(f"{self.live.world_size} live ranks on {self.live.backend}, "
                   f"started in {self.live.started_in_s:.1f} s{'' if self.live.check_collectives else UNCHECKED}")
+        elif args.command == "step":
+            display(self._stepping().step(args.count, rank=args.rank))
+        elif args.command == "continue":
+            values = self._stepping().resume()
+            if any(value is not None for value in values):
+                display(RankValues(values))
+        elif args.command == "abort":
+            print(self._stepping().abort())
         elif args.command == "stop":
             print("stopped the live ranks" if self._stop() else "no live ranks to stop")
         elif args.command == "push":
@@ -98,7 +122,11 @@ class RanksMagics(Magics):
         __tracebackhide__ = True
         parser = _Parser(prog="%%ranks", add_help=False)
         parser.add_argument("--timeout", type=float, default=None)
+        parser.add_argument("--step", action="store_true")
         args = parser.parse_args(shlex.split(line))
+        if args.step:
+            display(self._live().run(cell, timeout=args.timeout, step=True))
+            return None
         values = self._live().run(cell, timeout=args.timeout)
         if any(value is not None for value in values):
             display(RankValues(values))
@@ -108,6 +136,13 @@ class RanksMagics(Magics):
         if self.live is None or self.live.closed:
             raise UsageError("no live ranks: start them first with %ranks start 2")
         return self.live
+
+    def _stepping(self) -> LiveRanks:
+        """The live ranks, with a stepped cell paused on them (else a UsageError that says how to start one)."""
+        live = self._live()
+        if not live.paused:
+            raise UsageError("%ranks: nothing is paused; run a cell with %%ranks --step first")
+        return live
 
     def _stop(self) -> bool:
         live, self.live = self.live, None

@@ -35,9 +35,13 @@ from dtlib.live import doctor, server
 from dtlib.live.generation import Generation, close_quietly
 from dtlib.live.pushed import MeshSpec, ShardsByRank, to_send
 from dtlib.live.server import RemoteRepr
+from dtlib.live.stepping import RankStep, StepView, will_wait
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
+ABORT_WAIT_S = 10.0  # how long paused ranks may take to unwind their cell after %ranks abort
+PAUSED = ("a stepped cell is paused on the ranks: end it with %ranks continue (ranks.resume()) or %ranks abort "
+          "(ranks.abort()) before you {what}")
 LOST = "the ranks were restarted with a fresh process group, so every rank's variables are gone"
 
 
@@ -90,6 +94,7 @@ class LiveRanks:
         self._finalizer = weakref.finalize(self, close_quietly, self._holder)
         self._busy = threading.RLock()  # held by the thread inside a call: only it drives the ranks' event loop
         self._closing = threading.Event()  # close() from another thread asked that call to stop
+        self._steps: dict[int, RankStep] | None = None  # while a stepped cell runs: each rank's state
         self.started_in_s = self._start()
 
     @staticmethod
@@ -150,8 +155,10 @@ class LiveRanks:
                 return  # that call will still stop and release everything when its event loop wakes
         try:
             ranks, self._holder[0] = self._holder[0], None
-            if ranks is not None:
-                ranks.close(graceful=not self._closing.is_set())
+            waiting = self._steps is not None and any(row.state == "waiting" for row in self._steps.values())
+            self._steps = None
+            if ranks is not None:  # a rank waiting inside a collective cannot take "exit": no grace to wait out
+                ranks.close(graceful=not self._closing.is_set() and not waiting)
             self._finalizer.detach()
         finally:
             self._busy.release()
@@ -181,8 +188,12 @@ class LiveRanks:
         return f"LiveRanks(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # -- calls ----------------------------------------------------------------
-    def run(self, code: str, *, timeout: float | None = None) -> list[Any]:
+    def run(self, code: str, *, timeout: float | None = None, step: bool = False) -> Any:
         """Run ``code`` on every rank; each rank's value of a last bare expression (else None), by rank.
+
+        With ``step=True`` every rank pauses just before its first collective instead, and a :class:`StepView`
+        comes back: each rank's call and line, and what the ranks disagree on. :meth:`step` moves on,
+        :meth:`peek` looks into the paused frames, :meth:`resume` runs to the end, :meth:`abort` ends the cell.
 
         Raises:
             SyntaxError: the code does not parse (checked here, before any rank runs it).
@@ -193,11 +204,199 @@ class LiveRanks:
         __tracebackhide__ = True  # IPython shows the error, not dtlib's frames that carried it
         if not isinstance(code, str):
             raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
+        self._refuse_while_paused("run another cell")
         self._cells += 1
         filename = server.CELL_FILENAME.format(number=self._cells)
         ast.parse(code, filename)  # a syntax error is the same on every rank: say it here
         self._sources[filename] = code.splitlines()
+        if step:
+            self._steps = {rank: RankStep(rank, "running") for rank in range(self.world_size)}
+            return self._stepped(("run", (code, self._cells, True)), set(range(self.world_size)), timeout)
         return self._call(("run", (code, self._cells)), timeout, "run")
+
+    # -- stepping -------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        """Whether a stepped cell is under way (some rank paused before, or waiting inside, a collective)."""
+        return self._steps is not None
+
+    def _refuse_while_paused(self, what: str) -> None:
+        if self._steps is not None:
+            raise RuntimeError(PAUSED.format(what=what))
+
+    def _paused_rows(self, what: str) -> dict[int, RankStep]:
+        if self._steps is None:
+            raise RuntimeError(f"nothing is paused, so there is nothing to {what}: start a stepped cell with "
+                               "%%ranks --step (ranks.run(code, step=True))")
+        return self._steps
+
+    def step(self, count: int = 1, *, rank: int | None = None, timeout: float | None = None) -> StepView:
+        """Move every paused rank (or ``rank`` alone) past its collective to the next one, ``count`` times.
+
+        A rank whose peers stay paused waits inside its collective; the view says for whom, and the step returns
+        at once. Example: ``ranks.step()``, ``ranks.step(rank=1)``."""
+        __tracebackhide__ = True
+        count = arguments.count("count", count, 1)
+        view = self._view()
+        for _ in range(count):
+            rows = self._paused_rows("step")
+            if rank is not None and (not isinstance(rank, int) or rank not in rows):
+                raise ValueError(f"rank must be one of 0..{self.world_size - 1}, got {rank!r}")
+            moving = {r for r, row in rows.items() if row.state == "paused" and (rank is None or r == rank)}
+            if not moving:
+                state = view.states()[rank] if rank is not None else "no rank is paused"
+                raise RuntimeError(f"nothing to step: {f'rank {rank} ' if rank is not None else ''}{state}")
+            view = self._stepped(("step", None), moving, timeout)
+            if view.finished:
+                break
+        return view
+
+    def resume(self, *, timeout: float | None = None) -> list[Any]:
+        """``%ranks continue``: run every paused rank to the end of the cell without pausing; each rank's value of
+        the last expression, as :meth:`run` returns it."""
+        __tracebackhide__ = True
+        rows = self._paused_rows("continue")
+        view = self._stepped(("continue", None), {r for r, row in rows.items() if row.state == "paused"}, timeout,
+                             to_the_end=True)
+        return view.values or []
+
+    def abort(self) -> str:
+        """End the stepped cell on every rank: each paused rank raises inside its cell, and the ranks keep their
+        variables (what the cell assigned before the pause included). A rank waiting inside a collective cannot
+        be reached: then every rank is restarted. Returns what became of the ranks."""
+        __tracebackhide__ = True
+        with self._busy:
+            rows = self._paused_rows("abort")
+            ranks = self._ranks()
+            paused = {r for r, row in rows.items() if row.state == "paused"}
+            with HeldInterrupts():
+                ranks.send(("abort", None), paused)
+            owing = ranks.wait(paused, time.monotonic() + ABORT_WAIT_S)
+            ranks.flush_output()
+            self._steps = None
+            inside = sorted(r for r, row in rows.items() if row.state == "waiting") + sorted(owing)
+            if inside or ranks.dead():
+                self._restart()
+                who = f"rank {inside[0]} waited" if len(inside) == 1 else f"ranks {inside} waited"
+                return f"aborted; {who} inside a collective, where nothing reaches it: {LOST}"
+            ranks.answers.clear()
+            return "aborted the cell on every rank; the ranks keep their variables"
+
+    def peek(self, expression: str) -> list[Any]:
+        """``expression`` evaluated on every rank in its paused frame (locals included), by rank; a rank that
+        waits inside a collective cannot answer (its entry says so). Example: ``ranks.peek("x.sum()")``."""
+        __tracebackhide__ = True
+        if not isinstance(expression, str):
+            raise TypeError(f"expression must be a str, got {type(expression).__name__}")
+        try:
+            compile(expression, "<peek>", "eval")
+        except SyntaxError:
+            raise ValueError(f"peek takes an expression, such as x.sum(), not a statement: {expression!r}; "
+                             "nothing was run") from None
+        return self._look("peek", expression)
+
+    def _look(self, kind: str, body: str) -> list[Any]:
+        with self._busy:
+            rows = self._paused_rows(kind)
+            ranks = self._ranks()
+            asked = {r for r, row in rows.items() if row.state != "waiting"}
+            kept = {r: ranks.answers[r] for r in asked if r in ranks.answers}  # their step answers, kept
+            with HeldInterrupts():
+                ranks.send((kind, body), asked)
+            owing = ranks.wait(asked, time.monotonic() + (self.timeout or START_TIMEOUT_S))
+            ranks.flush_output()
+            values: list[Any] = []
+            failures = []
+            for r in range(self.world_size):
+                if r not in asked:
+                    inside = rows[r].call.what() if rows[r].call else "a collective"
+                    values.append(RemoteRepr(f"<rank {r} waits inside {inside}>", "waiting"))
+                elif r in owing:
+                    values.append(RemoteRepr(f"<rank {r} did not answer>", "?"))
+                else:
+                    status, body_ = ranks.answers.pop(r)
+                    if status == "error":
+                        failures.append(RankFailure(r, body_["type"], body_["message"], body_["traceback"]))
+                        values.append(None)
+                    else:
+                        values.append(self._unpickle(r, body_))
+            ranks.answers.update(kept)  # what each rank answered the step that paused it: its state
+            if failures:
+                raise WorkerError(failures, note="the cell stays paused; the ranks keep their variables.")
+            return values
+
+    def _view(self) -> StepView:
+        return StepView(self._paused_rows("step"))
+
+    def _stepped(self, message: tuple[str, Any], moving: set[int], timeout: float | None,
+                 to_the_end: bool = False) -> StepView:
+        """Send ``message`` to the ``moving`` ranks, wait until every rank that can answer has (paused again,
+        finished or raised), and return the new view. A rank that will block inside its collective (a peer
+        stays paused) is not waited for; past ``timeout`` the ranks hang, and are explained and restarted."""
+        __tracebackhide__ = True
+        with self._busy:
+            ranks = self._ranks()
+            rows = self._steps or {}
+            if ranks.dead():
+                failures = ranks.dead()
+                self._steps = None
+                self._restart()
+                raise WorkerError(failures, note=f"this happened while the cell was paused; {LOST}.")
+            stuck = {} if to_the_end else will_wait(rows, moving) if message[0] == "step" else {}
+            going = moving | {r for r, row in rows.items() if row.state in ("waiting", "running")}
+            limit = self.timeout if timeout is None else arguments.seconds("timeout", timeout)
+            with HeldInterrupts() as held:
+                ranks.send(message, moving)
+            try:
+                held.deliver()
+                owing = ranks.wait(going - set(stuck), time.monotonic() + (limit or float("inf")), stop_early=True)
+            except KeyboardInterrupt:
+                self._steps = None
+                with HeldInterrupts():
+                    self._restart()
+                print(f"dtlib.LiveRanks: interrupted while stepping; {LOST}.", file=sys.stderr)
+                raise
+            ranks.flush_output()
+            new: dict[int, RankStep] = {}
+            for r in range(self.world_size):
+                if r in ranks.answers:
+                    new[r] = self._answered(r, ranks.answers[r], rows.get(r))
+                elif r in stuck:
+                    new[r] = RankStep(r, "waiting", rows[r].call, waiting_for=stuck[r])
+                else:
+                    new[r] = rows.get(r, RankStep(r, "running"))
+            if owing or ranks.dead() or (to_the_end and any(row.state == "raised" for row in new.values())):
+                self._steps = None
+                self._end_stepping(ranks, owing, new, limit)
+            self._steps = None if all(not row.active for row in new.values()) else new
+            if self._steps is None:
+                ranks.answers.clear()
+            return StepView(new)
+
+    def _answered(self, rank: int, answer: tuple[str, Any], before: RankStep | None) -> RankStep:
+        status, body = answer
+        if status == "paused":
+            return RankStep(rank, "paused", pickle.loads(body))
+        if status == "error":
+            return RankStep(rank, "raised", error=f"{body['type']}: {body['message']}".split("\n")[0][:300])
+        return RankStep(rank, "finished", value=self._unpickle(rank, body))
+
+    def _end_stepping(self, ranks: Generation, owing: set[int], rows: dict[int, RankStep],
+                      limit: float | None) -> None:
+        """A stepped cell that hung or failed: explain it, restart every rank, raise."""
+        __tracebackhide__ = True
+        errors = self._errors(ranks)
+        states = {r: "died" if r in {f.rank for f in ranks.dead()} else "running" if rows[r].active or r in owing
+                  else "failed" if rows[r].state == "raised" else "finished" for r in range(self.world_size)}
+        stacks = ({r: self._annotate(stack) for r, stack in ranks.job.collect_stacks(ranks=sorted(owing)).items()}
+                  if owing and not ranks.dead() else {})
+        lines, verdict = doctor.explain(states, ranks.ask_doctor(), stacks, checked=self.check_collectives)
+        failures = _unique(ranks.dead() + errors)
+        self._restart()
+        if failures:
+            raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {LOST[:1].upper()}{LOST[1:]}.")
+        raise WorkerTimeout(limit or 0.0, stacks, sorted(set(range(self.world_size)) - owing),
+                            collectives=lines, verdict=verdict, outcome=f"{LOST}.")
 
     def push(self, **values: Any) -> None:
         """Copy ``values`` (pickled by value, functions included) into every rank's namespace.
@@ -209,6 +408,7 @@ class LiveRanks:
         (:func:`dtlib.live.pushed.to_send`). Example: ``ranks.push(lr=0.1, model=model)``.
         """
         __tracebackhide__ = True
+        self._refuse_while_paused("push")
         values = {name: to_send(name, value, self.world_size) for name, value in values.items()}
         payload = pickling.dumps(values, parts=[(repr(name), value) for name, value in values.items()],
                                   refusal="cannot push {part} to the ranks")
@@ -229,6 +429,8 @@ class LiveRanks:
         __tracebackhide__ = True
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"name must be a Python identifier, got {name!r}")
+        if self._steps is not None:
+            return self._look("pull", name)
         return self._call(("pull", name), None, "pull")
 
     def _call(self, message: tuple[str, Any], timeout: float | None, what: str) -> list[Any]:

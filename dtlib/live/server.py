@@ -5,10 +5,12 @@ A live rank is a :func:`dtlib.spawn` rank whose function, :func:`serve`, does no
 it is told to. It talks to the kernel over two two-way channels (:func:`dtlib.launch.worker.channels`):
 
 - ``commands``: ``(number, kind, body)`` in, one answer out per command, with the command's number:
-  ``(number, "ok", pickled value)`` or ``(number, "error", details)``. Kinds: ``"run"`` (code and its cell
-  number), ``"push"`` (pickled names), ``"pull"`` (a name), ``"exit"``. The first message out is
-  ``(0, "ready", None)``. The kernel counts only answers to its newest command, so a rank's late answer to a cell
-  the kernel gave up on is never read as the next cell's.
+  ``(number, "ok", pickled value)`` or ``(number, "error", details)``. Kinds: ``"run"`` (code, its cell
+  number and whether to step), ``"push"`` (pickled names), ``"pull"`` (a name), ``"peek"`` (an expression),
+  ``"exit"``. A stepped cell also answers ``(number, "paused", pickled Call)`` before each collective and then
+  takes ``"step"``, ``"continue"``, ``"abort"``, ``"peek"`` and ``"pull"`` (:class:`dtlib.live.stepper.Pauses`).
+  The first message out is ``(0, "ready", None)``. The kernel counts only a rank's answer to the newest command
+  it sent that rank, so a rank's late answer to a cell the kernel gave up on is never read as the next cell's.
 - ``doctor``: a question (any bytes) in, ``(question, the rank's newest collective)`` out
   (:func:`dtlib.live.doctor.last_collectives`), with what :class:`CallNotes` noted beside the Flight Recorder. A
   thread answers it, so it is answered while the main thread waits inside a collective.
@@ -25,6 +27,7 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,6 +44,7 @@ from dtlib.launch.worker import channels, describe, dumps_result
 from dtlib.live.doctor import last_collectives
 from dtlib.live.notes import CallNotes
 from dtlib.live.pushed import rebuild_on_rank
+from dtlib.live.stepper import PauseBeforeCollectives, Pauses
 
 CELL_FILENAME = "<rank cell {number}>"
 
@@ -144,14 +148,15 @@ def _value(value: Any) -> bytes:
 
 
 def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts,
-        notes: CallNotes) -> tuple[str, Any]:
+        notes: CallNotes, pauses: Pauses | None = None) -> tuple[str, Any]:
     try:
         if kind == "run":
-            code, number = body
+            code, number = body[:2]
             notes.raised = None
             interrupts.armed = True
             try:
-                value = run_cell(code, number, namespace)
+                with PauseBeforeCollectives(pauses) if pauses is not None else nullcontext():
+                    value = run_cell(code, number, namespace)
             finally:
                 interrupts.armed = False
             return "ok", _value(value)
@@ -167,6 +172,8 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
             if body not in namespace:
                 raise NameError(f"name {body!r} is not defined on this rank")
             return "ok", _value(namespace[body])
+        if kind == "peek":  # a rank whose stepped cell ended while others are paused
+            return "ok", _value(eval(body, namespace))  # noqa: S307 - the learner's expression
         raise ValueError(f"unknown command {kind!r}")
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel; the rank lives on
         try:
@@ -193,7 +200,11 @@ def serve(rank: int, world_size: int) -> None:
             return
         if kind == "exit":
             return
-        status, answer = _do(kind, body, namespace, interrupts, notes)
+        stepped = kind == "run" and body[2:3] == (True,)
+        pauses = Pauses(commands, number, _value, namespace=namespace) if stepped else None
+        status, answer = _do(kind, body, namespace, interrupts, notes, pauses)
+        if pauses is not None:
+            number = pauses.number  # a stepped cell ends in answer to the newest step
         sys.stdout.flush()  # the cell's output reaches the kernel before its answer
         sys.stderr.flush()
         commands.send_bytes(pickle.dumps((number, status, answer)))

@@ -1,0 +1,279 @@
+"""A live rank's side of stepping (``%%ranks --step``): pause just before each collective, say which one.
+
+Every collective reaches torch's dispatcher as an op, whoever issues it: ``c10d`` ops for ``torch.distributed``'s
+calls (``dist.all_reduce``, ``dist.send``, ``dist.barrier``...), DDP's reducer, FSDP2's hooks and DTensor's
+redistributions, and ``_c10d_functional`` ops for the functional collectives. :class:`PauseBeforeCollectives`, a
+``TorchDispatchMode``, sees each such op before it runs, describes it as a :class:`Call` (what, on which group,
+which tensors, from which line of the cell) and hands it to a pause, which answers the kernel and waits for its
+next command (:class:`Pauses`, used by :mod:`dtlib.live.server`). Nothing is sent to a peer before the pause
+returns.
+
+Seen on the CPU (tests/live/test_stepping.py): ``torch.distributed``'s collectives and point-to-point calls,
+DDP's bucket all-reduces in backward, the functional collectives, DTensor's. GPU run must confirm: DDP's
+reducer on CUDA runs its all-reduce from the autograd engine's device thread, which a dispatch mode reaches only
+if torch carries the mode's thread-local state there.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import pickle
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: The dispatcher's c10d op -> the torch.distributed call a learner knows it by.
+C10D_CALLS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "allgather_": "all_gather",
+              "_allgather_base_": "all_gather_into_tensor", "allgather_coalesced_": "all_gather_coalesced",
+              "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
+              "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_tensor",
+              "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced", "reduce_": "reduce",
+              "broadcast_": "broadcast", "gather_": "gather", "scatter_": "scatter", "alltoall_": "all_to_all",
+              "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
+              "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # _c10d_functional ops that move nothing
+_ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst", "send": "dst", "recv": "src"}
+_ROOT_ARGUMENTS = ("root_rank", "dstRank", "srcRank", "src", "dst")
+_P2P_CALLS = {"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"}
+#: Calls whose tensors differ between ranks by design (a root's list, split sizes): their shapes are not compared.
+UNEQUAL_TENSORS = {"gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier"}
+_PLUMBING = (os.sep + os.path.join("torch", "_ops.py"), os.path.join("utils", "_python_dispatch.py"),
+             os.path.join("distributed", "c10d_logger.py"), os.path.join("dtlib", "live", "stepper.py"),
+             os.path.join("_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"),
+             os.path.join("utils", "_contextlib.py"), os.path.join("_library", "autograd.py"),
+             os.path.join("dtlib", "live", "notes.py"), os.path.join("dtlib", "launch", "strict.py"),
+             "distributed_c10d.py")  # wrappers, not issuers
+_WRAPPERS = {"__call__", "wrapper", "inner", "_fn", "decorate_context"}  # decorators' names, not the issuer's
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective a rank is about to run, as the stepper shows it.
+
+    ``index``: this rank's collective number in the cell, from 1. ``op``: the torch.distributed name
+    (``"all_reduce"``, ``"isend"``; ``"all_reduce (functional)"`` for a functional collective; DDP's reducer's
+    under the dispatcher's name, as no torch.distributed function made them). ``members``: the group's global
+    ranks. ``tensors``: ``"float32[4]"`` per tensor. ``root``: the global rank of ``src`` or ``dst`` (the peer of a
+    send or recv), ``root_name`` which of the two. ``line``: ``"<rank cell 3>:5"`` and ``source`` its text;
+    ``issuer``: the innermost frame of torch or dtlib that issued it (``"torch/distributed/tensor/...:120 in
+    redistribute"``), empty when the cell called torch.distributed itself.
+    """
+
+    index: int
+    op: str
+    group: str
+    members: tuple[int, ...]
+    tensors: tuple[str, ...] = ()
+    root: int | None = None
+    root_name: str = ""
+    reduce_op: str = ""
+    splits: str = ""
+    line: str = ""
+    source: str = ""
+    issuer: str = ""
+    transfer: str = ""
+
+    @property
+    def p2p(self) -> bool:
+        """A point-to-point call: ``transfer`` says which end (``"send"`` or ``"recv"``)."""
+        return bool(self.transfer)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The ranks this call needs: a send's or recv's peer (every member for a recv from any source), else
+        the group's members."""
+        if self.p2p and self.root is not None:
+            return (self.root,)
+        return self.members
+
+    def what(self) -> str:
+        """``all_reduce #2 (SUM, float32[4])``: the call in one phrase."""
+        extras = [f"{self.root_name}={self.root}" if self.root_name and self.root is not None else "",
+                  self.reduce_op, self.splits, ", ".join(self.tensors[:3]) + (" …" if len(self.tensors) > 3 else "")]
+        inner = ", ".join(extra for extra in extras if extra)
+        return f"{self.op} #{self.index}" + (f" ({inner})" if inner else "")
+
+
+def _tensor_text(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(str(size) for size in tensor.shape)}]"
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [tensor for item in value for tensor in _flat(item)]
+    return []
+
+
+def _group(bound: dict[str, Any]) -> Any:
+    """The op's process group: a boxed one (c10d ops) or a name (functional ones)."""
+    boxed = bound.get("process_group")
+    if isinstance(boxed, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(boxed)
+    name = bound.get("group_name")
+    if isinstance(name, str):
+        return distributed_c10d._resolve_process_group(name)
+    return None
+
+
+def _where(frame: FrameType | None) -> tuple[str, str, str, str]:
+    """The innermost line of the learner's cell (``<rank cell 3>:5``, its source), the innermost torch or
+    dtlib frame below it (the one that issued the collective), and the torch.distributed function called: the
+    outermost one (``send``, which calls ``isend``), or the innermost inside ``batch_isend_irecv``."""
+    line = source = issuer = ""
+    calls: list[str] = []
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.endswith("distributed_c10d.py") and not frame.f_code.co_name.startswith("_"):
+            calls.append(frame.f_code.co_name)
+        if filename.startswith("<rank cell"):
+            line = f"{filename}:{frame.f_lineno}"
+            source = linecache.getline(filename, frame.f_lineno).strip()
+            break
+        if not issuer and not filename.endswith(_PLUMBING) and frame.f_code.co_name not in _WRAPPERS:
+            for package in ("torch", "dtlib"):
+                marker = os.sep + package + os.sep
+                if marker in filename:
+                    issuer = f"{package}/{filename.rsplit(marker, 1)[1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+                    break
+        frame = frame.f_back
+    called = "" if not calls else calls[0] if calls[-1] == "batch_isend_irecv" else calls[-1]
+    return line, source, issuer, called
+
+
+def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: FrameType | None) -> Call:
+    """The :class:`Call` that the dispatcher's collective op ``func`` makes with ``args``."""
+    names = [argument.name for argument in func._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | kwargs  # trailing defaults may be left out
+    functional = func.namespace == "_c10d_functional"
+    op = f"{func._opname} (functional)" if functional else C10D_CALLS.get(func._opname, func._opname)
+    base = op.removesuffix(" (functional)")
+    group = _group(bound)
+    members = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+    root = next((bound[name] for name in _ROOT_ARGUMENTS if isinstance(bound.get(name), int)), None)
+    if root is not None and 0 <= root < len(members):
+        root = members[root]  # the ops take the rank within the group
+    reduce_op = bound.get("reduce_op")
+    if isinstance(reduce_op, torch.ScriptObject):
+        reduce_op = dist.ReduceOp.RedOpType(reduce_op.op()).name
+    splits = ""
+    if "output_split_sizes" in bound or "input_split_sizes" in bound:
+        out, into = (list(bound.get(name) or []) for name in ("output_split_sizes", "input_split_sizes"))
+        splits = f"splits out {out} in {into}"
+    tensors = tuple(_tensor_text(tensor) for name, value in bound.items() if name != "sparse_indices"
+                    for tensor in _flat(value))
+    if base == "barrier":
+        tensors = ()  # gloo's barrier carries a placeholder tensor of its own
+    line, source, issuer, called = _where(frame)
+    transfer = base if base in ("send", "recv") else ""
+    if called and not functional and (not transfer or called in _P2P_CALLS):
+        op = called  # as the cell called it: isend rather than send, all_gather_object rather than all_gather
+    return Call(index, op, getattr(group, "group_name", "?"), members, tensors, root,
+                _ROOTS.get(base, "") if root is not None else "", str(reduce_op or "").upper(), splits,
+                line, source, issuer, transfer)
+
+
+def is_collective(func: Any) -> bool:
+    """Whether the dispatcher's op ``func`` is a collective or a point-to-point transfer."""
+    namespace = getattr(func, "namespace", "")
+    return (namespace == "c10d" and func._opname in C10D_CALLS) or (
+        namespace == "_c10d_functional" and func._opname not in _NOT_COLLECTIVES)
+
+
+class PauseBeforeCollectives(TorchDispatchMode):
+    """Calls ``pause(call, frame)`` just before each collective that runs under it, then runs the collective.
+
+    Every op of the cell passes through Python while it is on: a cell steps at the speed of a lesson, not a job.
+    """
+
+    def __init__(self, pause: Callable[[Call, FrameType | None], None]) -> None:
+        super().__init__()
+        self.pause = pause
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if is_collective(func):
+            self.count += 1
+            frame = sys._getframe(1)
+            self.pause(describe(func, args, kwargs, self.count, frame), frame)
+        return func(*args, **kwargs)
+
+
+class StepAborted(BaseException):
+    """Raised inside a paused rank by ``%ranks abort``: a BaseException, so that a cell's ``except Exception``
+    cannot swallow it."""
+
+
+@dataclass
+class Pauses:
+    """The rank's pause before each collective: answer the kernel ``"paused"`` with the :class:`Call`, then take
+    commands until one moves on.
+
+    Commands while paused: ``"step"`` (on to the next collective), ``"continue"`` (to the cell's end without
+    pausing), ``"abort"`` (:class:`StepAborted` unwinds the cell), ``"peek"`` (an expression evaluated in the
+    paused frame, answered at once) and ``"pull"``. ``number`` is the command whose answer this rank owes: the
+    cell's end answers it too.
+    """
+
+    commands: Connection
+    number: int
+    answer: Callable[[Any], bytes]
+    stepping: bool = True
+    namespace: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, call: Call, frame: FrameType | None) -> None:
+        if not self.stepping:
+            return
+        self._send("paused", pickle.dumps(call))
+        while True:
+            self.number, kind, body = pickle.loads(self.commands.recv_bytes())
+            if kind == "step":
+                return
+            if kind == "continue":
+                self.stepping = False
+                return
+            if kind == "abort":
+                raise StepAborted(f"aborted before {call.what()}, by %ranks abort")
+            if kind == "exit":
+                sys.stdout.flush()
+                os._exit(0)  # the kernel is closing the ranks: the cell's frames go with the process
+            if kind in ("peek", "pull"):
+                self._send(*self.look(kind, body, frame))
+            else:
+                self._send("error", {"type": "RuntimeError", "module": "builtins", "traceback": "",
+                                     "message": f"a cell is paused on this rank: {kind!r} must wait until it ends"})
+
+    def look(self, kind: str, body: str, frame: FrameType | None) -> tuple[str, Any]:
+        """``peek``: ``body`` evaluated in ``frame`` (the cell's innermost frame, locals included); ``pull``: a
+        name of the rank's namespace."""
+        cell = frame
+        while cell is not None and not cell.f_code.co_filename.startswith("<rank cell"):
+            cell = cell.f_back
+        try:
+            if kind == "pull":
+                if body not in self.namespace:
+                    raise NameError(f"name {body!r} is not defined on this rank")
+                return "ok", self.answer(self.namespace[body])
+            scope = cell if cell is not None else None
+            global_names = scope.f_globals if scope is not None else self.namespace
+            local_names = dict(scope.f_locals) if scope is not None else {}
+            return "ok", self.answer(eval(body, global_names, local_names))  # noqa: S307 - the learner's expression
+        except Exception as exc:  # noqa: BLE001 - the learner's expression failed: say so, stay paused
+            return "error", {"type": type(exc).__qualname__, "module": type(exc).__module__, "traceback": "",
+                             "message": f"{type(exc).__qualname__}: {exc}"}
+
+    def _send(self, status: str, body: Any) -> None:
+        sys.stdout.flush()  # what the cell printed before the pause reaches the kernel first
+        sys.stderr.flush()
+        self.commands.send_bytes(pickle.dumps((self.number, status, body)))

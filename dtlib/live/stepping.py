@@ -1,0 +1,203 @@
+"""The kernel's side of stepping: each rank's state, what a step will leave waiting, and the table.
+
+:class:`dtlib.LiveRanks` keeps one :class:`RankStep` per rank while a stepped cell runs (``run(code, step=True)``,
+``%%ranks --step``). Before it moves any rank, :func:`will_wait` says which ranks will block inside their
+collective (a peer stays paused, or calls something else), so that a step answers at once instead of waiting
+for a rank that cannot move. :func:`disagreements` names what the ranks' next calls get wrong before anything is
+sent. :class:`StepView` is what a step returns and a notebook shows: one row per rank.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any
+
+from dtlib.live.stepper import UNEQUAL_TENSORS, Call
+
+#: Calls that return before their peer arrives: the wait comes later, in ``work.wait()``, where no pause is.
+NON_BLOCKING = {"isend", "irecv", "batch_isend_irecv"}
+WORLD_NAME = "0"  # the default group's name in torch: the table shows its ranks alone
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank in a stepped cell. ``state``: ``"paused"`` (before ``call``), ``"waiting"`` (inside ``call``, for
+    ``waiting_for``), ``"finished"`` (the cell's ``value``) or ``"raised"`` (``error``)."""
+
+    rank: int
+    state: str
+    call: Call | None = None
+    value: Any = None
+    error: str = ""
+    waiting_for: tuple[int, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("paused", "waiting")
+
+
+def matches(call: Call, other: Call, rank: int, peer: int) -> bool:
+    """Whether ``peer``'s ``other`` is the call that completes ``rank``'s ``call``: the same collective on the
+    same group, or the other end of a transfer."""
+    if call.p2p or other.p2p:
+        return (call.p2p and other.p2p and call.root in (peer, None) and other.root in (rank, None)
+                and call.transfer != other.transfer)
+    return call.group == other.group and call.op == other.op
+
+
+def will_wait(rows: dict[int, RankStep], moving: set[int]) -> dict[int, tuple[int, ...]]:
+    """The ranks that will block inside their call once ``moving`` (paused ranks) are stepped, each with the
+    peers it waits for. A rank waits while a peer it needs is not moving too, or moves into another call."""
+    going = {rank for rank in moving if rows[rank].state == "paused"} | {
+        rank for rank, row in rows.items() if row.state == "waiting"}
+    stuck: dict[int, tuple[int, ...]] = {}
+    for rank in sorted(going):
+        call = rows[rank].call
+        if call is None or call.op in NON_BLOCKING:
+            continue
+        missing = tuple(peer for peer in call.peers if peer != rank and (
+            peer not in going or rows[peer].call is None or not matches(call, rows[peer].call, rank, peer)))
+        if missing:  # a peer in the same call is no reason: whatever holds it is among this call's peers too
+            stuck[rank] = missing
+    return stuck
+
+
+def _differ(calls: dict[int, Call]) -> str:
+    """What the ranks' calls of one collective disagree on, or ''."""
+    first_rank = min(calls)
+    first = calls[first_rank]
+    for field, label in (("op", "operations"), ("root", "roots"), ("reduce_op", "reduce ops"),
+                         ("tensors", "tensors"), ("splits", "split sizes")):
+        if field == "tensors" and first.op in UNEQUAL_TENSORS:
+            continue
+        values = {rank: getattr(call, field) for rank, call in calls.items()}
+        if len(set(values.values())) > 1:
+            return f"different {label}: " + ", ".join(f"rank {rank} calls {calls[rank].what()}"
+                                                      for rank in sorted(calls))
+    return ""
+
+
+def disagreements(rows: dict[int, RankStep]) -> list[str]:
+    """What will go wrong when the ranks' next calls run, found before any of them runs: ranks of one group
+    calling different collectives, roots, reduce ops or shapes, and ranks that will wait for ever (a peer in
+    another call, finished or raised). Each problem is one sentence."""
+    problems: list[str] = []
+    named: set[int] = set()
+    for rank, row in sorted(rows.items()):
+        call = row.call
+        if not row.active or call is None or rank in named:
+            continue
+        if call.p2p:
+            peer = call.root
+            if peer is None or peer not in rows:
+                continue
+            other = rows[peer]
+            if not other.active and call.op not in NON_BLOCKING:
+                problems.append(f"rank {rank}'s {call.what()} waits for ever: rank {peer} {_ended(other)}")
+            elif other.active and other.call is not None and not matches(call, other.call, rank, peer) \
+                    and call.op not in NON_BLOCKING and other.call.op not in NON_BLOCKING:
+                problems.append(f"rank {rank}'s {call.what()} is not matched: rank {peer} calls {other.call.what()}")
+            continue
+        on_group = {peer: rows[peer].call for peer in call.members if peer in rows and rows[peer].active
+                    and rows[peer].call is not None and not rows[peer].call.p2p
+                    and rows[peer].call.group == call.group}
+        elsewhere = [peer for peer in call.members if peer in rows and peer not in on_group]
+        named |= set(on_group)
+        difference = _differ(on_group)  # type: ignore[arg-type]
+        if difference:
+            problems.append(f"ranks {list(call.members)}: {difference}" if call.group == WORLD_NAME else
+                            f"group {call.group} {list(call.members)}: {difference}")
+        for peer in elsewhere:
+            other = rows[peer]
+            doing = f"calls {other.call.what()}" if other.active and other.call is not None else _ended(other)
+            problems.append(f"{_ranks(sorted(on_group))} will wait for ever in {call.what()}: rank {peer} {doing}")
+    return problems
+
+
+def _ended(row: RankStep) -> str:
+    return "has finished the cell" if row.state == "finished" else f"raised {row.error}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(rank) for rank in ranks)
+
+
+def _state(row: RankStep, rows: dict[int, RankStep]) -> str:
+    if row.state == "paused":
+        return f"paused before {row.call.what()}" if row.call else "paused"
+    if row.state == "waiting" and row.call is not None:
+        why = []
+        for peer in row.waiting_for:
+            other = rows.get(peer)
+            if other is None:
+                continue
+            if other.state == "paused" and other.call is not None:
+                still = "still paused before it" if matches(row.call, other.call, row.rank, peer) \
+                    else f"paused before {other.call.what()}"
+                why.append(f"rank {peer}, {still}")
+            else:
+                why.append(f"rank {peer}, which {_ended(other) if not other.active else 'waits too'}")
+        return f"waits in {row.call.what()} for " + "; ".join(why)
+    if row.state == "finished":
+        return "finished the cell"
+    return f"raised {row.error}"
+
+
+class StepView:
+    """Every rank's state in a stepped cell, one row each: its state, its call, the line of the cell it stands
+    on and what issued the call, then what the ranks disagree on. ``values``: each rank's value of the cell's
+    last expression once every rank finished (else None)."""
+
+    def __init__(self, rows: dict[int, RankStep], note: str = "") -> None:
+        self.rows = dict(sorted(rows.items()))
+        self.problems = disagreements(self.rows)
+        self.note = note
+
+    @property
+    def finished(self) -> bool:
+        return all(not row.active for row in self.rows.values())
+
+    @property
+    def values(self) -> list[Any] | None:
+        return [row.value for row in self.rows.values()] if self.finished else None
+
+    def states(self) -> dict[int, str]:
+        """Each rank's state in words, as the table shows it. Example: ``{0: "paused before all_reduce #1 (SUM,
+        float32[4])", 1: "waits in all_reduce #1 (SUM, float32[4]) for rank 0, still paused before it"}``."""
+        return {rank: _state(row, self.rows) for rank, row in self.rows.items()}
+
+    def _cells(self) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for rank, state in self.states().items():
+            call = self.rows[rank].call if self.rows[rank].active else None
+            where = f"{call.line}  {call.source}" if call is not None and call.line else ""
+            group = "" if call is None else f"{list(call.members)}" if call.group == WORLD_NAME else \
+                f"group {call.group} {list(call.members)}"
+            rows.append((f"rank {rank}", state, group, where + (f"  ← {call.issuer}" if call and call.issuer else "")))
+        return rows
+
+    def _verdict(self) -> str:
+        if self.finished:
+            return "every rank finished the cell"
+        if self.problems:
+            sent = any(row.state == "waiting" for row in self.rows.values())
+            return ("the ranks cannot all go on: " if sent else "before anything is sent: ") + " | ".join(self.problems)
+        if all(row.state == "paused" for row in self.rows.values()):
+            return "the ranks agree: %ranks step runs these calls"
+        return "no disagreement in the calls shown"
+
+    def __repr__(self) -> str:
+        cells = self._cells()
+        widths = [max(len(row[i]) for row in cells) for i in range(3)]
+        lines = ["  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3] for row in cells]
+        return "\n".join([line.rstrip() for line in lines] + [self._verdict()] + ([self.note] if self.note else []))
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th style='text-align:left'>{name}</th>" for name in ("rank", "state", "group", "line"))
+        body = "".join("<tr>" + "".join(f"<td style='text-align:left'><code>{html.escape(cell)}</code></td>"
+                                        for cell in row) + "</tr>" for row in self._cells())
+        colour = "#b00020" if self.problems else "inherit"
+        note = f"<div>{html.escape(self.note)}</div>" if self.note else ""
+        return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                f"<div style='color:{colour}'>{html.escape(self._verdict())}</div>{note}")

@@ -1,0 +1,247 @@
+"""Stepping live ranks collective by collective (``run(code, step=True)``, ``%%ranks --step``).
+
+The oracle for what runs is the same cell run without stepping: stepping must end in the same values. The
+oracle for what each rank calls is the code itself: each kind of collective is named as the cell calls it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtlib.errors import WorkerError
+from dtlib.live.server import RemoteRepr
+from dtlib.live.stepper import Call
+from dtlib.live.stepping import RankStep, StepView, disagreements, will_wait
+
+pytestmark = pytest.mark.timeout(120)
+
+TWO_CALLS = """
+before = rank
+x = torch.tensor([rank + 1.0] * 4)
+dist.all_reduce(x)
+y = x * (rank + 1)
+dist.broadcast(y, src=1)
+y.sum()
+"""
+
+
+def _drive(ranks, view):
+    while not view.finished:
+        view = ranks.step()
+    return view
+
+
+def test_a_stepped_cell_pauses_before_each_collective_and_ends_with_the_values_of_a_plain_run(ranks):
+    plain = ranks.run(TWO_CALLS)
+    view = ranks.run(TWO_CALLS, step=True)
+    assert ranks.paused
+    assert view.states() == {0: "paused before all_reduce #1 (SUM, float32[4])",
+                             1: "paused before all_reduce #1 (SUM, float32[4])"}
+    assert [row.call.line.split(":")[1] for row in view.rows.values()] == ["4", "4"]
+    assert all(row.call.source == "dist.all_reduce(x)" for row in view.rows.values())
+    assert "the ranks agree" in repr(view) and "&lt;rank cell" in view._repr_html_()
+    assert [t.tolist() for t in ranks.peek("x")] == [[1.0] * 4, [2.0] * 4]  # nothing sent yet
+    view = ranks.step()
+    assert view.states()[0] == "paused before broadcast #2 (src=1, float32[4])"
+    assert [t.tolist() for t in ranks.peek("x")] == [[3.0] * 4, [3.0] * 4]  # the all-reduce ran
+    assert _drive(ranks, view).values == plain
+    assert not ranks.paused
+
+
+def test_one_rank_stepped_alone_waits_inside_its_collective_for_the_rank_still_paused(ranks):
+    ranks.run(TWO_CALLS, step=True)
+    view = ranks.step(rank=1)  # returns at once: rank 1 cannot finish the all-reduce without rank 0
+    assert view.states() == {0: "paused before all_reduce #1 (SUM, float32[4])",
+                             1: "waits in all_reduce #1 (SUM, float32[4]) for rank 0, still paused before it"}
+    assert ranks.peek("before")[0] == 0 and isinstance(ranks.peek("before")[1], RemoteRepr)
+    with pytest.raises(RuntimeError, match="nothing to step: rank 1 waits in all_reduce #1"):
+        ranks.step(rank=1)
+    view = ranks.step(rank=0)  # both now in the all-reduce: it runs, and both pause before the broadcast
+    assert set(view.states().values()) == {"paused before broadcast #2 (src=1, float32[4])"}
+    assert ranks.resume() == ranks.run(TWO_CALLS)
+
+
+@pytest.mark.parametrize(("cell", "problem"), [
+    ("dist.all_reduce(torch.ones(3 + rank))", "different tensors: rank 0 calls all_reduce #1 (SUM, float32[3]), "
+                                              "rank 1 calls all_reduce #1 (SUM, float32[4])"),
+    ("dist.broadcast(torch.ones(2), src=rank)", "different roots: rank 0 calls broadcast #1 (src=0, float32[2])"),
+    ("dist.all_reduce(torch.ones(2), op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM)", "different reduce ops"),
+    ("dist.all_reduce(torch.ones(2)) if rank else dist.broadcast(torch.ones(2), src=0)", "different operations"),
+    ("if rank == 0:\n    dist.all_reduce(torch.ones(2))",
+     "rank 0 will wait for ever in all_reduce #1 (SUM, float32[2]): rank 1 has finished the cell"),
+    ("if rank == 0:\n    dist.send(torch.ones(2), 1)\nelse:\n    dist.all_reduce(torch.ones(2))",
+     "rank 0's send #1 (dst=1, float32[2]) is not matched: rank 1 calls all_reduce #1"),
+])
+def test_a_disagreement_is_named_before_anything_is_sent_and_abort_keeps_the_variables(ranks, cell, problem):
+    view = ranks.run("kept = rank * 7\n" + cell, step=True)
+    assert any(problem in line for line in view.problems), view.problems
+    assert repr(view).splitlines()[-1].startswith("before anything is sent: ")
+    said = ranks.abort()
+    assert not ranks.paused
+    assert ranks.run("kept") == [0, 7], said  # nothing ran, so nothing was lost
+
+
+@pytest.mark.parametrize(("cell", "first"), [
+    ("dist.all_reduce(torch.ones(2))", "all_reduce #1"),
+    ("dist.barrier()", "barrier #1"),
+    ("t = torch.ones(2)\nif rank == 0:\n    dist.send(t, 1)\nelse:\n    dist.recv(t, 0)", ("send #1", "recv #1")),
+    ("t = torch.ones(2)\nw = dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)\nw.wait()", ("isend #1", "irecv #1")),
+    ("t = torch.ones(2)\nop = dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, 1 - rank)\n"
+     "[w.wait() for w in dist.batch_isend_irecv([op])]", ("isend #1", "irecv #1")),
+    ("from torch.distributed._functional_collectives import all_reduce as fr\n"
+     "fr(torch.ones(2), 'sum', dist.group.WORLD)", "all_reduce (functional) #1"),
+    ("m = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))", "all_gather #1"),
+    ("from torch.distributed.tensor import init_device_mesh, distribute_tensor, Shard\n"
+     "d = distribute_tensor(torch.arange(4.0), init_device_mesh('cpu', (2,)), [Shard(0)])", "scatter #1"),
+])
+def test_each_kind_of_collective_is_seen_as_the_cell_called_it(ranks, cell, first):
+    view = ranks.run(cell, step=True)
+    expected = (first, first) if isinstance(first, str) else first
+    for rank, want in enumerate(expected):
+        assert view.states()[rank].startswith(f"paused before {want}"), view.states()
+    assert ranks.resume() is not None and not ranks.paused
+
+
+def test_ddp_fsdp_and_dtensor_collectives_are_seen_inside_torch_with_the_frame_that_issued_them(ranks):
+    ranks.run("torch.manual_seed(0)\nddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))")
+    view = ranks.run("ddp(torch.randn(3, 4)).sum().backward()", step=True)  # DDP's one bucket, in backward
+    assert view.states()[0] == "paused before all_reduce #1 (SUM, float32[10])"
+    assert "autograd" in view.rows[0].call.issuer
+    ranks.resume()
+    ranks.run("from torch.distributed.fsdp import fully_shard\n"
+              "fsdp = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n"
+              "[fully_shard(layer) for layer in fsdp]\nfsdp = fully_shard(fsdp)")
+    view = ranks.run("fsdp(torch.randn(2, 4)).sum().backward()", step=True)
+    calls = [view.rows[0].call]
+    while not view.finished:
+        view = ranks.step()
+        if not view.finished:
+            calls.append(view.rows[0].call)
+    ops = [call.op for call in calls]  # torch 2.13's FSDP2 calls all_gather_single and reduce_scatter_single
+    assert [op.startswith("all_gather") for op in ops] == [True] * 4 + [False] * 2, ops  # forward, then backward's
+    assert [op.startswith("reduce_scatter") for op in ops] == [False] * 4 + [True] * 2, ops  # one of each a layer
+    assert all("fsdp" in call.issuer for call in calls), [call.issuer for call in calls]
+    view = ranks.run("from torch.distributed.tensor import init_device_mesh, distribute_tensor, Shard\n"
+                     "d = distribute_tensor(torch.arange(4.0), init_device_mesh('cpu', (2,)), [Shard(0)])\n"
+                     "d.full_tensor()", step=True)
+    view = ranks.step()
+    assert view.states()[0].startswith("paused before all_gather_into_tensor (functional) #2")
+    assert view.rows[0].call.source == "d.full_tensor()"
+    assert [t.tolist() for t in ranks.resume()] == [[0.0, 1.0, 2.0, 3.0]] * 2
+
+
+def test_bad_input_while_stepping_gets_a_clear_message_and_leaves_no_rank_blocked(ranks):
+    with pytest.raises(RuntimeError, match="nothing is paused, so there is nothing to step"):
+        ranks.step()
+    with pytest.raises(RuntimeError, match="nothing is paused"):
+        ranks.peek("rank")
+    with pytest.raises(RuntimeError, match="nothing is paused"):
+        ranks.abort()
+    ranks.run(TWO_CALLS, step=True)
+    with pytest.raises(ValueError, match="peek takes an expression"):
+        ranks.peek("z = 1")
+    with pytest.raises(RuntimeError, match="a stepped cell is paused on the ranks"):
+        ranks.run("1")
+    with pytest.raises(RuntimeError, match="a stepped cell is paused on the ranks"):
+        ranks.push(a=1)
+    with pytest.raises(ValueError, match="rank must be one of 0..1"):
+        ranks.step(rank=5)
+    with pytest.raises(ValueError):
+        ranks.step(0)
+    assert isinstance(ranks.peek("dist.group.WORLD")[0], RemoteRepr)  # cannot travel: its repr comes
+    with pytest.raises(WorkerError, match="NameError"):
+        ranks.peek("no_such_name")
+    assert ranks.pull("before") == [0, 1]  # pull works while paused
+    assert ranks.resume() == ranks.run(TWO_CALLS)
+
+
+def test_a_rank_that_raises_while_its_peer_is_paused_is_shown_and_abort_restarts_the_waiting_one(ranks):
+    view = ranks.run("if rank == 1:\n    raise ValueError('boom')\ndist.all_reduce(torch.ones(1))", step=True)
+    assert view.states()[1] == "raised ValueError: boom"
+    assert "rank 0 will wait for ever in all_reduce #1 (SUM, float32[1]): rank 1 raised ValueError: boom" in \
+        view.problems
+    view = ranks.step()
+    assert view.states()[0].startswith("waits in all_reduce #1 (SUM, float32[1]) for rank 1, which raised")
+    assert "rank 0 waited inside a collective" in ranks.abort()
+    assert ranks.run("rank") == [0, 1]  # restarted, and usable
+
+
+def test_many_collectives_step_k_at_a_time_and_continue_to_the_end(ranks):
+    ranks.run("for i in range(200):\n    dist.all_reduce(torch.ones(1))\n'done'", step=True)
+    assert ranks.step(5).states()[0] == "paused before all_reduce #6 (SUM, float32[1])"
+    assert ranks.resume() == ["done", "done"]
+
+
+def _call(op, members=(0, 1), tensors=("float32[4]",), root=None, transfer="", group="0"):
+    return Call(1, op, group, members, tensors, root, "src" if root is not None else "", "", "", "", "", "",
+                transfer)
+
+
+def test_will_wait_knows_which_stepped_ranks_block_before_any_rank_moves():
+    rows = {0: RankStep(0, "paused", _call("all_reduce")), 1: RankStep(1, "paused", _call("all_reduce")),
+            2: RankStep(2, "paused", _call("all_reduce", members=(0, 1, 2)))}
+    assert will_wait(rows, {0, 1}) == {}  # a 2-rank group, both moving
+    rows[1] = RankStep(1, "paused", _call("all_reduce", members=(0, 1, 2)))
+    rows[0] = RankStep(0, "paused", _call("all_reduce", members=(0, 1, 2)))
+    assert will_wait(rows, {0, 1}) == {0: (2,), 1: (2,)}
+    assert will_wait(rows, {0, 1, 2}) == {}
+    send, recv = _call("send", root=1, transfer="send"), _call("recv", root=0, transfer="recv")
+    assert will_wait({0: RankStep(0, "paused", send), 1: RankStep(1, "paused", recv)}, {0}) == {0: (1,)}
+    assert will_wait({0: RankStep(0, "paused", send), 1: RankStep(1, "waiting", recv)}, {0}) == {}
+    isend = _call("isend", root=1, transfer="send")
+    assert will_wait({0: RankStep(0, "paused", isend), 1: RankStep(1, "paused", recv)}, {0}) == {}
+
+
+def test_disagreements_name_ranks_in_other_groups_and_calls_that_differ():
+    rows = {0: RankStep(0, "paused", _call("all_reduce", group="1")), 1: RankStep(1, "paused", _call("all_reduce"))}
+    rows[0] = RankStep(0, "paused", _call("all_reduce", group="1", members=(0, 1)))
+    problems = disagreements(rows)
+    assert problems and "will wait for ever" in problems[0]
+    same = {r: RankStep(r, "paused", _call("all_reduce")) for r in (0, 1)}
+    assert disagreements(same) == [] and StepView(same).finished is False
+    done = {r: RankStep(r, "finished", value=r) for r in (0, 1)}
+    assert StepView(done).values == [0, 1] and repr(StepView(done)).endswith("every rank finished the cell")
+
+
+def test_the_magics_step_peek_continue_and_abort_from_cells(capsys):
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "dtlib")
+    shell.run_line_magic("ranks", "start 2 --backend gloo --timeout 30")
+    try:
+        capsys.readouterr()
+        shell.run_cell("%%ranks --step\n" + TWO_CALLS)
+        shown = capsys.readouterr().out
+        assert "rank 1  paused before all_reduce #1 (SUM, float32[4])" in shown and "the ranks agree" in shown
+        shell.run_cell("%ranks peek x.sum() * 10")
+        assert "40" in capsys.readouterr().out  # rank 1's x is [2, 2, 2, 2]
+        shell.run_cell("%ranks step --rank 0")
+        assert "rank 0  waits in all_reduce #1 (SUM, float32[4]) for rank 1, still paused before it" in \
+            capsys.readouterr().out
+        shell.run_cell("%ranks step 2")
+        assert "every rank finished the cell" in capsys.readouterr().out
+        shell.run_cell("%%ranks --step\n" + TWO_CALLS)
+        shell.run_cell("%ranks continue")
+        assert "tensor(24.)" in capsys.readouterr().out
+        shell.run_cell("%ranks abort")
+        assert "nothing is paused; run a cell with %%ranks --step first" in capsys.readouterr().err
+        shell.run_cell("%%ranks --step\n" + TWO_CALLS)
+        shell.run_cell("%ranks abort")
+        assert "aborted the cell on every rank; the ranks keep their variables" in capsys.readouterr().out
+        shell.run_cell("%ranks peek")
+        assert "give an expression" in capsys.readouterr().err
+    finally:
+        shell.run_line_magic("ranks", "stop")
+
+
+def test_closing_ranks_paused_or_waiting_inside_a_collective_leaves_no_process(leftovers):
+    import dtlib
+
+    live = dtlib.LiveRanks(2, backend="gloo", timeout=30)
+    pids = live.run("import os\nos.getpid()")
+    live.run(TWO_CALLS, step=True)
+    live.step(rank=1)  # rank 1 now blocks inside gloo, where no command reaches it
+    live.close()
+    assert live.closed and not live.paused
+    leftovers.assert_clean(pids)
