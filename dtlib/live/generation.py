@@ -6,6 +6,7 @@ process group unusable, closes it and starts the next. The ranks' side is :mod:`
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import signal
 import time
@@ -43,6 +44,7 @@ class Generation:
         self.expected: dict[int, int] = dict.fromkeys(range(world_size), 0)  # by rank: the answer that counts
         self.dropped: dict[int, int] = {}  # by rank: late answers to earlier commands, dropped
         self._asked = b"0"  # the doctor's newest question
+        self._questions = itertools.count(1)
         payload = cloudpickle.dumps((server.serve, (), {}))
         try:
             start_job(self.job, method, payload, {}, backend, env={**doctor.FR_ENV, **(env or {})})
@@ -115,10 +117,11 @@ class Generation:
         self.job.step(0.0)
         self.job.relay.flush(final=True)
 
-    def ask_doctor(self) -> dict[int, doctor.Collective | None]:
-        """Each rank's newest collective (None: no answer within ``DOCTOR_WAIT_S``), by rank."""
+    def ask_doctor(self, question: str = "") -> dict[int, Any]:
+        """Each rank's newest collective (None: no answer within ``DOCTOR_WAIT_S``), by rank; with ``question``
+        ``"where"``, each rank's main Python stack instead (:func:`dtlib.live.server.main_stack`)."""
         self.doctor.clear()
-        self._asked = str(int(self._asked) + 1).encode()
+        self._asked = f"{question}{next(self._questions)}".encode()
         for state in self.job.ranks:
             try:
                 state.channels[1].send_bytes(self._asked)

@@ -9,7 +9,7 @@
 - ``%%ranks --step``: run the cell with every rank paused before its first collective; a table shows each rank's
   call and line (:class:`dtlib.live.stepping.StepView`). ``%ranks step [K] [--rank R]`` moves on,
   ``%ranks peek EXPR`` evaluates an expression in every paused frame, ``%ranks continue`` runs to the end,
-  ``%ranks abort`` ends the cell.
+  ``%ranks abort`` ends the cell, ``%ranks where`` shows each rank's state and Python stack.
 - ``%ranks stop``; ``%ranks`` alone says what is running.
 """
 
@@ -54,6 +54,7 @@ def _parser() -> _Parser:
     step.add_argument("--rank", type=int, default=None)
     sub.add_parser("continue", add_help=False)
     sub.add_parser("abort", add_help=False)
+    sub.add_parser("where", add_help=False)
     return parser
 
 
@@ -97,6 +98,9 @@ class RanksMagics(Magics):
             values = self._stepping().resume()
             if any(value is not None for value in values):
                 display(RankValues(values))
+        elif args.command == "where":
+            for rank, said in self._live().where().items():
+                print(f"rank {rank}: {said}")
         elif args.command == "abort":
             print(self._stepping().abort())
         elif args.command == "stop":

@@ -295,6 +295,22 @@ class LiveRanks:
                              "nothing was run") from None
         return self._look("peek", expression)
 
+    def where(self) -> dict[int, str]:
+        """``%ranks where``: each rank's state and its Python stack now, innermost call last, from the cell's line
+        in. A thread in each rank answers, so a rank blocked inside gloo or NCCL answers too. Example:
+        ``{0: "paused before all_reduce #1 (SUM, float32[4])\n  File ...", 1: "idle, between cells"}``."""
+        with self._busy:
+            ranks = self._ranks()
+            stacks = ranks.ask_doctor("where")
+            states = StepView(self._steps).states() if self._steps is not None else {}
+            said = {}
+            for rank in range(self.world_size):
+                stack = stacks.get(rank)
+                state = states.get(rank) or ("no answer" if stack is None else "in a cell" if stack else
+                                             "idle, between cells")
+                said[rank] = state + (f"\n{stack}" if stack else "")
+            return said
+
     def _look(self, kind: str, body: str) -> list[Any]:
         with self._busy:
             rows = self._paused_rows(kind)

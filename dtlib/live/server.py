@@ -12,8 +12,9 @@ it is told to. It talks to the kernel over two two-way channels (:func:`dtlib.la
   The first message out is ``(0, "ready", None)``. The kernel counts only a rank's answer to the newest command
   it sent that rank, so a rank's late answer to a cell the kernel gave up on is never read as the next cell's.
 - ``doctor``: a question (any bytes) in, ``(question, the rank's newest collective)`` out
-  (:func:`dtlib.live.doctor.last_collectives`), with what :class:`CallNotes` noted beside the Flight Recorder. A
-  thread answers it, so it is answered while the main thread waits inside a collective.
+  (:func:`dtlib.live.doctor.last_collectives`), with what :class:`CallNotes` noted beside the Flight Recorder; a
+  question that starts with ``where`` gets the main thread's Python stack instead (:func:`main_stack`). A thread
+  answers it, so it is answered while the main thread waits inside a collective.
 
 SIGINT raises KeyboardInterrupt only while a cell's code runs; it is ignored between cells.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
 import pickle
 import signal
 import sys
@@ -110,10 +112,46 @@ def _error(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message, "traceback": text}
 
 
+#: Frames a stack shown to a learner leaves out: wrappers and dtlib's own plumbing, not the calls they wrap.
+_NOT_SHOWN = tuple(os.path.join(*parts) for parts in (
+    ("dtlib", "launch", "strict.py"), ("distributed", "c10d_logger.py"), ("torch", "_compile.py"),
+    ("_dynamo", "eval_frame.py"), ("torch", "_ops.py"), ("utils", "_python_dispatch.py"),
+    ("utils", "_contextlib.py"), ("multiprocessing", "connection.py")))
+
+
+def main_stack(limit: int = 12) -> str:
+    """The main thread's Python stack from the innermost line of a cell inward (torch's frames included, dtlib's
+    plumbing left out), innermost last; ``""`` between cells. Read from another thread: it works while the main
+    thread waits inside gloo or NCCL."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    cells = [index for index, frame in enumerate(frames) if frame.f_code.co_filename.startswith("<rank cell")]
+    if not cells:
+        return ""
+    inner = [frame for frame in frames[:cells[-1] + 1] if not frame.f_code.co_filename.endswith(_NOT_SHOWN)
+             and os.sep + os.path.join("dtlib", "live") + os.sep not in frame.f_code.co_filename]
+    lines = []
+    for frame in reversed(inner[:limit]):
+        filename = frame.f_code.co_filename
+        shown = filename.rsplit("site-packages" + os.sep, 1)[-1]
+        shown = "dtlib" + shown.rsplit(os.sep + "dtlib", 1)[-1] if os.sep + "dtlib" + os.sep in shown else shown
+        lines.append(f'  File "{shown}", line {frame.f_lineno}, in {frame.f_code.co_name}')
+        source = linecache.getline(filename, frame.f_lineno).strip()
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)
+
+
 def _answer_doctor(doctor: Connection, notes: CallNotes) -> None:
     while True:
         try:
             asked = doctor.recv_bytes()
+            if asked.startswith(b"where"):
+                doctor.send_bytes(pickle.dumps((asked, main_stack())))
+                continue
             doctor.send_bytes(pickle.dumps((asked, last_collectives(notes.arguments, notes.members, notes.raised,
                                                                     notes.entries()))))
         except (EOFError, OSError):

@@ -245,3 +245,16 @@ def test_closing_ranks_paused_or_waiting_inside_a_collective_leaves_no_process(l
     live.close()
     assert live.closed and not live.paused
     leftovers.assert_clean(pids)
+
+
+def test_where_shows_each_ranks_state_and_stack_even_inside_a_collective(ranks):
+    assert ranks.where() == {0: "idle, between cells", 1: "idle, between cells"}
+    ranks.run(TWO_CALLS, step=True)
+    ranks.step(rank=1)
+    where = ranks.where()
+    assert where[0].startswith("paused before all_reduce #1") and where[1].startswith("waits in all_reduce #1")
+    for said in where.values():  # the cell's line, then torch's call: the rank blocked in gloo answered too
+        assert '"<rank cell' in said and "dist.all_reduce(x)" in said and "distributed_c10d.py" in said, said
+        assert "dtlib/live" not in said and "strict.py" not in said
+    ranks.step(rank=0)
+    assert ranks.resume() == ranks.run(TWO_CALLS)
