@@ -9,7 +9,8 @@
 - ``%%ranks --step``: run the cell with every rank paused before its first collective; a table shows each rank's
   call and line (:class:`dtlib.live.stepping.StepView`). ``%ranks step [K] [--rank R]`` moves on,
   ``%ranks peek EXPR`` evaluates an expression in every paused frame, ``%ranks continue`` runs to the end,
-  ``%ranks abort`` ends the cell, ``%ranks where`` shows each rank's state and Python stack.
+  ``%ranks abort`` ends the cell, ``%ranks where`` shows each rank's state and Python stack. ``%%ranks --trace``
+  steps the cell to its end and lists every collective each rank called, in order.
 - ``%ranks stop``; ``%ranks`` alone says what is running.
 """
 
@@ -127,7 +128,14 @@ class RanksMagics(Magics):
         parser = _Parser(prog="%%ranks", add_help=False)
         parser.add_argument("--timeout", type=float, default=None)
         parser.add_argument("--step", action="store_true")
+        parser.add_argument("--trace", action="store_true")
         args = parser.parse_args(shlex.split(line))
+        if args.trace:
+            trace = self._live().trace(cell, timeout=args.timeout)
+            print(trace)
+            if trace.values and any(value is not None for value in trace.values):
+                display(RankValues(trace.values))
+            return None
         if args.step:
             display(self._live().run(cell, timeout=args.timeout, step=True))
             return None

@@ -35,7 +35,7 @@ from dtlib.live import doctor, server
 from dtlib.live.generation import Generation, close_quietly
 from dtlib.live.pushed import MeshSpec, ShardsByRank, to_send
 from dtlib.live.server import RemoteRepr
-from dtlib.live.stepping import RankStep, StepView, will_wait
+from dtlib.live.stepping import RankStep, StepView, Trace, will_wait
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -250,6 +250,24 @@ class LiveRanks:
             if view.finished:
                 break
         return view
+
+    def trace(self, code: str, *, timeout: float | None = None) -> Trace:
+        """Run ``code`` stepped, collective by collective, to its end, and return every rank's calls in order.
+        A disagreement ends it before anything is sent: the cell is aborted and a RuntimeError names it.
+        Example: ``ranks.trace("model(x).sum().backward()").calls[0]`` -> DDP's or FSDP's calls on rank 0."""
+        __tracebackhide__ = True
+        view = self.run(code, timeout=timeout, step=True)
+        calls: dict[int, list[Any]] = {rank: [] for rank in range(self.world_size)}
+        while not view.finished:
+            if view.problems:
+                said = self.abort()
+                raise RuntimeError("the trace stopped before anything was sent: " + " | ".join(view.problems)
+                                   + f" ({said})")
+            for rank, row in view.rows.items():
+                if row.state == "paused" and row.call is not None:
+                    calls[rank].append(row.call)
+            view = self.step(timeout=timeout)
+        return Trace(calls, view.values)
 
     def resume(self, *, timeout: float | None = None) -> list[Any]:
         """``%ranks continue``: run every paused rank to the end of the cell without pausing; each rank's value of

@@ -201,3 +201,38 @@ class StepView:
         note = f"<div>{html.escape(self.note)}</div>" if self.note else ""
         return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<div style='color:{colour}'>{html.escape(self._verdict())}</div>{note}")
+
+
+class Trace:
+    """Every collective each rank called in one cell, in order (:meth:`dtlib.LiveRanks.trace`, ``%%ranks
+    --trace``): ``calls[rank]`` is a list of :class:`Call`, ``values`` each rank's value of the cell's last
+    expression. Shown one line per collective, with the ranks that called the same thing on one line."""
+
+    def __init__(self, calls: dict[int, list[Call]], values: list[Any] | None) -> None:
+        self.calls = calls
+        self.values = values
+
+    def lines(self) -> list[str]:
+        """One line per collective number: ``#3 reduce_scatter_single (float32[36], float32[72]) on every rank,
+        line 1, from torch/.../_fsdp_collectives.py:... in foreach_reduce``."""
+        lines = []
+        for index in range(max((len(calls) for calls in self.calls.values()), default=0)):
+            said: dict[str, list[int]] = {}
+            for rank, calls in sorted(self.calls.items()):
+                if index < len(calls):
+                    call = calls[index]
+                    where = f", line {call.line.rsplit(':', 1)[-1]}" if call.line else ""
+                    issuer = f", from {call.issuer}" if call.issuer else ""
+                    said.setdefault(f"{call.what().split(' #')[0]}{_extras(call)}{where}{issuer}", []).append(rank)
+            parts = [text + ("" if len(said) == 1 and len(ranks) == len(self.calls) else f" on {_ranks(ranks)}")
+                     for text, ranks in said.items()]
+            lines.append(f"#{index + 1} " + " | ".join(parts))
+        return lines
+
+    def __repr__(self) -> str:
+        return "\n".join(self.lines() or ["no collective was called"])
+
+
+def _extras(call: Call) -> str:
+    what = call.what()
+    return what[what.index(" ("):] if " (" in what else ""

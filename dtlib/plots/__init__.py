@@ -14,10 +14,11 @@ from dtlib.plots.parallel import mesh, placements
 from dtlib.plots.pipeline import bubble_curve, pipeline
 from dtlib.plots.processes import dp_vs_ddp, launch_times, machine, ranks
 from dtlib.plots.sharding import comm_bars, guide_bars, guide_calculator, guide_grid, memory_bars, shard, zero_stages
+from dtlib.plots.stepping import collective_order
 from dtlib.plots.training import bars, ddp_timeline, loss_curves, nodes, sampler_grid
 
-__all__ = ["bars", "before_after", "bubble_curve", "busbw", "cluster_memory", "comm_bars", "ddp_timeline",
-           "dispatch", "dp_vs_ddp", "expert_load", "guide_bars", "guide_calculator", "guide_grid", "job_time",
-           "launch_times", "loss_curves", "machine", "memory_bars", "mesh", "nodes", "pipeline", "placements",
-           "ranks", "restart_timeline", "ring_attention_blocks", "ring_grid", "ring_step", "sampler_grid", "shard",
-           "traffic", "waste_curve", "zero_stages"]
+__all__ = ["bars", "before_after", "bubble_curve", "busbw", "cluster_memory", "collective_order", "comm_bars",
+           "ddp_timeline", "dispatch", "dp_vs_ddp", "expert_load", "guide_bars", "guide_calculator", "guide_grid",
+           "job_time", "launch_times", "loss_curves", "machine", "memory_bars", "mesh", "nodes", "pipeline",
+           "placements", "ranks", "restart_timeline", "ring_attention_blocks", "ring_grid", "ring_step",
+           "sampler_grid", "shard", "traffic", "waste_curve", "zero_stages"]

@@ -258,3 +258,17 @@ def test_where_shows_each_ranks_state_and_stack_even_inside_a_collective(ranks):
         assert "dtlib/live" not in said and "strict.py" not in said
     ranks.step(rank=0)
     assert ranks.resume() == ranks.run(TWO_CALLS)
+
+
+def test_trace_lists_every_collective_in_order_and_the_figure_draws_one_box_each(ranks):
+    from dtlib import plots
+
+    trace = ranks.trace(TWO_CALLS)
+    assert trace.lines() == ["#1 all_reduce (SUM, float32[4]), line 4", "#2 broadcast (src=1, float32[4]), line 6"]
+    assert trace.values == ranks.run(TWO_CALLS)
+    figure = plots.collective_order({"rank 0": trace.calls[0], "rank 1": trace.calls[1]})
+    boxes = [patch for patch in figure.axes[0].patches if type(patch).__name__ == "Rectangle"]
+    assert len(boxes) == 4 and {text.get_text() for text in figure.axes[0].texts} >= {"AR", "BC", "4"}
+    with pytest.raises(RuntimeError, match="the trace stopped before anything was sent: .*different tensors"):
+        ranks.trace("kept = 1\ndist.all_reduce(torch.ones(1 + rank))")
+    assert ranks.run("kept") == [1, 1] and not ranks.paused

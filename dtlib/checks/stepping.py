@@ -1,0 +1,121 @@
+"""Notebook 15's exercise: the collectives FSDP2 calls in one training step, predicted, then proven by stepping.
+
+The learner predicts, for three blocks wrapped with ``fully_shard(reshard_after_forward=True)``, the order in
+which rank 0 calls its all-gathers and reduce-scatters in a forward and a backward, as ``(operation, block)``
+pairs. The checker does not hold the answer: it runs the same code on two live ranks, traces every collective
+with the stepper (:meth:`dtlib.LiveRanks.trace`) and compares, naming the first place where the prediction and
+the ranks part, with what usually explains it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from dtlib.checks.feedback import Feedback
+
+#: The model: three blocks of different sizes, so that each collective's element count names its block.
+SETUP = """
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 6), nn.Linear(6, 4))
+for block in model:
+    fully_shard(block, reshard_after_forward=True)
+fully_shard(model, reshard_after_forward=True)
+"""
+STEP = "model(torch.randn(4, 8)).sum().backward()"
+#: Each block's parameter count (weight and bias): the size of its all-gather's output, of its reduce-scatter's input.
+BLOCK_SIZES = {8 * 12 + 12: 0, 12 * 6 + 6: 1, 6 * 4 + 4: 2}
+_OPS = {"all_gather": "all_gather", "allgather": "all_gather", "ag": "all_gather", "reduce_scatter": "reduce_scatter",
+        "reducescatter": "reduce_scatter", "rs": "reduce_scatter"}
+_ITEM = re.compile(r"^\s*([a-z_ ]+?)[\s_]*(?:\(|#|:|block|of|,|\s)*\s*(\d+)\s*\)?\s*$")
+EXAMPLE = '[("all_gather", 0), ("all_gather", 1), ...] or ["AG0", "AG1", ...]'
+
+
+def _elements(text: str) -> int:
+    count = 1
+    for size in text.split("[", 1)[-1].rstrip("]").split(","):
+        count *= int(size) if size.strip() else 1
+    return count
+
+
+@functools.cache
+def observed() -> tuple[tuple[str, int], ...]:
+    """Rank 0's collectives in one step of the exercise's model, as ``(operation, block)``, traced on two live
+    ranks the first time it is asked (a few seconds), then remembered."""
+    from dtlib.live.ranks import LiveRanks  # noqa: PLC0415 - starts processes: only when an answer is checked
+
+    with LiveRanks(2, backend="gloo", timeout=60) as ranks:
+        ranks.run(SETUP)
+        trace = ranks.trace(STEP)
+    calls = []
+    for call in trace.calls[0]:
+        family = "all_gather" if call.op.startswith("all_gather") else "reduce_scatter"
+        calls.append((family, BLOCK_SIZES[max(_elements(tensor) for tensor in call.tensors)]))
+    return tuple(calls)
+
+
+def _read(prediction: Any) -> list[tuple[str, int]] | str:
+    """The prediction as ``(operation, block)`` pairs, or a message that says how to write it."""
+    if isinstance(prediction, str) or not isinstance(prediction, list | tuple):
+        return f"Predict a list, one entry per collective in calling order: {EXAMPLE}."
+    read = []
+    for index, item in enumerate(prediction, 1):
+        if isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str):
+            text = f"{item[0]} {item[1]}"
+        elif isinstance(item, str):
+            text = item
+        else:
+            return f"Entry {index}, {item!r}, is neither (operation, block) nor a string such as 'AG0': {EXAMPLE}."
+        found = _ITEM.match(text.lower().replace("-", "_"))
+        op = _OPS.get(found.group(1).replace(" ", "_").strip("_")) if found else None
+        if found is None or op is None or int(found.group(2)) not in BLOCK_SIZES.values():
+            return (f"Entry {index}, {item!r}: name an all-gather or a reduce-scatter (or AG, RS) and a block, 0, 1 "
+                    f"or 2: {EXAMPLE}.")
+        read.append((op, int(found.group(2))))
+    return read
+
+
+def _short(pairs: Any) -> str:
+    return " ".join(("AG" if op == "all_gather" else "RS") + str(block) for op, block in pairs)
+
+
+def _hint(index: int, said: tuple[str, int], truth: tuple[tuple[str, int], ...]) -> str:
+    """What usually explains predicting ``said`` where rank 0 called ``truth[index]``."""
+    called = truth[index]
+    before = truth[:index]
+    last = max(BLOCK_SIZES.values())
+    if called == ("all_gather", last) and ("all_gather", last) in before:
+        return (f"Block {last} ran its forward last, and reshard_after_forward=True freed its gathered parameters "
+                "right after it: the backward must gather them again before it can compute anything.")
+    if called[0] == "all_gather" and said[0] == "reduce_scatter":
+        return ("FSDP2 prefetches in backward: before it reduce-scatters one block's gradients it starts the "
+                "all-gather of the block whose backward comes next, so that the two overlap.")
+    if called[0] == "reduce_scatter" and said[0] == "reduce_scatter":
+        return "Gradients are reduce-scattered in the order their blocks' backwards finish: the last block's first."
+    if called[0] == "reduce_scatter":
+        return "Each block's gradients are reduce-scattered as soon as its backward is done."
+    return "The forward gathers each block's parameters just before that block runs, in the model's order."
+
+
+def fsdp_collectives(prediction: Any) -> Feedback:
+    """Notebook 15: is ``prediction`` the order of rank 0's all-gathers and reduce-scatters in one forward and
+    backward of the exercise's three FSDP2 blocks? Judged against a trace of the real thing."""
+    read = _read(prediction)
+    if isinstance(read, str):
+        return Feedback(False, read)
+    truth = observed()
+    for index, (said, called) in enumerate(zip(read, truth, strict=False)):
+        if said != called:
+            right = f" (your first {index} were right)" if index else ""
+            return Feedback(False, f"Collective #{index + 1}: you predicted {_short([said])}, rank 0 called "
+                                   f"{_short([called])}{right}. {_hint(index, said, truth)}")
+    if not read:
+        return Feedback(False, f"You predicted no collective; rank 0 called {len(truth)}. {_hint(0, ('?', -1), truth)}")
+    if len(read) != len(truth):
+        more = "more" if len(read) > len(truth) else "fewer"
+        return Feedback(False, f"Your first {min(len(read), len(truth))} are right, but you predicted {len(read)} "
+                               f"collectives and rank 0 called {len(truth)}: {more} than it did. "
+                               f"{'' if len(read) > len(truth) else _hint(len(read), ('?', -1), truth)}".rstrip())
+    return Feedback(True, f"Rank 0 called exactly these {len(truth)}, traced by the stepper: {_short(truth)}.")
