@@ -28,6 +28,7 @@ MARKERS = {
     "12_context_parallel": "each step's computing and waiting",
     "13_expert_parallel": "plots.dispatch(sent)",
     "14_cluster_simulated": "3 simulations of a 7B step",
+    "15_step_through_every_rank": "plots.collective_order",
     "16_when_a_rank_dies": "plots.restart_timeline",
 }
 

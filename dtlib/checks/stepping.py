@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from dtlib.checks.feedback import Feedback
+from dtlib.live.ranks import LiveRanks
 
 #: The model: three blocks of different sizes, so that each collective's element count names its block.
 SETUP = """
@@ -44,8 +45,6 @@ def _elements(text: str) -> int:
 def observed() -> tuple[tuple[str, int], ...]:
     """Rank 0's collectives in one step of the exercise's model, as ``(operation, block)``, traced on two live
     ranks the first time it is asked (a few seconds), then remembered."""
-    from dtlib.live.ranks import LiveRanks  # noqa: PLC0415 - starts processes: only when an answer is checked
-
     with LiveRanks(2, backend="gloo", timeout=60) as ranks:
         ranks.run(SETUP)
         trace = ranks.trace(STEP)

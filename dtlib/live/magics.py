@@ -9,8 +9,9 @@
 - ``%%ranks --step``: run the cell with every rank paused before its first collective; a table shows each rank's
   call and line (:class:`dtlib.live.stepping.StepView`). ``%ranks step [K] [--rank R]`` moves on,
   ``%ranks peek EXPR`` evaluates an expression in every paused frame, ``%ranks continue`` runs to the end,
-  ``%ranks abort`` ends the cell, ``%ranks where`` shows each rank's state and Python stack. ``%%ranks --trace``
-  steps the cell to its end and lists every collective each rank called, in order.
+  ``%ranks abort`` ends the cell, ``%ranks where`` shows each rank's state and Python stack. ``%%ranks --trace [NAME]``
+  steps the cell to its end, lists every collective each rank called, in order, and keeps the
+  :class:`dtlib.live.stepping.Trace` under NAME (``trace`` by default): ``traces = %ranks traces`` returns them.
 - ``%ranks stop``; ``%ranks`` alone says what is running.
 """
 
@@ -56,6 +57,7 @@ def _parser() -> _Parser:
     sub.add_parser("continue", add_help=False)
     sub.add_parser("abort", add_help=False)
     sub.add_parser("where", add_help=False)
+    sub.add_parser("traces", add_help=False)
     return parser
 
 
@@ -64,6 +66,10 @@ class RanksMagics(Magics):
     """The ``ranks`` magic; one set of live ranks per kernel, in ``self.live``."""
 
     live: LiveRanks | None = None
+
+    def __init__(self, shell: Any = None) -> None:
+        super().__init__(shell=shell)
+        self.traces: dict[str, Any] = {}  # %%ranks --trace NAME -> its Trace, for %ranks traces
 
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> Any:
@@ -94,11 +100,16 @@ class RanksMagics(Magics):
             print(f"{self.live.world_size} live ranks on {self.live.backend}, "
                   f"started in {self.live.started_in_s:.1f} s{'' if self.live.check_collectives else UNCHECKED}")
         elif args.command == "step":
-            display(self._stepping().step(args.count, rank=args.rank))
+            view = self._stepping().step(args.count, rank=args.rank)
+            display(view)
+            if view.values is not None and any(value is not None for value in view.values):
+                display(RankValues(view.values))
         elif args.command == "continue":
             values = self._stepping().resume()
             if any(value is not None for value in values):
                 display(RankValues(values))
+        elif args.command == "traces":  # traces = %ranks traces; traces["first"].calls[0]
+            return dict(self.traces)
         elif args.command == "where":
             for rank, said in self._live().where().items():
                 print(f"rank {rank}: {said}")
@@ -128,10 +139,10 @@ class RanksMagics(Magics):
         parser = _Parser(prog="%%ranks", add_help=False)
         parser.add_argument("--timeout", type=float, default=None)
         parser.add_argument("--step", action="store_true")
-        parser.add_argument("--trace", action="store_true")
+        parser.add_argument("--trace", nargs="?", const="trace", default=None)  # the name %ranks traces gives it
         args = parser.parse_args(shlex.split(line))
-        if args.trace:
-            trace = self._live().trace(cell, timeout=args.timeout)
+        if args.trace is not None:
+            trace = self.traces[args.trace] = self._live().trace(cell, timeout=args.timeout)
             print(trace)
             if trace.values and any(value is not None for value in trace.values):
                 display(RankValues(trace.values))

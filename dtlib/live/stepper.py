@@ -64,8 +64,8 @@ class Call:
     under the dispatcher's name, as no torch.distributed function made them). ``members``: the group's global
     ranks. ``tensors``: ``"float32[4]"`` per tensor. ``root``: the global rank of ``src`` or ``dst`` (the peer of a
     send or recv), ``root_name`` which of the two. ``line``: ``"<rank cell 3>:5"`` and ``source`` its text;
-    ``issuer``: the innermost frame of torch or dtlib that issued it (``"torch/distributed/tensor/...:120 in
-    redistribute"``), empty when the cell called torch.distributed itself.
+    ``issuer``: the innermost frame of torch or dtlib that issued it (``"torch/distributed/tensor/... in
+    mesh_scatter"``), empty when the cell called torch.distributed itself.
     """
 
     index: int
@@ -95,12 +95,15 @@ class Call:
             return (self.root,)
         return self.members
 
-    def what(self) -> str:
-        """``all_reduce #2 (SUM, float32[4])``: the call in one phrase."""
+    def details(self) -> str:
+        """``SUM, float32[4]``: the root, reduce op, split sizes and tensors, as far as the call has them."""
         extras = [f"{self.root_name}={self.root}" if self.root_name and self.root is not None else "",
                   self.reduce_op, self.splits, ", ".join(self.tensors[:3]) + (" …" if len(self.tensors) > 3 else "")]
-        inner = ", ".join(extra for extra in extras if extra)
-        return f"{self.op} #{self.index}" + (f" ({inner})" if inner else "")
+        return ", ".join(extra for extra in extras if extra)
+
+    def what(self) -> str:
+        """``all_reduce #2 (SUM, float32[4])``: the call in one phrase."""
+        return f"{self.op} #{self.index}" + (f" ({self.details()})" if self.details() else "")
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
@@ -144,7 +147,8 @@ def _where(frame: FrameType | None) -> tuple[str, str, str, str]:
             for package in ("torch", "dtlib"):
                 marker = os.sep + package + os.sep
                 if marker in filename:
-                    issuer = f"{package}/{filename.rsplit(marker, 1)[1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+                    issuer = f"{package}/{filename.rsplit(marker, 1)[1]} in {frame.f_code.co_name}"  # no line:
+                    # the line moves with every torch release, the file and function rarely
                     break
         frame = frame.f_back
     called = "" if not calls else calls[0] if calls[-1] == "batch_isend_irecv" else calls[-1]

@@ -223,7 +223,8 @@ class Trace:
                     call = calls[index]
                     where = f", line {call.line.rsplit(':', 1)[-1]}" if call.line else ""
                     issuer = f", from {call.issuer}" if call.issuer else ""
-                    said.setdefault(f"{call.what().split(' #')[0]}{_extras(call)}{where}{issuer}", []).append(rank)
+                    details = f" ({call.details()})" if call.details() else ""
+                    said.setdefault(f"{call.op}{details}{where}{issuer}", []).append(rank)
             parts = [text + ("" if len(said) == 1 and len(ranks) == len(self.calls) else f" on {_ranks(ranks)}")
                      for text, ranks in said.items()]
             lines.append(f"#{index + 1} " + " | ".join(parts))
@@ -231,8 +232,3 @@ class Trace:
 
     def __repr__(self) -> str:
         return "\n".join(self.lines() or ["no collective was called"])
-
-
-def _extras(call: Call) -> str:
-    what = call.what()
-    return what[what.index(" ("):] if " (" in what else ""

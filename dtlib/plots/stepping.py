@@ -30,7 +30,7 @@ def collective_order(orders: Mapping[str, Sequence[Any]], labels: Sequence[str] 
                      title: str = "The collectives in the order one rank called them") -> Figure:
     """One row per entry of ``orders`` (a name -> one rank's :class:`dtlib.live.stepper.Call` list), one box per
     collective, left to right in calling order: its family's colour, short name and, under it, ``labels[i]`` of
-    the row's i-th call where given, else the number of elements it sends (its first tensor's)."""
+    the row's i-th call where given, else the number of elements it gathers or reduces (its largest tensor's)."""
     rows = list(orders.items())
     longest = max((len(calls) for _, calls in rows), default=1)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * longest + 2.5), 0.9 + 0.8 * len(rows)))
@@ -62,11 +62,12 @@ def collective_order(orders: Mapping[str, Sequence[Any]], labels: Sequence[str] 
 
 
 def _elements(call: Any) -> str:
-    """The number of elements of the call's first tensor: ``float32[108]`` -> ``108``."""
-    if not call.tensors:
-        return ""
-    shape = call.tensors[0].split("[", 1)[-1].rstrip("]")
-    count = 1
-    for size in shape.split(","):
-        count *= int(size) if size.strip() else 1
-    return f"{count:,}"
+    """The number of elements of the call's largest tensor (an all-gather's output, a reduce-scatter's input:
+    the whole of what is gathered or reduced): ``float32[108], float32[54]`` -> ``108``."""
+    counts = []
+    for tensor in call.tensors:
+        count = 1
+        for size in tensor.split("[", 1)[-1].rstrip("]").split(","):
+            count *= int(size) if size.strip() else 1
+        counts.append(count)
+    return f"{max(counts):,}" if counts else ""

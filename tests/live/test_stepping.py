@@ -231,6 +231,10 @@ def test_the_magics_step_peek_continue_and_abort_from_cells(capsys):
         assert "aborted the cell on every rank; the ranks keep their variables" in capsys.readouterr().out
         shell.run_cell("%ranks peek")
         assert "give an expression" in capsys.readouterr().err
+        shell.run_cell("%%ranks --trace two\n" + TWO_CALLS)
+        assert "#2 broadcast (src=1, float32[4]), line 6" in capsys.readouterr().out
+        shell.run_cell("traces = %ranks traces")
+        assert [call.op for call in shell.user_ns["traces"]["two"].calls[1]] == ["all_reduce", "broadcast"]
     finally:
         shell.run_line_magic("ranks", "stop")
 
