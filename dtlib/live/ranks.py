@@ -238,11 +238,13 @@ class LiveRanks:
         __tracebackhide__ = True
         count = arguments.count("count", count, 1)
         view = self._view()
-        for _ in range(count):
+        for done in range(count):
             rows = self._paused_rows("step")
             if rank is not None and (not isinstance(rank, int) or rank not in rows):
                 raise ValueError(f"rank must be one of 0..{self.world_size - 1}, got {rank!r}")
             moving = {r for r, row in rows.items() if row.state == "paused" and (rank is None or r == rank)}
+            if not moving and done:
+                break  # the steps so far left no rank paused: the view says why
             if not moving:
                 state = view.states()[rank] if rank is not None else "no rank is paused"
                 raise RuntimeError(f"nothing to step: {f'rank {rank} ' if rank is not None else ''}{state}")
@@ -383,7 +385,10 @@ class LiveRanks:
                 ranks.send(message, moving)
             try:
                 held.deliver()
-                owing = ranks.wait(going - set(stuck), time.monotonic() + (limit or float("inf")), stop_early=True)
+                # While stepping, a rank pauses before any collective, so it cannot block on a peer that raised:
+                # wait for every answer. Run to the end, a rank can: an error then shortens the wait.
+                owing = ranks.wait(going - set(stuck), time.monotonic() + (limit or float("inf")),
+                                   stop_early=to_the_end)
             except KeyboardInterrupt:
                 self._steps = None
                 with HeldInterrupts():
@@ -394,7 +399,7 @@ class LiveRanks:
             new: dict[int, RankStep] = {}
             for r in range(self.world_size):
                 if r in ranks.answers:
-                    new[r] = self._answered(r, ranks.answers[r], rows.get(r))
+                    new[r] = self._answered(r, ranks.answers[r])
                 elif r in stuck:
                     new[r] = RankStep(r, "waiting", rows[r].call, waiting_for=stuck[r])
                 else:
@@ -407,7 +412,7 @@ class LiveRanks:
                 ranks.answers.clear()
             return StepView(new)
 
-    def _answered(self, rank: int, answer: tuple[str, Any], before: RankStep | None) -> RankStep:
+    def _answered(self, rank: int, answer: tuple[str, Any]) -> RankStep:
         status, body = answer
         if status == "paused":
             return RankStep(rank, "paused", pickle.loads(body))
