@@ -212,6 +212,10 @@ def last_collectives(arguments: dict | None = None, members: dict[str, tuple[int
     noted (:func:`from_flight_recorder`); ``entries``, where given, stand in for the recorders (torch's DETAIL
     mode, :meth:`dtlib.live.notes.CallNotes.entries`)."""
     if entries is not None:
+        nccl = _nccl_dump() if _uses_nccl() else None
+        if nccl is not None:  # DETAIL's notes say done when NCCL queues a call: NCCL's own records know better
+            return from_flight_recorder({"entries": merge_nccl(entries, nccl.get("entries", [])),
+                                         "pg_config": nccl.get("pg_config")}, arguments, members, raised)
         return from_flight_recorder({"entries": entries}, arguments, members, raised)
     dump: dict[str, Any] = {"entries": []}
     try:
@@ -226,15 +230,40 @@ def last_collectives(arguments: dict | None = None, members: dict[str, tuple[int
         # state "scheduled" (not retired) while the GPU waits in it, and a dump from this thread is safe while
         # the rank's main thread waits in a CUDA synchronize; and that notebook 02's send-first ring of 4 floats
         # hangs on the GPU at all (NCCL may complete a small send into its buffers, or block the CPU in send).
-        try:
-            from torch._C._distributed_c10d import _dump_nccl_trace
-
-            nccl = pickle.loads(_dump_nccl_trace(True, True, False))
-            dump = {"entries": dump.get("entries", []) + nccl.get("entries", []),
-                    "pg_config": {**(dump.get("pg_config") or {}), **(nccl.get("pg_config") or {})}}
-        except Exception:  # noqa: BLE001 - not in this build, or it failed: say so rather than guess
+        nccl = _nccl_dump()
+        if nccl is None:  # not in this build, or it failed: say so rather than guess
             return NO_NCCL_RECORD
+        dump = {"entries": dump.get("entries", []) + nccl.get("entries", []),
+                "pg_config": {**(dump.get("pg_config") or {}), **(nccl.get("pg_config") or {})}}
     return from_flight_recorder(dump, arguments, members, raised)
+
+
+def _nccl_dump() -> dict[str, Any] | None:
+    """NCCL's Flight Recorder, read from this rank (None where this build has none or the read failed)."""
+    try:
+        from torch._C._distributed_c10d import _dump_nccl_trace
+
+        return pickle.loads(_dump_nccl_trace(True, True, False))
+    except Exception:  # noqa: BLE001 - not in this build, or it failed
+        return None
+
+
+def merge_nccl(noted: list[dict[str, Any]], nccl: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Under torch's DETAIL mode on NCCL: NCCL's own records, and the notes' records of calls NCCL has none of.
+
+    DETAIL's wrapper completes a work's future as soon as NCCL queues it, and returns no work for a blocking
+    call, so :class:`dtlib.live.notes.CallNotes` marks every NCCL call done at once: a rank whose GPU waits in an
+    all-reduce would read "finished". NCCL's recorder knows each call's state (scheduled, started, completed) and
+    also holds what C++ issued (DDP's reducer), so its record of a ``(group, number)`` wins; a note stays only
+    for a call NCCL never recorded (one that raised before NCCL started it). GPU run must confirm: that DETAIL's
+    wrapped group keeps the group name and numbering NCCL's recorder uses.
+    """
+    def key(entry: dict[str, Any]) -> tuple[str, int, bool]:
+        return (str(entry.get("process_group", ("0",))[0]), int(entry.get("collective_seq_id") or 0),
+                bool(entry.get("is_p2p")))
+
+    recorded = {key(entry) for entry in nccl}
+    return [*nccl, *(entry for entry in noted if key(entry) not in recorded)]
 
 
 def _uses_nccl() -> bool:

@@ -586,3 +586,19 @@ def test_a_pulled_ddp_model_says_why_it_comes_as_text_and_not_that_rank_1_differ
     assert shown.endswith("shown as text, since these values cannot leave their ranks; the texts agree")
     assert "differs" not in shown
     assert ranks.run("wrapped.module.weight.shape") == [torch.Size([2, 4])] * 2  # what to pull instead travels
+
+
+def test_under_detail_on_nccl_nccls_own_records_decide_where_a_rank_waits():
+    """DETAIL's wrapper marks a call done when NCCL queues it: the notes say all_reduce #3 finished while NCCL's
+    record of it is still scheduled, and DDP's reducer issued #4 from C++, which only NCCL recorded."""
+    noted = [{"process_group": ("0", "default_pg"), "profiling_name": "allreduce", "collective_seq_id": 3,
+              "time_created_ns": 150, "input_sizes": [[4]], "input_dtypes": ["float32"], "retired": True}]
+    nccl = [_nccl_entry(0, "nccl:all_reduce", 2, "completed", p2p=False),
+            _nccl_entry(1, "nccl:all_reduce", 3, "scheduled", p2p=False),
+            _nccl_entry(2, "nccl:all_reduce", 4, "scheduled", p2p=False)]
+    merged = doctor.merge_nccl(noted, nccl)
+    assert merged == nccl  # every call NCCL recorded: its record, not the note that said "done"
+    assert _core(doctor.from_flight_recorder({"entries": merged})) == ("all_reduce", 3, "default_pg",
+                                                                        ("float32[4]",), False)
+    raised_early = {**noted[0], "collective_seq_id": 5, "time_created_ns": 900}  # never reached NCCL
+    assert doctor.merge_nccl([raised_early], nccl)[-1] is raised_early
