@@ -127,18 +127,19 @@ def _state(row: RankStep, rows: dict[int, RankStep]) -> str:
     if row.state == "paused":
         return f"paused before {row.call.what()}" if row.call else "paused"
     if row.state == "waiting" and row.call is not None:
-        why = []
+        why: dict[str, list[int]] = {}  # the reason -> the peers it holds, so that eight ranks take one clause
         for peer in row.waiting_for:
             other = rows.get(peer)
             if other is None:
                 continue
             if other.state == "paused" and other.call is not None:
-                still = "still paused before it" if matches(row.call, other.call, row.rank, peer) \
+                reason = "still paused before it" if matches(row.call, other.call, row.rank, peer) \
                     else f"paused before {other.call.what()}"
-                why.append(f"rank {peer}, {still}")
             else:
-                why.append(f"rank {peer}, which {_ended(other) if not other.active else 'waits too'}")
-        return f"waits in {row.call.what()} for " + "; ".join(why)
+                reason = f"which {_ended(other) if not other.active else 'waits too'}"
+            why.setdefault(reason, []).append(peer)
+        return f"waits in {row.call.what()} for " + "; ".join(f"{_ranks(peers)}, {reason}"
+                                                               for reason, peers in why.items())
     if row.state == "finished":
         return "finished the cell"
     return f"raised {row.error}"

@@ -276,3 +276,37 @@ def test_trace_lists_every_collective_in_order_and_the_figure_draws_one_box_each
     with pytest.raises(RuntimeError, match="the trace stopped before anything was sent: .*different tensors"):
         ranks.trace("kept = 1\ndist.all_reduce(torch.ones(1 + rank))")
     assert ranks.run("kept") == [1, 1] and not ranks.paused
+
+
+def test_a_pause_is_not_a_hang_but_a_hang_after_continue_still_is(leftovers):
+    import time
+
+    import dtlib
+    from dtlib.errors import WorkerTimeout
+
+    with dtlib.LiveRanks(2, backend="gloo", timeout=2) as live:
+        pids = live.run("import os\nos.getpid()")
+        live.run("dist.all_reduce(torch.ones(1))\nif rank == 0:\n    dist.barrier()", step=True)
+        time.sleep(3)  # longer than the timeout, paused: nothing runs, so nothing times out
+        view = live.step()
+        assert view.states() == {0: "paused before barrier #2", 1: "finished the cell"}
+        assert view.problems == ["rank 0 will wait for ever in barrier #2: rank 1 has finished the cell"]
+        with pytest.raises(WorkerTimeout, match="barrier"):
+            live.resume()  # run on, rank 0 waits in the barrier for rank 1, which finished: a hang
+        assert not live.paused and live.run("rank") == [0, 1]  # restarted, usable
+        pids += live.run("import os\nos.getpid()")
+    leftovers.assert_clean(pids)
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_stepping_one_rank_alone_and_eight_ranks(world_size):
+    import dtlib
+
+    with dtlib.LiveRanks(world_size, backend="gloo", timeout=120) as live:
+        view = live.run("x = torch.ones(2) * rank\ndist.all_reduce(x)\nx.sum()", step=True)
+        assert set(view.states().values()) == {"paused before all_reduce #1 (SUM, float32[2])"}
+        assert len(view.rows) == world_size
+        if world_size > 1:
+            assert live.step(rank=world_size - 1).states()[world_size - 1] == (
+                "waits in all_reduce #1 (SUM, float32[2]) for ranks 0, 1, 2, 3, 4, 5, 6, still paused before it")
+        assert live.resume() == [float(sum(range(world_size)) * 2)] * world_size
