@@ -114,3 +114,17 @@ def test_live_ranks_run_02s_cells_on_their_gpus():
         results = ranks.run(cell)
     expected = (torch.arange(NCCL_WORLD, dtype=torch.float32) * NCCL_WORLD + 10 * sum(range(NCCL_WORLD))).tolist()
     assert results == [("cuda", expected)] * NCCL_WORLD
+
+
+@pytest.mark.timeout(180)
+def test_stepping_sees_nccl_collectives_and_ddps_bucket_from_the_autograd_device_thread():
+    """What only a GPU run can confirm of the stepper (docs/live.md): NCCL collectives on CUDA tensors pause like
+    gloo's, and DDP's bucket all-reduce, which the autograd engine's device thread issues on CUDA, reaches the
+    dispatch mode installed on the main thread."""
+    with dtlib.LiveRanks(world_size=NCCL_WORLD, backend="nccl", timeout=60) as ranks:
+        view = ranks.run("x = torch.ones(4, device=device)\ndist.all_reduce(x)\nx.sum().item()", step=True)
+        assert set(view.states().values()) == {"paused before all_reduce #1 (SUM, float32[4])"}
+        assert ranks.resume() == [4.0 * NCCL_WORLD] * NCCL_WORLD
+        ranks.run("torch.manual_seed(0)\nddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(device))")
+        trace = ranks.trace("ddp(torch.randn(3, 4, device=device)).sum().backward()")
+        assert [call.op for call in trace.calls[0]] == ["all_reduce"], trace
