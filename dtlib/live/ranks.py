@@ -228,6 +228,12 @@ class LiveRanks:
         if self._steps is None:
             raise RuntimeError(f"nothing is paused, so there is nothing to {what}: start a stepped cell with "
                                "%%ranks --step (ranks.run(code, step=True))")
+        ranks = self._holder[0]
+        if ranks is not None and any(row.state == "waiting" for row in self._steps.values()):
+            ranks.job.step(0.0)  # a rank shown waiting may have gone on since (its call returned at once): look
+            for rank, row in list(self._steps.items()):
+                if row.state == "waiting" and rank in ranks.answers:
+                    self._steps[rank] = self._answered(rank, ranks.answers[rank])
         return self._steps
 
     def step(self, count: int = 1, *, rank: int | None = None, timeout: float | None = None) -> StepView:
@@ -269,7 +275,7 @@ class LiveRanks:
                 if row.state == "paused" and row.call is not None:
                     calls[rank].append(row.call)
             view = self.step(timeout=timeout)
-        return Trace(calls, view.values)
+        return Trace(calls, view.values, server.CELL_FILENAME.format(number=self._cells))
 
     def resume(self, *, timeout: float | None = None) -> list[Any]:
         """``%ranks continue``: run every paused rank to the end of the cell without pausing; each rank's value of
@@ -289,9 +295,15 @@ class LiveRanks:
             rows = self._paused_rows("abort")
             ranks = self._ranks()
             paused = {r for r, row in rows.items() if row.state == "paused"}
-            with HeldInterrupts():
-                ranks.send(("abort", None), paused)
-            owing = ranks.wait(paused, time.monotonic() + ABORT_WAIT_S)
+            owing: set[int] = set()
+            for _ in range(3):  # a cell's bare `except:` may catch the abort and pause again: abort it again
+                with HeldInterrupts():
+                    ranks.send(("abort", None), paused)
+                owing = ranks.wait(paused, time.monotonic() + ABORT_WAIT_S)
+                paused = {r for r in paused - owing if ranks.answers[r][0] == "paused"}
+                if not paused:
+                    break
+            owing |= paused
             ranks.flush_output()
             self._steps = None
             inside = sorted(r for r, row in rows.items() if row.state == "waiting") + sorted(owing)

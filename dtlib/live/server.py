@@ -131,6 +131,8 @@ def main_stack(limit: int = 12) -> str:
     cells = [index for index, frame in enumerate(frames) if frame.f_code.co_filename.startswith("<rank cell")]
     if not cells:
         return ""
+    paused = any(frame.f_code.co_filename.endswith(os.path.join("live", "stepper.py"))
+                 and frame.f_code.co_name == "__call__" for frame in frames)  # inside Pauses.__call__: held
     inner = [frame for frame in frames[:cells[-1] + 1] if not frame.f_code.co_filename.endswith(_NOT_SHOWN)
              and os.sep + os.path.join("dtlib", "live") + os.sep not in frame.f_code.co_filename]
     lines = []
@@ -142,6 +144,8 @@ def main_stack(limit: int = 12) -> str:
         source = linecache.getline(filename, frame.f_lineno).strip()
         if source:
             lines.append(f"    {source}")
+    if paused:
+        lines.append("  (paused by %ranks --step before this call runs)")
     return "\n".join(lines)
 
 

@@ -81,6 +81,7 @@ class Call:
     source: str = ""
     issuer: str = ""
     transfer: str = ""
+    kind: str = ""  # the dispatcher's op (``c10d.allreduce_``): one per collective, whatever name called it
 
     @property
     def p2p(self) -> bool:
@@ -184,7 +185,7 @@ def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: 
         op = called  # as the cell called it: isend rather than send, all_gather_object rather than all_gather
     return Call(index, op, getattr(group, "group_name", "?"), members, tensors, root,
                 _ROOTS.get(base, "") if root is not None else "", str(reduce_op or "").upper(), splits,
-                line, source, issuer, transfer)
+                line, source, issuer, transfer, f"{func.namespace}.{func._opname}")
 
 
 def is_collective(func: Any) -> bool:
@@ -212,6 +213,17 @@ class PauseBeforeCollectives(TorchDispatchMode):
             frame = sys._getframe(1)
             self.pause(describe(func, args, kwargs, self.count, frame), frame)
         return func(*args, **kwargs)
+
+
+class RefuseCollectives(TorchDispatchMode):
+    """Raises instead of running a collective: ``%ranks peek`` looks, and sends nothing (a collective run by one
+    paused rank would wait for peers that are paused, or run a call the learner has not stepped to)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if is_collective(func):
+            raise RuntimeError(f"peek only looks: {describe(func, args, kwargs or {}, 0, None).op} is a collective, "
+                               "and a paused rank sends nothing. Step to it, or run it in a cell")
+        return func(*args, **(kwargs or {}))
 
 
 class StepAborted(BaseException):
@@ -272,7 +284,9 @@ class Pauses:
             scope = cell if cell is not None else None
             global_names = scope.f_globals if scope is not None else self.namespace
             local_names = dict(scope.f_locals) if scope is not None else {}
-            return "ok", self.answer(eval(body, global_names, local_names))  # noqa: S307 - the learner's expression
+            with RefuseCollectives():
+                value = eval(body, global_names, local_names)  # noqa: S307 - the learner's expression
+            return "ok", self.answer(value)
         except Exception as exc:  # noqa: BLE001 - the learner's expression failed: say so, stay paused
             return "error", {"type": type(exc).__qualname__, "module": type(exc).__module__, "traceback": "",
                              "message": f"{type(exc).__qualname__}: {exc}"}

@@ -43,7 +43,7 @@ def matches(call: Call, other: Call, rank: int, peer: int) -> bool:
     if call.p2p or other.p2p:
         return (call.p2p and other.p2p and call.root in (peer, None) and other.root in (rank, None)
                 and call.transfer != other.transfer)
-    return call.group == other.group and call.op == other.op
+    return call.group == other.group and (call.kind or call.op) == (other.kind or other.op)
 
 
 def will_wait(rows: dict[int, RankStep], moving: set[int]) -> dict[int, tuple[int, ...]]:
@@ -67,9 +67,11 @@ def _differ(calls: dict[int, Call]) -> str:
     """What the ranks' calls of one collective disagree on, or ''."""
     first_rank = min(calls)
     first = calls[first_rank]
-    for field, label in (("op", "operations"), ("root", "roots"), ("reduce_op", "reduce ops"),
-                         ("tensors", "tensors"), ("splits", "split sizes")):
-        if field == "tensors" and first.op in UNEQUAL_TENSORS:
+    # Split sizes are not compared: an uneven all-to-all's differ by rank by design (what rank r sends to rank i
+    # is what i expects from r), and so do its tensors.
+    for field, label in (("kind", "operations"), ("root", "roots"), ("reduce_op", "reduce ops"),
+                         ("tensors", "tensors")):
+        if field == "tensors" and (first.op in UNEQUAL_TENSORS or first.splits):
             continue
         values = {rank: getattr(call, field) for rank, call in calls.items()}
         if len(set(values.values())) > 1:
@@ -95,9 +97,19 @@ def disagreements(rows: dict[int, RankStep]) -> list[str]:
             other = rows[peer]
             if not other.active and call.op not in NON_BLOCKING:
                 problems.append(f"rank {rank}'s {call.what()} waits for ever: rank {peer} {_ended(other)}")
+            elif other.active and other.call is not None and matches(call, other.call, rank, peer) \
+                    and call.tensors != other.call.tensors:
+                problems.append(f"rank {rank}'s {call.what()} and rank {peer}'s {other.call.what()} move different "
+                                "tensors: gloo aborts the receiver, NCCL reads garbage")
             elif other.active and other.call is not None and not matches(call, other.call, rank, peer) \
                     and call.op not in NON_BLOCKING and other.call.op not in NON_BLOCKING:
-                problems.append(f"rank {rank}'s {call.what()} is not matched: rank {peer} calls {other.call.what()}")
+                if other.call.p2p and other.call.root == rank and other.call.transfer == call.transfer:
+                    if rank < peer:  # the pair, once: each waits in its own blocking call for the other's
+                        problems.append(f"ranks {rank} and {peer} both {call.transfer} to each other before either "
+                                        f"{'receives' if call.transfer == 'send' else 'sends'}: a deadlock")
+                else:
+                    problems.append(f"rank {rank}'s {call.what()} is not matched: rank {peer} calls "
+                                    f"{other.call.what()}")
             continue
         on_group = {peer: rows[peer].call for peer in call.members if peer in rows and rows[peer].active
                     and rows[peer].call is not None and not rows[peer].call.p2p
@@ -108,11 +120,60 @@ def disagreements(rows: dict[int, RankStep]) -> list[str]:
         if difference:
             problems.append(f"ranks {list(call.members)}: {difference}" if call.group == WORLD_NAME else
                             f"group {call.group} {list(call.members)}: {difference}")
-        for peer in elsewhere:
+        for peer in elsewhere:  # a peer in another call is a wait (it may finish it and come), unless a cycle
             other = rows[peer]
-            doing = f"calls {other.call.what()}" if other.active and other.call is not None else _ended(other)
-            problems.append(f"{_ranks(sorted(on_group))} will wait for ever in {call.what()}: rank {peer} {doing}")
+            if not other.active:
+                problems.append(f"{_ranks(sorted(on_group))} will wait for ever in {_named(call)}: rank {peer} "
+                                f"{_ended(other)}")
+    cycle = _cycle(_waits_for(rows))
+    if cycle and not all(rows[rank].call.p2p for rank in cycle):  # a pair of sends is named above already
+        hops = "; ".join(f"rank {rank} in {_named(rows[rank].call)} for rank {cycle[(i + 1) % len(cycle)]}"
+                         for i, rank in enumerate(cycle))
+        problems.append(f"{_ranks(sorted(cycle))} will wait for ever, each for the next: {hops}")
     return problems
+
+
+def _named(call: Call) -> str:
+    """The call, with its group where it is not the world's."""
+    return call.what() + (f" on group {call.group}" if call.group != WORLD_NAME else "")
+
+
+def _waits_for(rows: dict[int, RankStep]) -> dict[int, list[int]]:
+    """Each paused or waiting rank -> the peers its blocking call needs that are in another call now."""
+    graph: dict[int, list[int]] = {}
+    for rank, row in rows.items():
+        call = row.call
+        if not row.active or call is None or call.op in NON_BLOCKING:
+            continue
+        graph[rank] = [peer for peer in call.peers if peer != rank and peer in rows and rows[peer].active
+                       and rows[peer].call is not None and not matches(call, rows[peer].call, rank, peer)]
+    return graph
+
+
+def _cycle(graph: dict[int, list[int]]) -> list[int]:
+    """One cycle of the wait-for graph, in order, or []: ranks that each wait for the next, for ever."""
+    state: dict[int, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: int, path: list[int]) -> list[int]:
+        state[node] = 1
+        path.append(node)
+        for peer in graph.get(node, []):
+            if state.get(peer) == 1:
+                return path[path.index(peer):]
+            if peer not in state:
+                found = visit(peer, path)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [])
+            if found:
+                return found
+    return []
 
 
 def _ended(row: RankStep) -> str:
@@ -182,14 +243,17 @@ class StepView:
         if self.finished:
             return "every rank finished the cell"
         if self.problems:
-            sent = any(row.state == "waiting" for row in self.rows.values())
-            return ("the ranks cannot all go on: " if sent else "before anything is sent: ") + " | ".join(self.problems)
+            if any(row.state == "waiting" for row in self.rows.values()):
+                return "the ranks cannot all go on: " + " | ".join(self.problems) + ". End it with %ranks abort"
+            return ("before anything is sent: " + " | ".join(self.problems) + ". End it with %ranks abort: a step "
+                    "would run these calls, and wait until the timeout restarts the ranks")
         if all(row.state == "paused" for row in self.rows.values()):
             return "the ranks agree: %ranks step runs these calls"
-        return "no disagreement in the calls shown"
+        return ("the ranks agree: %ranks step moves the paused ranks on, and the waiting ones complete their call "
+                "with them")
 
     def __repr__(self) -> str:
-        cells = self._cells()
+        cells = [("rank", "state", "group", "line of the cell  ← what issued it"), *self._cells()]
         widths = [max(len(row[i]) for row in cells) for i in range(3)]
         lines = ["  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3] for row in cells]
         return "\n".join([line.rstrip() for line in lines] + [self._verdict()] + ([self.note] if self.note else []))
@@ -209,20 +273,25 @@ class Trace:
     --trace``): ``calls[rank]`` is a list of :class:`Call`, ``values`` each rank's value of the cell's last
     expression. Shown one line per collective, with the ranks that called the same thing on one line."""
 
-    def __init__(self, calls: dict[int, list[Call]], values: list[Any] | None) -> None:
+    def __init__(self, calls: dict[int, list[Call]], values: list[Any] | None, cell: str = "") -> None:
         self.calls = calls
         self.values = values
+        self.cell = cell  # the traced cell's name, <rank cell N>
 
     def lines(self) -> list[str]:
-        """One line per collective number: ``#3 reduce_scatter_single (float32[36], float32[72]) on every rank,
-        line 1, from torch/.../_fsdp_collectives.py:... in foreach_reduce``."""
+        """One line per collective number, the ranks that called the same thing on one line, named only where
+        the ranks differ: ``#3 reduce_scatter_single (AVG, float32[36], float32[72]), line 1, from
+        torch/.../_fsdp_collectives.py in foreach_reduce``."""
         lines = []
         for index in range(max((len(calls) for calls in self.calls.values()), default=0)):
             said: dict[str, list[int]] = {}
             for rank, calls in sorted(self.calls.items()):
                 if index < len(calls):
                     call = calls[index]
-                    where = f", line {call.line.rsplit(':', 1)[-1]}" if call.line else ""
+                    where = ""
+                    if call.line:  # a line of the traced cell by its number; of another cell, by both
+                        cell, number = call.line.rsplit(":", 1)
+                        where = f", line {number}" if cell == self.cell else f", {cell} line {number}"
                     issuer = f", from {call.issuer}" if call.issuer else ""
                     details = f" ({call.details()})" if call.details() else ""
                     said.setdefault(f"{call.op}{details}{where}{issuer}", []).append(rank)

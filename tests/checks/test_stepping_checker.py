@@ -34,7 +34,7 @@ def test_a_right_prediction_passes_however_it_is_written(answer):
     (RIGHT + ["RS0"], ["predicted 10", "more"]),
     ([], ["no collective"]),
     ("AG0 AG1", ["Predict a list"]),
-    (["AG3"], ["block, 0, 1 or 2"]),
+    (["AG3"], ["numbered 0, 1 and 2"]),
     ([0, 1], ["neither (operation, block)"]),
     (["broadcast 0"], ["name an all-gather or a reduce-scatter"]),
 ])
@@ -43,3 +43,21 @@ def test_a_wrong_prediction_is_refused_at_its_first_wrong_collective_with_why(an
     assert not said.ok
     for fragment in fragments:
         assert fragment in said.message, said.message
+
+
+@pytest.mark.parametrize("answer", [
+    ["all_gather_single 0", "all_gather_single 1", "all_gather_single 2", "all_gather_single 2",
+     "all_gather_single 1", "reduce_scatter_single 2", "all_gather_single 0", "reduce_scatter_single 1",
+     "reduce_scatter_single 0"],  # torch's own names, as the traces print them
+    ["AG0", "AG1", "AG2", "AG2 again", "AG1 (prefetch)", "RS2", "AG0 (prefetch)", "RS1", "RS0"],
+])
+def test_torchs_names_and_notes_after_the_block_are_read(answer):
+    assert fsdp_collectives(answer).ok
+
+
+def test_a_negative_block_is_refused_not_read_as_positive_and_prefetching_everything_is_explained():
+    said = fsdp_collectives([("all_gather", -1)])
+    assert not said.ok and "numbered 0, 1 and 2" in said.message
+    said = fsdp_collectives(["AG0", "AG1", "AG2", "AG2", "AG1", "AG0", "RS2", "RS1", "RS0"])
+    assert not said.ok and "#6" in said.message and "one block ahead" in said.message
+    assert "AG0 AG1 AG2 AG2" not in fsdp_collectives(RIGHT).message  # the ✓ does not spell the answer out

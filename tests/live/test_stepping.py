@@ -71,6 +71,9 @@ def test_one_rank_stepped_alone_waits_inside_its_collective_for_the_rank_still_p
      "rank 0 will wait for ever in all_reduce #1 (SUM, float32[2]): rank 1 has finished the cell"),
     ("if rank == 0:\n    dist.send(torch.ones(2), 1)\nelse:\n    dist.all_reduce(torch.ones(2))",
      "rank 0's send #1 (dst=1, float32[2]) is not matched: rank 1 calls all_reduce #1"),
+    ("dist.send(torch.ones(2), 1 - rank)", "ranks 0 and 1 both send to each other before either receives: a deadlock"),
+    ("if rank == 0:\n    dist.send(torch.ones(2), 1)\nelse:\n    dist.recv(torch.ones(3), 0)",
+     "rank 0's send #1 (dst=1, float32[2]) and rank 1's recv #1 (src=0, float32[3]) move different tensors"),
 ])
 def test_a_disagreement_is_named_before_anything_is_sent_and_abort_keeps_the_variables(ranks, cell, problem):
     view = ranks.run("kept = rank * 7\n" + cell, step=True)
@@ -310,3 +313,36 @@ def test_stepping_one_rank_alone_and_eight_ranks(world_size):
             assert live.step(rank=world_size - 1).states()[world_size - 1] == (
                 "waits in all_reduce #1 (SUM, float32[2]) for ranks 0, 1, 2, 3, 4, 5, 6, still paused before it")
         assert live.resume() == [float(sum(range(world_size)) * 2)] * world_size
+
+
+def test_what_is_right_is_not_called_a_disagreement(ranks):
+    """An uneven all-to-all (splits differ by rank, as they must), and the old and new names of one collective."""
+    uneven = ("inputs = torch.arange(3.0) + 10 * rank\nsplit_in = [1, 2] if rank == 0 else [2, 1]\n"
+              "out = torch.empty(3)\ndist.all_to_all_single(out, inputs, split_in, split_in)\nout")
+    trace = ranks.trace(uneven)
+    assert [call.op for call in trace.calls[0]] == ["all_to_all_single"]
+    assert [t.tolist() for t in trace.values] == [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
+    names = ("out = torch.empty(4)\nif rank == 0:\n    dist.all_gather_into_tensor(out, torch.ones(2))\n"
+             "else:\n    dist.all_gather_single(out, torch.ones(2))\nout.sum()")
+    view = ranks.run(names, step=True)
+    assert view.problems == [], view.problems
+    assert ranks.resume() == ranks.run(names)
+
+
+def test_peek_sends_nothing_and_where_marks_a_paused_rank(ranks):
+    ranks.run(TWO_CALLS, step=True)
+    with pytest.raises(WorkerError, match="peek only looks: all_reduce is a collective"):
+        ranks.peek("dist.all_reduce(torch.ones(1))")
+    assert "(paused by %ranks --step before this call runs)" in ranks.where()[0]
+    assert ranks.resume() == ranks.run(TWO_CALLS)
+
+
+def test_a_peer_busy_on_another_group_is_a_wait_and_a_cycle_of_groups_is_a_deadlock():
+    rows = {0: RankStep(0, "paused", _call("all_reduce", members=(0, 1), group="1")),
+            1: RankStep(1, "paused", _call("all_reduce", members=(1, 2), group="2")),
+            2: RankStep(2, "paused", _call("all_reduce", members=(1, 2), group="2"))}
+    assert disagreements(rows) == []  # rank 1 finishes group 2's call with rank 2, then comes to group 1's
+    rows[2] = RankStep(2, "paused", _call("all_reduce", members=(0, 2), group="3"))
+    rows[0] = RankStep(0, "paused", _call("all_reduce", members=(0, 1), group="1"))
+    cycle = disagreements(rows)  # 0 waits for 1 (group 1), 1 for 2 (group 2), 2 for 0 (group 3)
+    assert cycle and all("will wait for ever" in problem for problem in cycle), cycle
