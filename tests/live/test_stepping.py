@@ -346,3 +346,36 @@ def test_a_peer_busy_on_another_group_is_a_wait_and_a_cycle_of_groups_is_a_deadl
     rows[0] = RankStep(0, "paused", _call("all_reduce", members=(0, 1), group="1"))
     cycle = disagreements(rows)  # 0 waits for 1 (group 1), 1 for 2 (group 2), 2 for 0 (group 3)
     assert cycle and all("will wait for ever" in problem for problem in cycle), cycle
+
+
+def test_a_pipeline_schedules_sends_and_receives_are_seen_too(ranks):
+    trace = ranks.trace(
+        "from torch.distributed.pipelining import PipelineStage, ScheduleGPipe\n"
+        "torch.manual_seed(0)\n"
+        "stage = PipelineStage(nn.Linear(4, 4), rank, world_size, device)\n"
+        "schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: ((out - target) ** 2).mean())\n"
+        "losses = []\n"
+        "schedule.step(torch.randn(4, 4)) if rank == 0 else schedule.step(target=torch.randn(4, 4), losses=losses)\n"
+        "len(losses)")
+    activations = [call for call in trace.calls[0] if call.op == "isend"]
+    assert [call.tensors for call in activations] == [("float32[2, 4]",)] * 2  # each micro-batch's, to rank 1
+    assert all("pipelining" in call.issuer for call in trace.calls[0])
+    assert trace.values == [0, 2]  # the last stage holds the two micro-batches' losses
+
+
+def test_an_interrupt_while_a_step_waits_restarts_the_ranks_and_says_so(capsys):
+    import os
+    import signal
+    import threading
+
+    import dtlib
+
+    with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
+        live.run("dist.all_reduce(torch.ones(1))\nwhile True:\n    pass", step=True)
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            live.step()  # both ranks run the all-reduce, then spin: the step waits until the Ctrl-C
+        timer.join()
+        assert "interrupted while stepping" in capsys.readouterr().err
+        assert not live.paused and live.run("rank") == [0, 1]
