@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ def collective_order(orders: Mapping[str, Sequence[Any]], labels: Sequence[str] 
     the row's i-th call where given, else the number of elements it gathers or reduces (its largest tensor's)."""
     rows = list(orders.items())
     longest = max((len(calls) for _, calls in rows), default=1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * longest + 2.5), 0.9 + 0.8 * len(rows)))
+    fig, ax = plt.subplots(figsize=(min(13.5, max(7.0, 0.75 * longest + 2.5)), 1.2 + 0.8 * len(rows)))
     for row, (_, calls) in enumerate(rows):
         y = len(rows) - 1 - row
         for index, call in enumerate(calls):
@@ -48,11 +49,11 @@ def collective_order(orders: Mapping[str, Sequence[Any]], labels: Sequence[str] 
     ax.set_ylim(0, len(rows))
     ax.set_yticks([len(rows) - 1 - row + 0.5 for row in range(len(rows))], [name for name, _ in rows])
     ax.set_xticks([index + 0.5 for index in range(longest)], [f"#{index + 1}" for index in range(longest)])
-    ax.set_xlabel("collective number, in the order the rank called them")
+    ax.set_xlabel("calls, numbered in the order the rank made them")
     ax.tick_params(length=0)
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 52))  # centred over the axes, which long row names push right
     used = sorted({_family(call.op) for _, calls in rows for call in calls} & set(FAMILIES))
     ax.legend(handles=[Patch(color=FAMILIES[family][0], label=f"{FAMILIES[family][1]}: {family}")
                        for family in used], fontsize=8, ncol=len(used) or 1, loc="upper center",

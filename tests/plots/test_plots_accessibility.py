@@ -197,6 +197,13 @@ def _simulated() -> dict:
     return {f"{n} ranks": simulate(LLAMA["tiny"], dp=n, seq_len=64, depths=None) for n in (2, 4)}
 
 
+def _fsdp_calls(sizes: list[int]) -> list[Any]:  # notebook 15: FSDP2's collectives on rank 0, as the stepper saw them
+    from dtlib.live.stepper import Call
+
+    return [Call(index + 1, "all_gather_single" if size > 0 else "reduce_scatter_single", "0", (0, 1),
+                 (f"float32[{abs(size)}]", f"float32[{abs(size) // 2}]")) for index, size in enumerate(sizes)]
+
+
 def _restart_records() -> list[dict[str, float]]:  # notebook 16: killed after step 6, checkpoints every 4
     first = [{"t": 0.1 * step, "attempt": 0, "rank": rank, "step": step} for rank in (0, 1) for step in range(1, 7)]
     again = [{"t": 5 + 0.1 * step, "attempt": 1, "rank": rank, "step": step} for rank in (0, 1)
@@ -276,6 +283,12 @@ INPUTS: dict[str, dict[str, Callable[[], Call]]] = {
                              "Rank 1's parameter bytes around fully_shard", "kB (1e3 bytes)", "{:.1f}"),
     },
     "nodes": {"1 node": lambda: call(_records(1, 2)), "2 nodes": lambda: call(_records(2, 2))},
+    "collective_order": {
+        "notebook 15": lambda: call({"reshard_after_forward=False": _fsdp_calls([108, 78, -78, -108]),
+                                     "reshard_after_forward=True": _fsdp_calls([108, 78, 78, 108, -78, -108])},
+                                    title="FSDP2's collectives on rank 0, one forward and backward of two blocks"),
+        "one row, labelled": lambda: call({"rank 0": _fsdp_calls([108, -108])}, labels=["block 0", "block 0"]),
+        "a long trace": lambda: call({"rank 0": _fsdp_calls([28, 78, 108] * 6)})},
     "restart_timeline": {"notebook 16": lambda: call(_restart_records(), every=4),
                          "no restart": lambda: call([r for r in _restart_records() if r["attempt"] == 0])},
     "job_time": {"one job": lambda: call(failures.simulate(20 * 3600, 1800, 4 * 3600, 60, 300, seed=1).events)},
