@@ -35,13 +35,6 @@ _ITEM = re.compile(r"^\s*([a-z][a-z_\- ]*?)[\s_]*(?:\(|#|:|block|of|,|\s|_|-(?=\
 EXAMPLE = '[("all_gather", 0), ("all_gather", 1), ...] or ["AG0", "AG1", ...]'
 
 
-def _elements(text: str) -> int:
-    count = 1
-    for size in text.split("[", 1)[-1].rstrip("]").split(","):
-        count *= int(size) if size.strip() else 1
-    return count
-
-
 @functools.cache
 def observed() -> tuple[tuple[str, int], ...]:
     """Rank 0's collectives in one step of the exercise's model, as ``(operation, block)``, traced on two live
@@ -52,7 +45,7 @@ def observed() -> tuple[tuple[str, int], ...]:
     calls = []
     for call in trace.calls[0]:
         family = "all_gather" if call.op.startswith("all_gather") else "reduce_scatter"
-        size = max(_elements(tensor) for tensor in call.tensors)
+        size = max(call.elements())
         if size not in BLOCK_SIZES:  # a torch whose FSDP2 pads or groups differently: say so, not KeyError
             raise RuntimeError(f"this torch's FSDP2 called {call.what()}, which no block's size ({sorted(BLOCK_SIZES)})"
                                " explains: the exercise was written for torch 2.13's")

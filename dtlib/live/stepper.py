@@ -96,6 +96,16 @@ class Call:
             return (self.root,)
         return self.members
 
+    def elements(self) -> tuple[int, ...]:
+        """Each tensor's number of elements: ``("float32[108]", "float32[54]")`` -> ``(108, 54)``."""
+        counts = []
+        for tensor in self.tensors:
+            count = 1
+            for size in tensor.split("[", 1)[-1].rstrip("]").split(","):
+                count *= int(size) if size.strip() else 1
+            counts.append(count)
+        return tuple(counts)
+
     def details(self) -> str:
         """``SUM, float32[4]``: the root, reduce op, split sizes and tensors, as far as the call has them."""
         extras = [f"{self.root_name}={self.root}" if self.root_name and self.root is not None else "",

@@ -65,10 +65,4 @@ def collective_order(orders: Mapping[str, Sequence[Any]], labels: Sequence[str] 
 def _elements(call: Any) -> str:
     """The number of elements of the call's largest tensor (an all-gather's output, a reduce-scatter's input:
     the whole of what is gathered or reduced): ``float32[108], float32[54]`` -> ``108``."""
-    counts = []
-    for tensor in call.tensors:
-        count = 1
-        for size in tensor.split("[", 1)[-1].rstrip("]").split(","):
-            count *= int(size) if size.strip() else 1
-        counts.append(count)
-    return f"{max(counts):,}" if counts else ""
+    return f"{max(call.elements()):,}" if call.tensors else ""
