@@ -19,7 +19,9 @@ One module per kind of exercise, every checker named here:
 - ``experts``: an expert-parallel mixture of experts, tokens moved by all-to-all (13);
 - ``cluster``: the largest micro-batch and the smallest pipeline of a simulated cluster (14);
 - ``stepping``: the order of FSDP2's collectives in a step, predicted, then traced on live ranks (15);
-- ``faults``: the checkpoint interval that wastes the least time, as a function of the job (16).
+- ``faults``: the checkpoint interval that wastes the least time, as a function of the job (16);
+- ``predictions``: a key figure predicted in a widget, then measured on this machine and the guess judged (03,
+  04, 05, 14).
 
 Typed answers are read by ``typed`` (a name from a list, a number however written); every rank-function checker
 runs on ``skeleton``, which holds the principles they share (``docs/testing.md``).
@@ -32,6 +34,7 @@ from dtlib.checks.experts import expert_parallel_moe
 from dtlib.checks.faults import checkpoint_interval
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.layouts import mesh_for_nodes, pipeline_micro_batches
+from dtlib.checks.predictions import predict
 from dtlib.checks.rank_functions import average_of_ranks, fixed_barrier, sum_of_ranks
 from dtlib.checks.ring_phases import ring_phase
 from dtlib.checks.stepping import fsdp_collectives
@@ -40,5 +43,5 @@ from dtlib.checks.training import fsdp_wrap, gradient_hook
 
 __all__ = ["Feedback", "average_of_ranks", "backend_choice", "checkpoint_interval", "expert_parallel_moe",
            "fixed_barrier", "fsdp_collectives", "fsdp_memory", "fsdp_wrap", "gradient_hook", "largest_micro_batch",
-           "mesh_for_nodes", "pipeline_micro_batches", "ring_phase", "smallest_pipeline", "softmax_merge",
+           "mesh_for_nodes", "pipeline_micro_batches", "predict", "ring_phase", "smallest_pipeline", "softmax_merge",
            "strategy_choice", "sum_of_ranks", "tensor_parallel_mlp", "torchrun_command"]

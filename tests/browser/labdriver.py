@@ -27,7 +27,7 @@ from pathlib import Path
 import nbformat
 import psutil
 from playwright.sync_api import Browser, Locator, Page
-from status import forget, record, widget_cells
+from status import forget, prediction_cells, record, widget_cells
 
 from dtlib.launch.processes import free_port
 
@@ -291,6 +291,22 @@ class NotebookPage:
             self.page.wait_for_timeout(200)
         return self.widget_figure(cell_index)
 
+    def predict(self, cell_index: int, guess: str, timeout_s: float = 180.0) -> str:
+        """Type ``guess`` into the prediction widget of cell ``cell_index``, press its button, as a learner would,
+        and return the verdict it shows (a line that starts with ✓ or ✗) once it does; after ``timeout_s`` (a hang
+        guard: the measurement runs ranks), whatever the widget shows."""
+        widget = self.cells.nth(cell_index).locator(".dtlib-prediction")
+        widget.locator("input").fill(guess, timeout=120_000)
+        widget.get_by_role("button", name="measure").click(timeout=120_000)
+        shown = widget.locator(".widget-output")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = shown.inner_text(timeout=120_000).strip()
+            if text.startswith(("✓", "✗")):
+                return text
+            self.page.wait_for_timeout(250)
+        return shown.inner_text(timeout=120_000).strip()
+
     def screenshot(self, path: Path) -> None:
         """A picture of the whole notebook after its run: the window is made as tall as the notebook
         (up to 30,000 pixels) for the shot, then put back."""
@@ -324,8 +340,8 @@ class NotebookRun:
 class NotebookRuns:
     """Runs each notebook at most once per test session and remembers the result.
 
-    Notebooks with widgets stay open so that their sliders can be moved later; the others are closed and
-    their kernels shut down at once, so that nine idle kernels do not pile up.
+    Notebooks with widgets stay open so that their sliders can be moved, and their predictions typed, later; the
+    others are closed and their kernels shut down at once, so that idle kernels do not pile up.
     """
 
     def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, hang_guard_x_budget: float = 5.0) -> None:
@@ -355,7 +371,7 @@ class NotebookRuns:
             screenshot = self._screenshots / f"{Path(notebook).stem}.png"
             view.screenshot(screenshot)
             record(self._screenshots, notebook, seconds, budget_s, screenshot)
-            keep = bool(widget_cells(stored))
+            keep = bool(widget_cells(stored) or prediction_cells(stored))
             return NotebookRun(notebook, seconds, stored, saved, images, view if keep else None)
         finally:
             if not keep:

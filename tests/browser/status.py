@@ -57,10 +57,22 @@ def why_skipped() -> str | None:
     return None
 
 
+def _shows_widget(cell: Any) -> bool:
+    return cell.cell_type == "code" and any(
+        "application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in cell.outputs)
+
+
+def prediction_cells(notebook: Any) -> list[int]:
+    """Indices of the cells that show a prediction widget (``dtlib.checks.predict(...)``)."""
+    return [index for index, cell in enumerate(notebook.cells)
+            if _shows_widget(cell) and "dtlib.checks.predict(" in cell.source]
+
+
 def widget_cells(notebook: Any) -> list[int]:
-    """Indices of the cells whose stored outputs include an ipywidgets view."""
-    return [index for index, cell in enumerate(notebook.cells) if cell.cell_type == "code" and any(
-        "application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in cell.outputs)]
+    """Indices of the cells whose stored outputs include an ipywidgets view other than a prediction: sliders
+    beside a figure."""
+    predicting = set(prediction_cells(notebook))
+    return [index for index, cell in enumerate(notebook.cells) if _shows_widget(cell) and index not in predicting]
 
 
 def forget(folder: Path, notebook: str) -> None:

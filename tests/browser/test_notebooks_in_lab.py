@@ -3,7 +3,8 @@
 They check in JupyterLab what nbval checks in a bare kernel (every cell runs, in order, without an error, and
 each cell nbval checks shows what the notebook stores), and they look at what the page shows: every figure the
 stored notebook has drawn again as a loaded image, the Run All time reported against the notebook's budget
-(``metadata.dtlib.time_budget_s``), and every ipywidgets slider driving the figure beside it.
+(``metadata.dtlib.time_budget_s``), every ipywidgets slider driving the figure beside it, and every prediction
+widget measuring and judging what a learner types.
 Run them with ``make test-browser``; screenshots land in build/browser/.
 """
 
@@ -69,3 +70,13 @@ def test_every_slider_drives_its_figure(notebook: str, notebook_runs) -> None:
             changed = after is not None and after != before  # compared here, so a failure prints no base64
             assert changed, f"cell {cell_index}: moving {label!r} from {before_value} to {after_value} " + (
                 "left no figure" if after is None else "did not change the figure")
+
+
+@pytest.mark.parametrize("notebook", [name for name in NOTEBOOKS if status.prediction_cells(_stored(name))])
+def test_every_prediction_measures_and_judges_what_is_typed(notebook: str, notebook_runs) -> None:
+    run = notebook_runs.get(notebook)
+    assert run.view is not None
+    for cell_index in status.prediction_cells(run.stored):
+        verdict = run.view.predict(cell_index, "1")
+        assert verdict.startswith(("✓", "✗")) and "You predicted 1; this machine measured" in verdict, (
+            f"cell {cell_index}: the prediction widget showed {verdict!r}")

@@ -1,0 +1,190 @@
+"""Predict, then measure: the learner types what a key figure will be, then the course measures it on this machine
+and says how far off the prediction was, and why.
+
+Each prediction owns its inputs, as every checker does: the measurement runs dtlib's own code on sizes fixed here
+(a ring of 4 ranks and 1 MiB, DDP's runner on its ``wide_mlp``), so the figure is this machine's and the
+reasoning under it holds for any learner. A guess is read as typed answers are (:func:`dtlib.checks.typed.number`:
+``"1.5"``, or ``"1.5 MiB"`` with the unit). Close enough is within ``rtol`` of the measured value; a count must
+be exact.
+
+Example (a notebook cell; the widget shows the question, a box for the guess and a button that measures)::
+
+    dtlib.checks.predict("ring bytes")
+
+Without a browser, :func:`judge` gives the same verdict: ``judge(PREDICTIONS["ring bytes"], "3 MiB", 1.5)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dtlib.checks import stepping, typed
+from dtlib.checks.feedback import Feedback
+from dtlib.launch.entry import rank_device
+from dtlib.launch.spawn import spawn
+from dtlib.measure.counting import watching
+from dtlib.ring.send_recv import ring_all_reduce
+from dtlib.sim.llama import LLAMA
+from dtlib.sim.step import simulate
+from dtlib.train import ddp
+
+RING_RANKS = 4
+RING_ELEMENTS = 2**18  # float32: 1 MiB per rank
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One figure to predict: the question, its unit, how to measure it here, why it comes out as it does, and what
+    a common wrong guess usually missed (``hints``: a ratio of guess to measurement, and what it means)."""
+
+    question: str
+    unit: str
+    measure: Callable[[], float]
+    why: str
+    hints: tuple[tuple[float, str], ...] = field(default_factory=tuple)
+    whole: bool = False
+    rtol: float = 0.05
+
+
+def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
+    """The verdict on ``guess`` against ``measured``: right within ``prediction.rtol`` (exact for a count), else how
+    far off, by what factor, and what that factor usually means; the reason follows either way."""
+    if guess is None or (isinstance(guess, str) and not guess.strip()):
+        return Feedback(False, f"Type your prediction first, a number of {prediction.unit}, then measure.")
+    value = typed.number(guess, prediction.unit, prediction.whole)
+    if isinstance(value, str):
+        return Feedback(False, value.replace("Answer with", "Predict"))
+    if prediction.whole and not float(value).is_integer():
+        return Feedback(False, f"Predict a whole number of {prediction.unit}, not {value:g}.")
+    shown = f"{measured:.3g}" if not prediction.whole else f"{int(measured)}"
+    said = f"You predicted {value:g}; this machine measured {shown} {prediction.unit}."
+    close = value == measured if prediction.whole else abs(value - measured) <= prediction.rtol * abs(measured)
+    if close:
+        return Feedback(True, f"{said} {prediction.why}")
+    if measured and value and (value > 0) == (measured > 0):
+        ratio = value / measured
+        far = f"{ratio:.2g} times the measurement" if ratio > 1 else f"1/{1 / ratio:.2g} of the measurement"
+        hint = next((text for factor, text in prediction.hints if abs(ratio / factor - 1) <= 0.02), "")
+        return Feedback(False, f"{said} Yours is {far}. {hint + ' ' if hint else ''}{prediction.why}")
+    return Feedback(False, f"{said} {prediction.why}")
+
+
+# -- the measurements --------------------------------------------------------------------------------------------
+
+
+def _ring_sent(rank: int, world_size: int, elements: int) -> int:
+    """Bytes this rank sends in dtlib's ring all-reduce of ``elements`` float32 numbers, as c10d's ``send`` sees
+    them (``batch_isend_irecv`` posts one per ring step)."""
+    sent: list[int] = []
+
+    def see(namespace: str, name: str, args: tuple) -> None:
+        if namespace == "c10d" and name == "send":
+            sent.append(sum(tensor.nbytes for tensor in args[0]))
+
+    with watching(see):
+        ring_all_reduce(torch.ones(elements, device=rank_device()))
+    return sum(sent)
+
+
+def _ring_mib() -> float:
+    return max(spawn(_ring_sent, world_size=RING_RANKS, args=(RING_ELEMENTS,), output="none")) / 2**20
+
+
+def _ddp_calls() -> float:
+    first = ddp.run(ddp.TrainConfig(model="wide_mlp", steps=3), world_size=2, output="none")[0]
+    return first.comm_calls[-1]
+
+
+def _model_state_gib() -> float:
+    return simulate(LLAMA["7B"], dp=64, seq_len=4096).model_state() / 2**30  # dtlib's layout: kept for the checker
+
+
+def _fsdp_all_gathers() -> float:
+    return sum(op == "all_gather" for op, _ in stepping.observed())  # notebook 15's trace, on 2 live ranks
+
+
+#: Every prediction a notebook asks, by name.
+PREDICTIONS: dict[str, Prediction] = {
+    "ring bytes": Prediction(
+        question=(f"{RING_RANKS} ranks each hold 1 MiB of float32 and all-reduce it with the ring (a reduce-scatter, "
+                  "then an all-gather). How many MiB does each rank send in all?"),
+        unit="MiB", measure=_ring_mib,
+        why=("In each phase a rank sends N-1 chunks of 1/N of the tensor: 2(N-1)/N x 1 MiB = 1.5 MiB with 4 ranks. "
+             "It grows towards twice the tensor as N grows, never past it, which is why the ring scales."),
+        hints=((2.0, "3 MiB is the whole tensor to each of the 3 others: the naive all-reduce, not the ring."),
+               (0.5, "That is one phase: the all-gather sends as much again."),
+               (2 / 3, "1 MiB is the tensor once; the ring sends 3/4 of it in each of its two phases."),
+               (4 / 3, "2 MiB is the limit for many ranks; with 4 it is 2 x 3/4.")),
+    ),
+    "ddp all-reduces": Prediction(
+        question=("DDP trains notebook 04's wide_mlp (3.04 MiB of float32 gradients) on 2 ranks with the default "
+                  "bucket_cap_mb=25. How many all-reduces does one step make, once the first step is over?"),
+        unit="all-reduces", measure=_ddp_calls, whole=True,
+        why=("After step 0 DDP rebuilds its buckets in the order the gradients arrived, and closes the first one "
+             "after about 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) so that communication starts early in backward: "
+             "3.04 MiB go in 2 all-reduces, though all would fit under the 25 MB cap."),
+        hints=((0.5, "1 is step 0's layout, one bucket for everything; DDP rebuilds the buckets after it."),
+               (5.0, "10 is one per parameter, NaiveDDP's way; DDP packs gradients into buckets.")),
+    ),
+    "fsdp all-gathers": Prediction(
+        question=("Three Linear layers, each its own fully_shard unit with reshard_after_forward=True, then the root, "
+                  "which holds no parameter of its own, train on 2 ranks. How many all-gathers does one forward and "
+                  "backward make?"),
+        unit="all-gathers", measure=_fsdp_all_gathers, whole=True,
+        why=("Each unit gathers its weights just before its forward and frees them after; backward needs them "
+             "again, so each unit gathers them a second time: 2 x 3 = 6. The last unit too, though its backward "
+             "comes right after its forward. reshard_after_forward=False would keep them and save the second three."),
+        hints=((0.5, "3 is forward only: the weights are freed after each forward, so backward gathers them again."),
+               (5 / 6, "5 keeps the last unit's weights between its forward and its backward; fully_shard frees "
+                       "them like every other unit's when reshard_after_forward=True."),
+               (1.5, "9 counts the reduce-scatters too (one per unit, in backward); the question asks for "
+                     "all-gathers."),
+               (4 / 3, "8 gathers the root as well; the root holds no parameter here, so it gathers nothing.")),
+    ),
+    "model state": Prediction(
+        question=("Llama 2 7B (6.74 billion parameters) trains on 64 ranks with FSDP, in bf16 with fp32 weights and "
+                  "AdamW. How many GiB of model state (weights, gradients, optimizer) does rank 0 hold at the step's "
+                  "peak memory?"),
+        unit="GiB", measure=_model_state_gib,
+        why=("At the peak rank 0 holds its shard of the fp32 weights and of Adam's two moments, 12 bytes per "
+             "parameter divided by the 64 ranks: 12 x 6.74e9 / 64 bytes = 1.18 GiB. The gradients' 4 bytes come later "
+             "in backward, as the activations are freed, so the peak does not hold them."),
+        hints=((4 / 3, "16 bytes per parameter counts the gradients too; at the peak they do not exist yet."),
+               (64.0, "That is the whole model's state: FSDP divides it by the 64 ranks."),
+               (256 / 3, "That is 16 bytes for every parameter on one rank: FSDP divides it by the 64 ranks.")),
+    ),
+}
+
+
+def predict(name: str) -> object:
+    """A widget for the prediction ``name`` (a key of :data:`PREDICTIONS`): its question, a box for the guess and
+    a button that measures on this machine (a few seconds) and shows :func:`judge`'s verdict under it. The
+    measurement runs once; later guesses are judged against it. Show it as a notebook cell's value."""
+    if name not in PREDICTIONS:
+        raise ValueError(f"no prediction named {name!r}: choose one of {sorted(PREDICTIONS)}")
+    import ipywidgets as widgets
+
+    prediction = PREDICTIONS[name]
+    guess = widgets.Text(placeholder=prediction.unit, description="predict", continuous_update=False)
+    button = widgets.Button(description="measure", tooltip="measure it on this machine, then judge the prediction")
+    shown = widgets.Output()
+    measured: list[float] = []
+
+    def measure(_: Any) -> None:
+        with shown:
+            shown.clear_output()
+            if not measured:
+                print("measuring on this machine ...")
+                measured.append(prediction.measure())
+                shown.clear_output()
+            print(repr(judge(prediction, guess.value, measured[0])))
+
+    button.on_click(measure)
+    box = widgets.VBox([widgets.HTML(f"<b>Predict first.</b> {prediction.question}"), widgets.HBox([guess, button]),
+                        shown])
+    box.add_class("dtlib-prediction")
+    return box

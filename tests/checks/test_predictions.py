@@ -1,0 +1,135 @@
+"""dtlib.checks.predictions: predict, then measure.
+
+Oracles: the ring simulator's bytes (one process, no torch.distributed) for the ring's measurement on real ranks;
+torch's own DDP, its all-reduces counted as the dispatcher sees them, for the runner's count; the ZeRO formula
+(12 bytes per parameter over the ranks) for the simulated model state; notebook 15's trace (proven against live
+ranks in test_stepping_checker.py) for FSDP's all-gathers; for the verdicts,
+guesses of every kind a learner types (right, near, off by a telling factor, off by another, text, nothing, a
+fraction of a count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dtlib.checks import predictions
+from dtlib.checks.predictions import PREDICTIONS, Prediction, judge
+
+FIXED = Prediction(question="How many?", unit="MiB", measure=lambda: 1.5, why="Because.",
+                   hints=((2.0, "Twice: the naive way."),))
+COUNT = dataclasses.replace(FIXED, unit="calls", whole=True, measure=lambda: 2)
+
+
+@pytest.mark.parametrize("guess", ["1.5", 1.5, "1.5 MiB", " 1.5 ", "1.52", 1.45, torch.tensor(1.5)])
+def test_a_guess_within_the_tolerance_is_right_whatever_its_form(guess):
+    verdict = judge(FIXED, guess, 1.5)
+    assert verdict.ok, verdict
+    assert "this machine measured 1.5 MiB" in verdict.message and verdict.message.endswith("Because.")
+
+
+@pytest.mark.parametrize(("guess", "said"), [
+    ("3", "Yours is 2 times the measurement. Twice: the naive way. Because."),  # a telling factor: its hint
+    ("0.75", "Yours is 1/2 of the measurement. Because."),  # no hint for this factor: the reason alone
+    ("1.6", "Yours is 1.1 times the measurement. Because."),  # just past the tolerance
+    ("-1.5", "this machine measured 1.5 MiB. Because."),  # no factor between numbers of other signs
+    ("0", "this machine measured 1.5 MiB. Because."),
+])
+def test_a_wrong_guess_is_told_how_far_off_and_why(guess, said):
+    verdict = judge(FIXED, guess, 1.5)
+    assert not verdict.ok and verdict.message.endswith(said), verdict
+
+
+@pytest.mark.parametrize(("guess", "said"), [
+    ("", "Type your prediction first, a number of MiB, then measure."),
+    (None, "Type your prediction first"),
+    ("a lot", "Predict a number of MiB, not the text 'a lot'."),
+    ("1.5 GiB", "not the text '1.5 GiB'"),  # another unit is not read as this one
+])
+def test_what_is_not_a_number_of_the_unit_is_refused_by_name(guess, said):
+    verdict = judge(FIXED, guess, 1.5)
+    assert not verdict.ok and said in verdict.message, verdict
+
+
+def test_a_count_must_be_exact_and_whole():
+    assert judge(COUNT, "2", 2).ok
+    assert not judge(COUNT, "2.5", 2).ok and "whole number of calls, not 2.5" in judge(COUNT, "2.5", 2).message
+    assert not judge(COUNT, 3, 2).ok  # within no tolerance: a count is right or wrong
+    assert "You predicted 3; this machine measured 2 calls." in judge(COUNT, 3, 2).message
+
+
+def test_every_prediction_has_a_question_a_unit_a_reason_and_hints_for_factors_other_than_one():
+    for name, prediction in PREDICTIONS.items():
+        assert prediction.question.endswith("?") and prediction.unit and prediction.why, name
+        assert all(factor > 0 and factor != 1 for factor, _ in prediction.hints), name
+
+
+@pytest.mark.timeout(180)
+def test_the_rings_bytes_measured_on_real_ranks_are_the_simulators():
+    from dtlib.ring import simulate_all_reduce
+
+    simulated = simulate_all_reduce([[0.0] * predictions.RING_ELEMENTS] * predictions.RING_RANKS,
+                                    keep_buffers=False).bytes_sent
+    assert PREDICTIONS["ring bytes"].measure() == pytest.approx(max(simulated) / 2**20) == 1.5
+
+
+def _torch_ddp_all_reduces(rank: int, world_size: int) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dtlib.measure.counting import count_collectives
+    from dtlib.train import data, models
+
+    model = DDP(models.build("wide_mlp", seed=0))
+    x, y = (t[rank::world_size] for t in data.for_model("wide_mlp", 64).tensors)
+
+    def step() -> None:
+        models.loss_fn("wide_mlp", model(x), y).backward()
+
+    for _ in range(2):
+        step()
+    return count_collectives(step)[1].get("all_reduce", 0)
+
+
+@pytest.mark.timeout(180)
+def test_ddps_all_reduces_measured_by_the_runner_are_torch_ddps_own():
+    from dtlib.launch.spawn import spawn
+
+    assert PREDICTIONS["ddp all-reduces"].measure() == spawn(_torch_ddp_all_reduces, world_size=2)[0] == 2
+
+
+@pytest.mark.timeout(180)
+def test_the_simulated_model_state_is_the_zero_formulas():
+    from dtlib.sim.llama import LLAMA
+
+    assert PREDICTIONS["model state"].measure() == pytest.approx(12 * LLAMA["7B"].params / 64 / 2**30, rel=1e-3)
+
+
+def test_fsdps_all_gathers_are_counted_from_notebook_15s_trace(monkeypatch):
+    from dtlib.checks import stepping
+
+    traced = ["AG0", "AG1", "AG2", "AG2", "AG1", "RS2", "AG0", "RS1", "RS0"]  # torch 2.13's, on live ranks
+    monkeypatch.setattr(stepping, "observed", lambda: tuple(
+        ("all_gather" if item[:2] == "AG" else "reduce_scatter", int(item[2])) for item in traced))
+    assert PREDICTIONS["fsdp all-gathers"].measure() == 6
+
+
+def test_the_widget_asks_measures_once_and_judges_every_guess(monkeypatch, capsys):
+    pytest.importorskip("ipywidgets")
+    calls = []
+    monkeypatch.setitem(PREDICTIONS, "fixed", dataclasses.replace(FIXED, measure=lambda: calls.append(1) or 1.5))
+    box = predictions.predict("fixed")
+    assert "dtlib-prediction" in box._dom_classes and "How many?" in box.children[0].value
+    guess, button = box.children[1].children
+    guess.value = "3"
+    button.click()
+    guess.value = "1.5"
+    button.click()
+    shown = capsys.readouterr().out  # outside a kernel, the output widget lets prints through
+    assert "✗ You predicted 3;" in shown and "✓ You predicted 1.5;" in shown and len(calls) == 1
+
+
+def test_an_unknown_prediction_is_refused_with_the_names_there_are():
+    with pytest.raises(ValueError, match="no prediction named 'rings bytes': choose one of"):
+        predictions.predict("rings bytes")
