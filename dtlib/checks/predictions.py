@@ -16,23 +16,28 @@ Without a browser, :func:`judge` gives the same verdict: ``judge(PREDICTIONS["ri
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtlib.checks import stepping, typed
 from dtlib.checks.feedback import Feedback
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
-from dtlib.measure.counting import watching
+from dtlib.measure.counting import count_collectives, watching
 from dtlib.ring.send_recv import ring_all_reduce
 from dtlib.sim.llama import LLAMA
 from dtlib.sim.step import simulate
-from dtlib.train import ddp
+from dtlib.train import ddp, fsdp_compare
 
 RING_RANKS = 4
+_FRACTION = re.compile(r"(-?\d+)\s*/\s*(\d+)")
 RING_ELEMENTS = 2**18  # float32: 1 MiB per rank
 
 
@@ -55,6 +60,9 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
     far off, by what factor, and what that factor usually means; the reason follows either way."""
     if guess is None or (isinstance(guess, str) and not guess.strip()):
         return Feedback(False, f"Type your prediction first, a number of {prediction.unit}, then measure.")
+    fraction = _FRACTION.fullmatch(guess.strip()) if isinstance(guess, str) else None
+    if fraction and int(fraction.group(2)):
+        guess = int(fraction.group(1)) / int(fraction.group(2))  # "4/3", as a person writes a ratio
     value = typed.number(guess, prediction.unit, prediction.whole)
     if isinstance(value, str):
         return Feedback(False, value.replace("Answer with", "Predict"))
@@ -67,7 +75,12 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
         return Feedback(True, f"{said} {prediction.why}")
     if measured and value and (value > 0) == (measured > 0):
         ratio = value / measured
-        far = f"{ratio:.2g} times the measurement" if ratio > 1 else f"1/{1 / ratio:.2g} of the measurement"
+        if ratio >= 2:
+            far = f"{ratio:.2g} times the measurement"
+        elif ratio <= 0.5:
+            far = f"the measurement divided by {1 / ratio:.2g}"
+        else:
+            far = f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} the measurement"
         hint = next((text for factor, text in prediction.hints if abs(ratio / factor - 1) <= 0.02), "")
         return Feedback(False, f"{said} Yours is {far}. {hint + ' ' if hint else ''}{prediction.why}")
     return Feedback(False, f"{said} {prediction.why}")
@@ -107,6 +120,29 @@ def _fsdp_all_gathers() -> float:
     return sum(op == "all_gather" for op, _ in stepping.observed())  # notebook 15's trace, on 2 live ranks
 
 
+def _hsdp_over_ddp() -> float:
+    ddp_row, hsdp_row = fsdp_compare.strategies(world_size=4, labels=("DDP", "FSDP2 HSDP (2 x 2 mesh)"))
+    return fsdp_compare.bytes_sent_per_rank(hsdp_row) / fsdp_compare.bytes_sent_per_rank(ddp_row)
+
+
+def _tp_mlp_calls(rank: int, world_size: int) -> int:
+    """All-reduces of one forward and backward of a Megatron MLP under torch's tensor parallelism, its input
+    needing a gradient as inside a model."""
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(device)
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 16).to(device).requires_grad_()
+    y, forward = count_collectives(mlp, x)
+    _, backward = count_collectives(lambda: y.sum().backward())
+    return forward.get("all_reduce", 0) + backward.get("all_reduce", 0)
+
+
+def _tp_all_reduces() -> float:
+    return spawn(_tp_mlp_calls, world_size=2, output="none")[0]
+
+
 #: Every prediction a notebook asks, by name.
 PREDICTIONS: dict[str, Prediction] = {
     "ring bytes": Prediction(
@@ -144,6 +180,33 @@ PREDICTIONS: dict[str, Prediction] = {
                (1.5, "9 counts the reduce-scatters too (one per unit, in backward); the question asks for "
                      "all-gathers."),
                (4 / 3, "8 gathers the root as well; the root holds no parameter here, so it gathers nothing.")),
+    ),
+    "hsdp traffic": Prediction(
+        question=("4 ranks train the same model with DDP and with HSDP on a 2 x 2 mesh (each parameter sharded over a "
+                  "pair of ranks, the two pairs holding copies). How many times DDP's bytes does one HSDP rank send "
+                  "per step, every collective a ring?"),
+        unit="times DDP's bytes", measure=_hsdp_over_ddp,
+        why=("DDP all-reduces the gradients S over 4 ranks: 2 x 3/4 x S = 1.5 S. HSDP all-gathers the weights twice "
+             "and reduce-scatters the gradients once within its pair (1/2 x S each: 1.5 S), then all-reduces its "
+             "half of the gradients with the other pair (2 x 1/2 x S/2 = 0.5 S): 2 S, which is 4/3 of DDP's."),
+        hints=((0.75, "1.0 is DDP itself, or FSDP without resharding after forward: HSDP gathers the weights again "
+                      "for backward, and adds an all-reduce between the pairs."),
+               (1.125, "1.5 is full sharding over all 4 ranks; HSDP's pair sends less in each collective but adds "
+                       "the all-reduce between the pairs."),
+               (1.5, "2 is HSDP's bytes over the gradients' size S; DDP's own are 1.5 S, not S.")),
+    ),
+    "tp all-reduces": Prediction(
+        question=("An MLP, its first Linear ColwiseParallel and its second RowwiseParallel (Megatron's split), runs "
+                  "on 2 ranks; its input needs a gradient, as inside a model. How many all-reduces do one forward "
+                  "and its backward make?"),
+        unit="all-reduces", measure=_tp_all_reduces, whole=True,
+        why=("Forward: the column-parallel layer leaves each rank whole, different hidden features, which the "
+             "row-parallel layer turns into summands of the output: one all-reduce adds them. Backward mirrors it: "
+             "the gradient of the output arrives whole on every rank, and the gradient of the input is a sum of "
+             "each rank's share through its columns: one all-reduce. 2 in all."),
+        hints=((0.5, "1 is forward only; the input's gradient is summed over the ranks in backward too."),
+               (2.0, "4 counts each layer in each direction; between the two layers nothing is sent: that is the "
+                     "point of pairing the splits.")),
     ),
     "model state": Prediction(
         question=("Llama 2 7B (6.74 billion parameters) trains on 64 ranks with FSDP, in bf16 with fp32 weights and "

@@ -23,7 +23,7 @@ FIXED = Prediction(question="How many?", unit="MiB", measure=lambda: 1.5, why="B
 COUNT = dataclasses.replace(FIXED, unit="calls", whole=True, measure=lambda: 2)
 
 
-@pytest.mark.parametrize("guess", ["1.5", 1.5, "1.5 MiB", " 1.5 ", "1.52", 1.45, torch.tensor(1.5)])
+@pytest.mark.parametrize("guess", ["1.5", 1.5, "1.5 MiB", " 1.5 ", "1.52", 1.45, torch.tensor(1.5), "3/2", " 3 / 2"])
 def test_a_guess_within_the_tolerance_is_right_whatever_its_form(guess):
     verdict = judge(FIXED, guess, 1.5)
     assert verdict.ok, verdict
@@ -32,8 +32,9 @@ def test_a_guess_within_the_tolerance_is_right_whatever_its_form(guess):
 
 @pytest.mark.parametrize(("guess", "said"), [
     ("3", "Yours is 2 times the measurement. Twice: the naive way. Because."),  # a telling factor: its hint
-    ("0.75", "Yours is 1/2 of the measurement. Because."),  # no hint for this factor: the reason alone
-    ("1.6", "Yours is 1.1 times the measurement. Because."),  # just past the tolerance
+    ("0.75", "Yours is the measurement divided by 2. Because."),  # no hint for this factor: the reason alone
+    ("1.6", "Yours is 7% above the measurement. Because."),  # just past the tolerance
+    ("1.2", "Yours is 20% below the measurement. Because."),
     ("-1.5", "this machine measured 1.5 MiB. Because."),  # no factor between numbers of other signs
     ("0", "this machine measured 1.5 MiB. Because."),
 ])
@@ -47,6 +48,8 @@ def test_a_wrong_guess_is_told_how_far_off_and_why(guess, said):
     (None, "Type your prediction first"),
     ("a lot", "Predict a number of MiB, not the text 'a lot'."),
     ("1.5 GiB", "not the text '1.5 GiB'"),  # another unit is not read as this one
+    ("3/0", "not the text '3/0'"),
+    ("3/2 MiB", "not the text '3/2 MiB'"),  # a fraction is read bare, as a number; with a unit it is text
 ])
 def test_what_is_not_a_number_of_the_unit_is_refused_by_name(guess, said):
     verdict = judge(FIXED, guess, 1.5)
@@ -113,6 +116,24 @@ def test_fsdps_all_gathers_are_counted_from_notebook_15s_trace(monkeypatch):
     monkeypatch.setattr(stepping, "observed", lambda: tuple(
         ("all_gather" if item[:2] == "AG" else "reduce_scatter", int(item[2])) for item in traced))
     assert PREDICTIONS["fsdp all-gathers"].measure() == 6
+
+
+def test_hsdps_traffic_is_read_from_the_runners_ddp_and_hsdp_rows(monkeypatch):
+    from dtlib.train import fsdp_compare
+
+    asked = []
+    monkeypatch.setattr(fsdp_compare, "strategies", lambda world_size, labels: asked.append((world_size, labels))
+                        or ["ddp row", "hsdp row"])
+    monkeypatch.setattr(fsdp_compare, "bytes_sent_per_rank", {"ddp row": 1.5, "hsdp row": 2.0}.get)
+    assert PREDICTIONS["hsdp traffic"].measure() == pytest.approx(4 / 3)  # real rows: tests/train/test_fsdp.py
+    assert asked == [(4, ("DDP", "FSDP2 HSDP (2 x 2 mesh)"))]
+
+
+@pytest.mark.timeout(180)
+def test_megatrons_mlp_all_reduces_once_each_way_under_torchs_tensor_parallelism():
+    # The oracle: Megatron-LM (Shoeybi et al., 2019), its f and g operators: one all-reduce in forward (after the
+    # row-parallel layer) and one in backward (the input's gradient, before the column-parallel layer).
+    assert PREDICTIONS["tp all-reduces"].measure() == 2
 
 
 def test_the_widget_asks_measures_once_and_judges_every_guess(monkeypatch, capsys):
