@@ -21,7 +21,7 @@ One module per kind of exercise, every checker named here:
 - ``stepping``: the order of FSDP2's collectives in a step, predicted, then traced on live ranks (15);
 - ``faults``: the checkpoint interval that wastes the least time, as a function of the job (16);
 - ``predictions``: a key figure predicted in a widget, then measured on this machine and the guess judged (03,
-  04, 05, 06, 09, 14).
+  04, 05, 06, 09, 13, 14).
 
 Typed answers are read by ``typed`` (a name from a list, a number however written); every rank-function checker
 runs on ``skeleton``, which holds the principles they share (``docs/testing.md``).

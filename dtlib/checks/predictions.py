@@ -37,6 +37,7 @@ from dtlib.sim.step import simulate
 from dtlib.train import ddp, fsdp_compare
 
 RING_RANKS = 4
+MOE_RANKS, MOE_EXPERTS, MOE_TOKENS, MOE_DIM = 4, 8, 1024, 16
 _FRACTION = re.compile(r"(-?\d+)\s*/\s*(\d+)")
 RING_ELEMENTS = 2**18  # float32: 1 MiB per rank
 
@@ -68,8 +69,7 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
         return Feedback(False, value.replace("Answer with", "Predict"))
     if prediction.whole and not float(value).is_integer():
         return Feedback(False, f"Predict a whole number of {prediction.unit}, not {value:g}.")
-    shown = f"{measured:.3g}" if not prediction.whole else f"{int(measured)}"
-    said = f"You predicted {value:g}; this machine measured {shown} {prediction.unit}."
+    said = f"You predicted {_shown(value)}; this machine measured {_shown(measured)} {prediction.unit}."
     close = value == measured if prediction.whole else abs(value - measured) <= prediction.rtol * abs(measured)
     if close:
         return Feedback(True, f"{said} {prediction.why}")
@@ -84,6 +84,11 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
         hint = next((text for factor, text in prediction.hints if abs(ratio / factor - 1) <= 0.02), "")
         return Feedback(False, f"{said} Yours is {far}. {hint + ' ' if hint else ''}{prediction.why}")
     return Feedback(False, f"{said} {prediction.why}")
+
+
+def _shown(number: float) -> str:
+    """A number as a person reads it: whole ones with thousands separated, others to 3 significant digits."""
+    return f"{number:,.0f}" if float(number).is_integer() or abs(number) >= 100 else f"{number:.3g}"
 
 
 # -- the measurements --------------------------------------------------------------------------------------------
@@ -141,6 +146,16 @@ def _tp_mlp_calls(rank: int, world_size: int) -> int:
 
 def _tp_all_reduces() -> float:
     return spawn(_tp_mlp_calls, world_size=2, output="none")[0]
+
+
+def _moe_copies_sent() -> float:
+    """Copies of rank 0's tokens that a random router sends to other ranks' experts (its own generator: the
+    notebook's random state is left as it was)."""
+    generator = torch.Generator().manual_seed(0)
+    router = torch.randn(MOE_DIM, MOE_EXPERTS, generator=generator)
+    tokens = torch.randn(MOE_TOKENS, MOE_DIM, generator=generator)
+    chosen = (tokens @ router).topk(2, dim=-1).indices  # each token's 2 experts
+    return float((chosen // (MOE_EXPERTS // MOE_RANKS) != 0).sum())  # experts 2r and 2r + 1 live on rank r
 
 
 #: Every prediction a notebook asks, by name.
@@ -207,6 +222,19 @@ PREDICTIONS: dict[str, Prediction] = {
         hints=((0.5, "1 is forward only; the input's gradient is summed over the ranks in backward too."),
                (2.0, "4 counts each layer in each direction; between the two layers nothing is sent: that is the "
                      "point of pairing the splits.")),
+    ),
+    "moe copies": Prediction(
+        question=(f"Rank 0 of {MOE_RANKS} holds {MOE_TOKENS:,} tokens; a router sends each to its top 2 of "
+                  f"{MOE_EXPERTS} experts, 2 experts per rank (rank r holds 2r and 2r + 1). How many copies of "
+                  "rank 0's tokens leave it for other ranks in the dispatch?"),
+        unit="copies", measure=_moe_copies_sent, rtol=0.05,
+        why=(f"Each token is copied once per chosen expert, {MOE_TOKENS:,} x 2 assignments, and 3 of the 4 ranks "
+             f"are elsewhere: about {MOE_TOKENS * 2 * 3 // 4:,} copies leave, as many as a fair router spreads "
+             "evenly. A router that favours some experts moves the count, and the busiest rank sets the step's "
+             "time: hence the balancing loss further on."),
+        hints=((4 / 3, "2,048 counts the copies for rank 0's own experts too; a quarter of the assignments stay."),
+               (2 / 3, "1,024 sends each token once; a token goes to each of its 2 experts."),
+               (0.5, "768 is 3/4 of the tokens; each token is copied once per chosen expert, 2 of them.")),
     ),
     "model state": Prediction(
         question=("Llama 2 7B (6.74 billion parameters) trains on 64 ranks with FSDP, in bf16 with fp32 weights and "

@@ -136,6 +136,18 @@ def test_megatrons_mlp_all_reduces_once_each_way_under_torchs_tensor_parallelism
     assert PREDICTIONS["tp all-reduces"].measure() == 2
 
 
+def test_moe_copies_are_three_quarters_of_the_assignments_and_leave_the_kernels_random_state_alone():
+    before = torch.random.get_rng_state()
+    copies = PREDICTIONS["moe copies"].measure()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert copies == pytest.approx(predictions.MOE_TOKENS * 2 * 3 / 4, rel=0.05)  # 3 of 4 ranks hold 3/4 of experts
+
+
+def test_numbers_are_shown_as_a_person_reads_them():
+    assert "You predicted 1,536; this machine measured 1,542 copies." in judge(
+        dataclasses.replace(FIXED, unit="copies"), "1536", 1542.0).message
+
+
 def test_the_widget_asks_measures_once_and_judges_every_guess(monkeypatch, capsys):
     pytest.importorskip("ipywidgets")
     calls = []
