@@ -22,21 +22,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from dtlib import compat
 from dtlib.checks import stepping, typed
 from dtlib.checks.feedback import Feedback
+from dtlib.launch import torchrun
 from dtlib.launch.entry import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import count_collectives, watching
 from dtlib.ring.send_recv import ring_all_reduce
+from dtlib.sim import failures
 from dtlib.sim.llama import LLAMA
 from dtlib.sim.step import simulate
 from dtlib.train import ddp, fsdp_compare
 
 RING_RANKS = 4
+GATHERED = 1000  # float32 numbers per rank in notebook 02's all-gather
+JOB_HOURS = 2000  # about 500 failures: the simulated share within a point of the exact one, in a second
 MOE_RANKS, MOE_EXPERTS, MOE_TOKENS, MOE_DIM = 4, 8, 1024, 16
 _FRACTION = re.compile(r"(-?\d+)\s*/\s*(\d+)")
 RING_ELEMENTS = 2**18  # float32: 1 MiB per rank
@@ -54,22 +61,26 @@ class Prediction:
     hints: tuple[tuple[float, str], ...] = field(default_factory=tuple)
     whole: bool = False
     rtol: float = 0.05
+    how_far: bool = True  # False for a number that names something (a rank): no "33% below" then
 
 
 def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
     """The verdict on ``guess`` against ``measured``: right within ``prediction.rtol`` (exact for a count), else how
     far off, by what factor, and what that factor usually means; the reason follows either way."""
     if guess is None or (isinstance(guess, str) and not guess.strip()):
-        return Feedback(False, f"Type your prediction first, a number of {prediction.unit}, then measure.")
+        kind = f"a number of {prediction.unit}" if prediction.unit else "a number"
+        return Feedback(False, f"Type your prediction first, {kind}, then measure.")
     fraction = _FRACTION.fullmatch(guess.strip()) if isinstance(guess, str) else None
     if fraction and int(fraction.group(2)):
         guess = int(fraction.group(1)) / int(fraction.group(2))  # "4/3", as a person writes a ratio
-    value = typed.number(guess, prediction.unit, prediction.whole)
+    value = typed.number(guess, prediction.unit or "\0", prediction.whole)  # a unit nobody types, if none
     if isinstance(value, str):
-        return Feedback(False, value.replace("Answer with", "Predict"))
+        return Feedback(False, value.replace("Answer with", "Predict").replace(" of \0", ""))
     if prediction.whole and not float(value).is_integer():
-        return Feedback(False, f"Predict a whole number of {prediction.unit}, not {value:g}.")
-    said = f"You predicted {_shown(value)}; this machine measured {_shown(measured)} {prediction.unit}."
+        return Feedback(False, f"Predict a whole number{' of ' + prediction.unit if prediction.unit else ''}, "
+                               f"not {value:g}.")
+    unit = prediction.unit if prediction.unit in ("%", "") else f" {prediction.unit}"
+    said = f"You predicted {_shown(value)}; this machine measured {_shown(measured)}{unit}."
     close = value == measured if prediction.whole else abs(value - measured) <= prediction.rtol * abs(measured)
     if close:
         return Feedback(True, f"{said} {prediction.why}")
@@ -81,8 +92,10 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
             far = f"the measurement divided by {1 / ratio:.2g}"
         else:
             far = f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} the measurement"
-        hint = next((text for factor, text in prediction.hints if abs(ratio / factor - 1) <= 0.02), "")
-        return Feedback(False, f"{said} Yours is {far}. {hint + ' ' if hint else ''}{prediction.why}")
+        near = max(0.02, prediction.rtol / 2)  # a drawn measurement moves a common mistake's ratio a little
+        hint = next((text for factor, text in prediction.hints if abs(ratio / factor - 1) <= near), "")
+        far = f"Yours is {far}. " if prediction.how_far else ""
+        return Feedback(False, f"{said} {far}{hint + ' ' if hint else ''}{prediction.why}")
     return Feedback(False, f"{said} {prediction.why}")
 
 
@@ -158,8 +171,85 @@ def _moe_copies_sent() -> float:
     return float((chosen // (MOE_EXPERTS // MOE_RANKS) != 0).sum())  # experts 2r and 2r + 1 live on rank r
 
 
+def _dtensor_calls(rank: int, world_size: int) -> int:
+    """Collectives of ``distribute_tensor`` with ``Shard(0)`` and then ``full_tensor()``, on this rank."""
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    x, made = count_collectives(lambda: distribute_tensor(torch.arange(16.0).view(4, 4).to(device), mesh, [Shard(0)]))
+    _, gathered = count_collectives(x.full_tensor)
+    return sum(made.values()) + sum(gathered.values())
+
+
+def _dtensor_collectives() -> float:
+    return spawn(_dtensor_calls, world_size=2, output="none")[0]
+
+
+def _job_waste_percent() -> float:
+    """The share of a long simulated job's wall time that made no new work, in percent (failures drawn at random,
+    one fixed seed)."""
+    run = failures.simulate(work_s=JOB_HOURS * 3600, interval_s=3600, mtbf_s=4 * 3600, checkpoint_s=60, restart_s=300)
+    return 100 * (1 - JOB_HOURS * 3600 / run.wall_s)
+
+
+def _summed(rank: int, world_size: int) -> float:
+    total = torch.tensor([rank + 1.0], device=rank_device())
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _sum_on_rank_2() -> float:
+    return spawn(_summed, world_size=4, output="none")[2]
+
+
+def _gathered_bytes(rank: int, world_size: int, elements: int) -> int:
+    device = rank_device()
+    gathered = torch.empty(world_size * elements, device=device)
+    compat.all_gather_single(gathered, torch.full((elements,), float(rank), device=device))
+    return gathered.nbytes
+
+
+def _gathered_kb() -> float:
+    return spawn(_gathered_bytes, world_size=4, args=(GATHERED,), output="none")[0] / 1000
+
+
+def _torchrun_rank() -> float:
+    records = torchrun.env_records(torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2,
+                                                           nproc_per_node=2, rendezvous="static"))
+    return next(int(r["RANK"]) for r in records if r["GROUP_RANK"] == "1" and r["LOCAL_RANK"] == "1")
+
+
 #: Every prediction a notebook asks, by name.
 PREDICTIONS: dict[str, Prediction] = {
+    "all-reduced value": Prediction(
+        question=("4 ranks each hold total = torch.tensor([rank + 1.0]) and call dist.all_reduce(total), with no "
+                  "other argument. What does total hold on rank 2 afterwards?"),
+        unit="", measure=_sum_on_rank_2, how_far=False,
+        why=("all_reduce sums by default (op=ReduceOp.SUM) and leaves the result on every rank, in place: "
+             "1 + 2 + 3 + 4 = 10 on rank 2, and on every other rank."),
+        hints=((0.3, "3 is rank 2's own value; all_reduce combines every rank's."),
+               (0.25, "2.5 is the mean; the default op is SUM (ReduceOp.AVG gives the mean)."),
+               (0.4, "4 is the number of ranks; all_reduce adds their values, 1 to 4.")),
+    ),
+    "gathered bytes": Prediction(
+        question=(f"4 ranks each hold {GATHERED:,} float32 numbers and call dist.all_gather_single. How many kB "
+                  "(1,000 bytes) does each rank's output tensor hold?"),
+        unit="kB", measure=_gathered_kb,
+        why=(f"Every rank ends with every rank's {GATHERED:,} numbers, its own included, side by side: 4 x "
+             f"{GATHERED:,} x 4 bytes = 16 kB on each rank. The output grows with the ranks; the input does not."),
+        hints=((0.25, "4 kB is one rank's input; the output holds all four."),
+               (0.75, "12 kB leaves out the rank's own part; the output holds it too, in its rank's slot."),
+               (4.0, "64 kB counts every rank's output; the question asks for one rank's.")),
+    ),
+    "torchrun rank": Prediction(
+        question=("torchrun starts 2 nodes of 2 processes (--nnodes=2 --nproc_per_node=2, node ranks 0 and 1). What "
+                  "RANK does the process with LOCAL_RANK 1 on node 1 get?"),
+        unit="", measure=_torchrun_rank, whole=True, how_far=False,
+        why=("RANK counts every process of the job, node after node: node_rank x nproc_per_node + LOCAL_RANK = "
+             "1 x 2 + 1 = 3. LOCAL_RANK counts on one machine only, and picks the GPU there."),
+        hints=((1 / 3, "1 is its LOCAL_RANK, its number on its own machine; RANK numbers the whole job."),
+               (2 / 3, "2 is node 1's first process; LOCAL_RANK 1 is its second."),
+               (4 / 3, "4 would number from 1; ranks start at 0.")),
+    ),
     "ring bytes": Prediction(
         question=(f"{RING_RANKS} ranks each hold 1 MiB of float32 and all-reduce it with the ring (a reduce-scatter, "
                   "then an all-gather). How many MiB does each rank send in all?"),
@@ -236,6 +326,30 @@ PREDICTIONS: dict[str, Prediction] = {
                (2 / 3, "1,024 sends each token once; a token goes to each of its 2 experts."),
                (0.5, "768 is 3/4 of the tokens; each token is copied once per chosen expert, 2 of them.")),
     ),
+    "dtensor collectives": Prediction(
+        question=("On 2 ranks, x = distribute_tensor(t, mesh, [Shard(0)]) for a 4 x 4 tensor t, then "
+                  "x.full_tensor(). How many collectives does each rank call in all?"),
+        unit="collectives", measure=_dtensor_collectives, whole=True,
+        why=("distribute_tensor scatters t from rank 0, each rank receiving its rows (1 scatter); full_tensor "
+             "brings every rank's rows to every rank (1 all-gather). Neither shows in your code: the stepper finds "
+             "them for you."),
+        hints=((0.5, "1 misses the scatter: distribute_tensor sends each rank its rows from rank 0."),
+               (1.5, "3 would gather or broadcast once more; one all-gather gives every rank every row."),
+               (2.0, "4 counts each call twice; each rank calls one scatter and one all-gather.")),
+    ),
+    "job waste": Prediction(
+        question=("A long job checkpoints after every hour of work (a checkpoint takes 1 minute), restarts in 5 "
+                  "minutes, and fails every 4 hours on average, at random. What percentage of its wall time makes "
+                  "no new work?"),
+        unit="%", measure=_job_waste_percent, rtol=0.1,
+        why=("Three costs: the checkpoints (1 minute per hour of work, about 1.7%), the restarts (5 minutes per 4 "
+             "hours, about 2%), and the work lost, on average half an interval per failure (30 minutes per 4 "
+             "hours, about 12%): about 15% in all. The simulation drew 2,000 hours of work and about 500 failures; "
+             "the exact expectation, dtlib.sim.failures.waste, is 15.4%."),
+        hints=((12.5 / 15, "12.5% counts the lost work alone; the checkpoints and the restarts cost time too."),
+               (25 / 15, "25% loses a whole interval at each failure; on average a failure strikes halfway through."),
+               (1.7 / 15, "1.7% is the checkpoints alone; most of the waste is work lost to failures.")),
+    ),
     "model state": Prediction(
         question=("Llama 2 7B (6.74 billion parameters) trains on 64 ranks with FSDP, in bf16 with fp32 weights and "
                   "AdamW. How many GiB of model state (weights, gradients, optimizer) does rank 0 hold at the step's "
@@ -270,7 +384,12 @@ def predict(name: str) -> object:
             shown.clear_output()
             if not measured:
                 print("measuring on this machine ...")
-                measured.append(prediction.measure())
+                try:
+                    measured.append(prediction.measure())
+                except Exception as err:  # a measurement that fails says so here, and the button tries again
+                    shown.clear_output()
+                    print(f"The measurement failed, so nothing was judged: {type(err).__name__}: {err}")
+                    return
                 shown.clear_output()
             print(repr(judge(prediction, guess.value, measured[0])))
 

@@ -65,7 +65,8 @@ def test_a_count_must_be_exact_and_whole():
 
 def test_every_prediction_has_a_question_a_unit_a_reason_and_hints_for_factors_other_than_one():
     for name, prediction in PREDICTIONS.items():
-        assert prediction.question.endswith("?") and prediction.unit and prediction.why, name
+        assert prediction.question.endswith("?") and prediction.why, name
+        assert prediction.unit or not prediction.how_far, f"{name}: only a name (a rank) has no unit"
         assert all(factor > 0 and factor != 1 for factor, _ in prediction.hints), name
 
 
@@ -143,6 +144,43 @@ def test_moe_copies_are_three_quarters_of_the_assignments_and_leave_the_kernels_
     assert copies == pytest.approx(predictions.MOE_TOKENS * 2 * 3 / 4, rel=0.05)  # 3 of 4 ranks hold 3/4 of experts
 
 
+def test_the_simulated_jobs_waste_is_within_a_point_of_the_exact_expectation():
+    from dtlib.sim import failures
+
+    exact = 100 * failures.waste(3600, 4 * 3600, checkpoint_s=60, restart_s=300)
+    assert PREDICTIONS["job waste"].measure() == pytest.approx(exact, abs=1.0)
+    assert judge(PREDICTIONS["job waste"], "15%", PREDICTIONS["job waste"].measure()).ok  # a percent sign is read
+
+
+@pytest.mark.timeout(180)
+def test_a_dtensor_distributed_and_gathered_back_costs_a_scatter_and_an_all_gather():
+    # The oracle: torch's DTensor documentation (distribute_tensor scatters from the mesh's first rank;
+    # full_tensor all-gathers), and notebook 15's stepper, which shows the two calls by name.
+    assert PREDICTIONS["dtensor collectives"].measure() == 2
+
+
+@pytest.mark.timeout(180)
+def test_rank_2_holds_the_sum_of_every_ranks_value_after_a_plain_all_reduce():
+    assert PREDICTIONS["all-reduced value"].measure() == sum(rank + 1.0 for rank in range(4))
+
+
+@pytest.mark.timeout(180)
+def test_an_all_gathers_output_holds_every_ranks_input():
+    assert PREDICTIONS["gathered bytes"].measure() == 4 * predictions.GATHERED * 4 / 1000  # ranks x numbers x bytes
+
+
+def test_the_torchrun_rank_is_read_from_the_env_records_of_node_1s_second_process(monkeypatch):
+    from dtlib.launch import torchrun
+
+    records = [{"RANK": str(group * 2 + local), "GROUP_RANK": str(group), "LOCAL_RANK": str(local)}
+               for group in (0, 1) for local in (0, 1)]  # as torchrun numbers them: tests/launch/test_torchrun.py
+    monkeypatch.setattr(torchrun, "simulate_nodes", lambda *args, **kwargs: "finished")
+    monkeypatch.setattr(torchrun, "env_records", lambda finished: records)
+    assert PREDICTIONS["torchrun rank"].measure() == 3
+    said = judge(PREDICTIONS["torchrun rank"], "1", 3).message
+    assert said.startswith("You predicted 1; this machine measured 3. 1 is")  # a rank is a name: no "% below"
+
+
 def test_numbers_are_shown_as_a_person_reads_them():
     assert "You predicted 1,536; this machine measured 1,542 copies." in judge(
         dataclasses.replace(FIXED, unit="copies"), "1536", 1542.0).message
@@ -161,6 +199,26 @@ def test_the_widget_asks_measures_once_and_judges_every_guess(monkeypatch, capsy
     button.click()
     shown = capsys.readouterr().out  # outside a kernel, the output widget lets prints through
     assert "✗ You predicted 3;" in shown and "✓ You predicted 1.5;" in shown and len(calls) == 1
+
+
+def test_a_measurement_that_fails_says_so_and_the_next_press_measures_again(monkeypatch, capsys):
+    pytest.importorskip("ipywidgets")
+    attempts = []
+
+    def flaky() -> float:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise TimeoutError("ranks did not answer")
+        return 1.5
+
+    monkeypatch.setitem(PREDICTIONS, "flaky", dataclasses.replace(FIXED, measure=flaky))
+    guess, button = predictions.predict("flaky").children[1].children
+    guess.value = "1.5"
+    button.click()
+    button.click()
+    shown = capsys.readouterr().out
+    assert "The measurement failed, so nothing was judged: TimeoutError: ranks did not answer" in shown
+    assert "✓ You predicted 1.5;" in shown and len(attempts) == 2
 
 
 def test_an_unknown_prediction_is_refused_with_the_names_there_are():
