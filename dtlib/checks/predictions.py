@@ -73,9 +73,9 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
     fraction = _FRACTION.fullmatch(guess.strip()) if isinstance(guess, str) else None
     if fraction and int(fraction.group(2)):
         guess = int(fraction.group(1)) / int(fraction.group(2))  # "4/3", as a person writes a ratio
-    value = typed.number(guess, prediction.unit or "\0", prediction.whole)  # a unit nobody types, if none
+    value = typed.number(guess, prediction.unit, prediction.whole)
     if isinstance(value, str):
-        return Feedback(False, value.replace("Answer with", "Predict").replace(" of \0", ""))
+        return Feedback(False, value.replace("Answer with", "Predict"))
     if prediction.whole and not float(value).is_integer():
         return Feedback(False, f"Predict a whole number{' of ' + prediction.unit if prediction.unit else ''}, "
                                f"not {value:g}.")

@@ -76,24 +76,24 @@ def number(answer: Any, unit: str, whole: bool = False) -> float | int | str:
     with ``,`` or ``_`` between thousands, optionally followed by ``unit`` (``"112,256 bytes"``). ``whole``: the
     messages ask for a whole number (the caller checks that it is one).
     """
-    kind = "whole number" if whole else "number"
+    kind = ("whole number" if whole else "number") + (f" of {unit}" if unit else "")  # no unit: a bare number
     value = _item(answer)
     if value is None:
-        return f"No answer yet: set `answer` to a {kind} of {unit}."
+        return f"No answer yet: set `answer` to a {kind}."
     if isinstance(value, str):
         text = value.strip()
-        if text.casefold().endswith(unit.casefold()):
+        if unit and text.casefold().endswith(unit.casefold()):
             text = text[: -len(unit)].strip()
         text = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", text)
         if not _NUMBER.fullmatch(text):
-            return f"Answer with a {kind} of {unit}, not the text {value.strip()!r:.40}."
+            return f"Answer with a {kind}, not the text {value.strip()!r:.40}."
         value = float(text) if any(mark in text for mark in ".eE") else int(text)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Decimal)):
-        return f"Answer with a {kind} of {unit}, not {type(value).__name__}."
+        return f"Answer with a {kind}, not {type(value).__name__}."
     if isinstance(value, (Decimal, Fraction)):
         value = float(value)
     if not math.isfinite(value):
-        return f"Answer with a finite {kind} of {unit}, not {value!r}."
+        return f"Answer with a finite {kind}, not {value!r}."
     return int(value) if float(value).is_integer() else float(value)
 
 

@@ -89,3 +89,9 @@ def test_07s_no_python_still_needs_the_script():
     command = "torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=10.0.0.1 --no-python python -m x"
     feedback = checks.torchrun_command(command, nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1")
     assert not feedback.ok
+
+
+def test_a_number_without_a_unit_is_read_and_refused_without_naming_one():
+    # Before, an empty unit cut every string to nothing ("3"[:-0] is ""), and the messages said "of ,".
+    assert typed.number("3", "") == 3
+    assert typed.number("x", "", whole=True) == "Answer with a whole number, not the text 'x'."
