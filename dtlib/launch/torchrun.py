@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,33 +116,59 @@ def _stop(processes: list[subprocess.Popen[str]]) -> None:
 
 
 def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float,
-            env: dict[str, str] | None = None) -> list[Finished]:
+            env: dict[str, str] | None = None, silence: float | None = None) -> list[Finished]:
+    """Wait for every process, reading their output as it comes. Stop them all at ``timeout`` seconds, or,
+    once they have printed a first line, when none has printed another for ``silence`` seconds (the imports
+    before a first line are slow on a busy machine); say so at the end of the output of each process that
+    was still running."""
     started = time.monotonic()  # a moment after they started: Popen returns once each has been exec'd
-    deadline = started + timeout
-    outputs, seconds = [], []
-    for process in processes:
-        try:
-            out, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _stop(processes)
-            try:
-                out, _ = process.communicate(timeout=10)
-            except subprocess.TimeoutExpired:  # a rank outlived its agent and holds the pipe: stop reading
-                process.stdout.close()
-                out = ""
-            out += f"\n[dtlib.launch.torchrun] stopped after {timeout:.0f} s"
-        outputs.append(out)
-        seconds.append(time.monotonic() - started)
+    lines: list[list[str]] = [[] for _ in processes]
+    last_line: list[float] = []  # when the latest line came, once one has
+
+    def read(index: int, process: subprocess.Popen[str]) -> None:
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines[index].append(line)
+            last_line[:] = [time.monotonic()]
+
+    readers = [threading.Thread(target=read, args=pair, daemon=True) for pair in enumerate(processes)]
+    for reader in readers:
+        reader.start()
+    ended: list[float | None] = [None] * len(processes)
+    why = ""
+    while not why:
+        now = time.monotonic()
+        ended = [took if took is not None or process.poll() is None else now - started
+                 for took, process in zip(ended, processes, strict=True)]
+        if all(took is not None for took in ended):
+            break
+        if now - started >= timeout:
+            why = f"stopped after {timeout:.0f} s"
+        elif silence is not None and last_line and now - last_line[0] >= silence:
+            why = f"stopped after {now - started:.0f} s, {silence:.0f} s without a line of output"
+        else:
+            time.sleep(0.05)
+    stopped = [took is None for took in ended]
+    if why:
+        _stop(processes)
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
+    for reader in readers:  # a rank that outlived its agent holds the pipe: stop waiting for it
+        reader.join(timeout=10)
+    outputs = ["".join(list(got)) + (f"\n[dtlib.launch.torchrun] {why}" if stop else "")
+               for got, stop in zip(lines, stopped, strict=True)]
+    seconds = [took if took is not None else time.monotonic() - started for took in ended]
     shown = [" ".join(c[1:]).replace("-m torch.distributed.run", "torchrun", 1) if "torch.distributed.run" in c
              else " ".join(["python", *c[1:]]) for c in commands]
     shown = [" ".join(f"{name}={value}" for name, value in (env or {}).items()) + " " * bool(env) + command
              for command in shown]
-    return [Finished(cmd, p.returncode, out, took)
+    return [Finished(cmd, p.returncode if p.returncode is not None else -9, out, took)
             for cmd, p, out, took in zip(shown, processes, outputs, seconds, strict=True)]
 
 
 def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequence[str] = (),
-                timeout: float = 60.0, legacy: bool = False, restart_fix: bool = True) -> Finished:
+                timeout: float = 60.0, silence: float | None = None, legacy: bool = False,
+                restart_fix: bool = True) -> Finished:
     """``torchrun --standalone --nproc_per_node=N [options] <target>``: one node, a fresh rendezvous on a free port.
 
     ``target`` is what follows torchrun's options: ``["train.py", "--steps", "4"]`` or
@@ -149,13 +176,15 @@ def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequ
     by its parser; where they allow restarts, :data:`RESTART_FIX` is set too, and shown in ``command``
     (``restart_fix=False`` leaves it out, to show what torch does without it). ``legacy=True`` runs the
     deprecated ``python -m torch.distributed.launch`` instead, which also passes
-    ``--local-rank=N`` to the script.
+    ``--local-rank=N`` to the script. ``silence``: stop the job sooner, when it has printed a line and then
+    no other for this many seconds: a hang, found without a ``timeout`` long enough for a busy machine's run.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
+    silence = arguments.seconds("silence", silence)
     options, env = _torchrun_options(options, restart_fix)
     module = "torch.distributed.launch" if legacy else "torch.distributed.run"
     command = _command(target, nproc_per_node, ["--standalone", *options], module)
-    return _finish([_start(command, env)], [command], timeout, env)[0]
+    return _finish([_start(command, env)], [command], timeout, env, silence)[0]
 
 
 def exit_codes(finished: Finished) -> dict[int, int]:
@@ -167,7 +196,8 @@ def exit_codes(finished: Finished) -> dict[int, int]:
 
 
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
-                   options: Sequence[str] = (), timeout: float = 60.0, restart_fix: bool = True) -> list[Finished]:
+                   options: Sequence[str] = (), timeout: float = 60.0, silence: float | None = None,
+                   restart_fix: bool = True) -> list[Finished]:
     """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.
 
     ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the agent on
@@ -175,9 +205,10 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     does), and node ranks are given out when the rendezvous completes, not in order of arrival.
     ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
     node 0 hosting the store, as with ``torch.distributed.launch`` of old. ``options``: more of torchrun's
-    own, given to every node, and ``restart_fix``, as in :func:`single_node`.
+    own, given to every node, and ``silence`` and ``restart_fix``, as in :func:`single_node`.
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
+    silence = arguments.seconds("silence", silence)
     extra, env = _torchrun_options(options, restart_fix)
     nnodes = arguments.count("nnodes", nnodes, 1)
     if rendezvous not in ("c10d", "static"):
@@ -192,7 +223,7 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
             options = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
                        f"--master_port={port}"]
         commands.append(_command(target, nproc_per_node, [*options, *extra]))
-    return _finish([_start(c, env) for c in commands], commands, timeout, env)
+    return _finish([_start(c, env) for c in commands], commands, timeout, env, silence)
 
 
 def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:

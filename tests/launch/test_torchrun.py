@@ -147,6 +147,28 @@ def test_a_hanging_job_is_stopped_at_the_timeout():
     assert finished.returncode != 0 and "stopped after 8 s" in finished.output
 
 
+@pytest.mark.timeout(60)
+def test_a_job_that_prints_and_then_nothing_is_stopped_after_its_silence():
+    finished = torchrun.single_node(["--no-python", "sh", "-c", "echo started; sleep 60"], nproc_per_node=1,
+                                    timeout=50, silence=3)
+    assert finished.returncode != 0 and "started" in finished.output
+    assert "3 s without a line of output" in finished.output and finished.seconds < 40
+
+
+@pytest.mark.timeout(60)
+def test_silence_waits_for_a_first_line_and_a_job_that_finishes_keeps_all_its_output():
+    finished = torchrun.single_node(["--no-python", "sh", "-c", "sleep 4; seq 1 3000"], nproc_per_node=1,
+                                    timeout=50, silence=2)
+    assert finished.returncode == 0 and "stopped after" not in finished.output
+    assert [int(line.split(":")[-1]) for line in finished.output.splitlines() if "]:" in line] == list(range(1, 3001))
+
+
+@pytest.mark.parametrize("silence", [0, -1, "20", True])
+def test_a_silence_that_is_not_a_positive_number_is_refused(silence):
+    with pytest.raises(ValueError, match="silence must be a positive number"):
+        torchrun.single_node(["train.py"], silence=silence)
+
+
 def test_train_without_a_runner_name_says_how():
     from dtlib.train import cli
 
