@@ -334,14 +334,16 @@ class NotebookRun:
     stored: nbformat.NotebookNode  # the notebook as committed
     saved: nbformat.NotebookNode  # what JupyterLab saved after the run
     images: dict[int, int]  # loaded images the page showed, per code cell index
-    view: NotebookPage | None  # still open (and its kernel alive) when the notebook has widgets
+    view: NotebookPage | None  # still open (and its kernel alive) when the notebook has sliders
+    verdicts: dict[int, str]  # what each prediction widget said to the guess "1", per code cell index
 
 
 class NotebookRuns:
     """Runs each notebook at most once per test session and remembers the result.
 
-    Notebooks with widgets stay open so that their sliders can be moved, and their predictions typed, later; the
-    others are closed and their kernels shut down at once, so that idle kernels do not pile up.
+    Each prediction widget is tried right after Run All (the guess "1"), and its verdict kept. Notebooks with
+    sliders stay open so that they can be moved later; the others are closed and their kernels shut down at once,
+    so that idle kernels do not pile up (an open page and its kernel slow every later Run All).
     """
 
     def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, hang_guard_x_budget: float = 5.0) -> None:
@@ -371,12 +373,21 @@ class NotebookRuns:
             screenshot = self._screenshots / f"{Path(notebook).stem}.png"
             view.screenshot(screenshot)
             record(self._screenshots, notebook, seconds, budget_s, screenshot)
-            keep = bool(widget_cells(stored) or prediction_cells(stored))
-            return NotebookRun(notebook, seconds, stored, saved, images, view if keep else None)
+            verdicts = {index: self._verdict(view, index) for index in prediction_cells(stored)}
+            keep = bool(widget_cells(stored))
+            return NotebookRun(notebook, seconds, stored, saved, images, view if keep else None, verdicts)
         finally:
             if not keep:
                 page.close()
                 self._lab.shutdown_kernels(notebook)
+
+    @staticmethod
+    def _verdict(view: NotebookPage, cell_index: int) -> str:
+        """The prediction widget's verdict on "1", or what went wrong in the page (its test shows it)."""
+        try:
+            return view.predict(cell_index, "1")
+        except Exception as error:  # noqa: BLE001 - a page that failed is a verdict to report, not a crash here
+            return f"the page failed: {type(error).__name__}: {error}"[:500]
 
     def close(self) -> None:
         """Close every page still open; the server stops with its kernels anyway."""

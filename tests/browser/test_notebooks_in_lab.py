@@ -75,8 +75,7 @@ def test_every_slider_drives_its_figure(notebook: str, notebook_runs) -> None:
 @pytest.mark.parametrize("notebook", [name for name in NOTEBOOKS if status.prediction_cells(_stored(name))])
 def test_every_prediction_measures_and_judges_what_is_typed(notebook: str, notebook_runs) -> None:
     run = notebook_runs.get(notebook)
-    assert run.view is not None
-    for cell_index in status.prediction_cells(run.stored):
-        verdict = run.view.predict(cell_index, "1")
+    assert set(run.verdicts) == set(status.prediction_cells(run.stored))
+    for cell_index, verdict in run.verdicts.items():
         assert verdict.startswith(("✓", "✗")) and "You predicted 1; this machine measured" in verdict, (
             f"cell {cell_index}: the prediction widget showed {verdict!r}")
