@@ -20,8 +20,8 @@ One module per kind of exercise, every checker named here:
 - ``cluster``: the largest micro-batch and the smallest pipeline of a simulated cluster (14);
 - ``stepping``: the order of FSDP2's collectives in a step, predicted, then traced on live ranks (15);
 - ``faults``: the checkpoint interval that wastes the least time, as a function of the job (16);
-- ``predictions``: a key figure predicted in a widget, then measured on this machine and the guess judged (01,
-  02, 03, 04, 05, 06, 07, 09, 13, 14, 15, 16).
+- ``predictions``: a key figure predicted in a widget, then measured on this machine and the guess judged (every
+  notebook); ``measured`` holds the measurements.
 
 Typed answers are read by ``typed`` (a name from a list, a number however written); every rank-function checker
 runs on ``skeleton``, which holds the principles they share (``docs/testing.md``).

@@ -1,11 +1,11 @@
 """Predict, then measure: the learner types what a key figure will be, then the course measures it on this machine
 and says how far off the prediction was, and why.
 
-Each prediction owns its inputs, as every checker does: the measurement runs dtlib's own code on sizes fixed here
-(a ring of 4 ranks and 1 MiB, DDP's runner on its ``wide_mlp``), so the figure is this machine's and the
-reasoning under it holds for any learner. A guess is read as typed answers are (:func:`dtlib.checks.typed.number`:
-``"1.5"``, or ``"1.5 MiB"`` with the unit). Close enough is within ``rtol`` of the measured value; a count must
-be exact.
+Each prediction owns its inputs, as every checker does: its measurement (:mod:`dtlib.checks.measured`) runs dtlib's
+or torch's own code on sizes fixed there (a ring of 4 ranks and 1 MiB, DDP's runner on its ``wide_mlp``), so the
+figure is this machine's and the reasoning under it holds for any learner. A guess is read as typed answers are
+(:func:`dtlib.checks.typed.number`: ``"1.5"``, or ``"1.5 MiB"`` with the unit). Close enough is within ``rtol`` of
+the measured value; a count must be exact, and so must a common mistake's count for its hint to be shown.
 
 Example (a notebook cell; the widget shows the question, a box for the guess and a button that measures)::
 
@@ -21,32 +21,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-from dtlib import compat
-from dtlib.checks import stepping, typed
+from dtlib.checks import measured, typed
 from dtlib.checks.feedback import Feedback
-from dtlib.launch import torchrun
-from dtlib.launch.entry import rank_device
-from dtlib.launch.spawn import spawn
-from dtlib.measure.counting import count_collectives, watching
-from dtlib.ring.send_recv import ring_all_reduce
-from dtlib.sim import failures
-from dtlib.sim.llama import LLAMA
-from dtlib.sim.step import simulate
-from dtlib.train import ddp, fsdp_compare
+from dtlib.checks.measured import (
+    GATHERED,
+    KV_HEAD_DIM,
+    KV_HEADS,
+    KV_SEQUENCE,
+    MOE_EXPERTS,
+    MOE_RANKS,
+    MOE_TOKENS,
+    PIPELINE_MICRO_BATCHES,
+    PIPELINE_STAGES,
+    RING_RANKS,
+    SAMPLES,
+    SPAWNED,
+)
 
-RING_RANKS = 4
-GATHERED = 1000  # float32 numbers per rank in notebook 02's all-gather
-JOB_HOURS = 2000  # about 500 failures: the simulated share within a point of the exact one, in a second
-MOE_RANKS, MOE_EXPERTS, MOE_TOKENS, MOE_DIM = 4, 8, 1024, 16
 _FRACTION = re.compile(r"(-?\d+)\s*/\s*(\d+)")
-RING_ELEMENTS = 2**18  # float32: 1 MiB per rank
 
 
 @dataclass(frozen=True)
@@ -93,7 +85,11 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
         else:
             far = f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} the measurement"
         near = max(0.02, prediction.rtol / 2)  # a drawn measurement moves a common mistake's ratio a little
-        hint = next((text for factor, text in prediction.hints if abs(ratio / factor - 1) <= near), "")
+
+        def matches(factor: float) -> bool:  # a count's mistake is one exact number; a measurement's, near one
+            return value == round(factor * measured) if prediction.whole else abs(ratio / factor - 1) <= near
+
+        hint = next((text for factor, text in prediction.hints if matches(factor)), "")
         far = f"Yours is {far}. " if prediction.how_far else ""
         return Feedback(False, f"{said} {far}{hint + ' ' if hint else ''}{prediction.why}")
     return Feedback(False, f"{said} {prediction.why}")
@@ -104,126 +100,77 @@ def _shown(number: float) -> str:
     return f"{number:,.0f}" if float(number).is_integer() or abs(number) >= 100 else f"{number:.3g}"
 
 
-# -- the measurements --------------------------------------------------------------------------------------------
-
-
-def _ring_sent(rank: int, world_size: int, elements: int) -> int:
-    """Bytes this rank sends in dtlib's ring all-reduce of ``elements`` float32 numbers, as c10d's ``send`` sees
-    them (``batch_isend_irecv`` posts one per ring step)."""
-    sent: list[int] = []
-
-    def see(namespace: str, name: str, args: tuple) -> None:
-        if namespace == "c10d" and name == "send":
-            sent.append(sum(tensor.nbytes for tensor in args[0]))
-
-    with watching(see):
-        ring_all_reduce(torch.ones(elements, device=rank_device()))
-    return sum(sent)
-
-
-def _ring_mib() -> float:
-    return max(spawn(_ring_sent, world_size=RING_RANKS, args=(RING_ELEMENTS,), output="none")) / 2**20
-
-
-def _ddp_calls() -> float:
-    first = ddp.run(ddp.TrainConfig(model="wide_mlp", steps=3), world_size=2, output="none")[0]
-    return first.comm_calls[-1]
-
-
-def _model_state_gib() -> float:
-    return simulate(LLAMA["7B"], dp=64, seq_len=4096).model_state() / 2**30  # dtlib's layout: kept for the checker
-
-
-def _fsdp_all_gathers() -> float:
-    return sum(op == "all_gather" for op, _ in stepping.observed())  # notebook 15's trace, on 2 live ranks
-
-
-def _hsdp_over_ddp() -> float:
-    ddp_row, hsdp_row = fsdp_compare.strategies(world_size=4, labels=("DDP", "FSDP2 HSDP (2 x 2 mesh)"))
-    return fsdp_compare.bytes_sent_per_rank(hsdp_row) / fsdp_compare.bytes_sent_per_rank(ddp_row)
-
-
-def _tp_mlp_calls(rank: int, world_size: int) -> int:
-    """All-reduces of one forward and backward of a Megatron MLP under torch's tensor parallelism, its input
-    needing a gradient as inside a model."""
-    device = rank_device()
-    mesh = init_device_mesh(device.type, (world_size,))
-    torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(device)
-    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x = torch.randn(4, 16).to(device).requires_grad_()
-    y, forward = count_collectives(mlp, x)
-    _, backward = count_collectives(lambda: y.sum().backward())
-    return forward.get("all_reduce", 0) + backward.get("all_reduce", 0)
-
-
-def _tp_all_reduces() -> float:
-    return spawn(_tp_mlp_calls, world_size=2, output="none")[0]
-
-
-def _moe_copies_sent() -> float:
-    """Copies of rank 0's tokens that a random router sends to other ranks' experts (its own generator: the
-    notebook's random state is left as it was)."""
-    generator = torch.Generator().manual_seed(0)
-    router = torch.randn(MOE_DIM, MOE_EXPERTS, generator=generator)
-    tokens = torch.randn(MOE_TOKENS, MOE_DIM, generator=generator)
-    chosen = (tokens @ router).topk(2, dim=-1).indices  # each token's 2 experts
-    return float((chosen // (MOE_EXPERTS // MOE_RANKS) != 0).sum())  # experts 2r and 2r + 1 live on rank r
-
-
-def _dtensor_calls(rank: int, world_size: int) -> int:
-    """Collectives of ``distribute_tensor`` with ``Shard(0)`` and then ``full_tensor()``, on this rank."""
-    device = rank_device()
-    mesh = init_device_mesh(device.type, (world_size,))
-    x, made = count_collectives(lambda: distribute_tensor(torch.arange(16.0).view(4, 4).to(device), mesh, [Shard(0)]))
-    _, gathered = count_collectives(x.full_tensor)
-    return sum(made.values()) + sum(gathered.values())
-
-
-def _dtensor_collectives() -> float:
-    return spawn(_dtensor_calls, world_size=2, output="none")[0]
-
-
-def _job_waste_percent() -> float:
-    """The share of a long simulated job's wall time that made no new work, in percent (failures drawn at random,
-    one fixed seed)."""
-    run = failures.simulate(work_s=JOB_HOURS * 3600, interval_s=3600, mtbf_s=4 * 3600, checkpoint_s=60, restart_s=300)
-    return 100 * (1 - JOB_HOURS * 3600 / run.wall_s)
-
-
-def _summed(rank: int, world_size: int) -> float:
-    total = torch.tensor([rank + 1.0], device=rank_device())
-    dist.all_reduce(total)
-    return total.item()
-
-
-def _sum_on_rank_2() -> float:
-    return spawn(_summed, world_size=4, output="none")[2]
-
-
-def _gathered_bytes(rank: int, world_size: int, elements: int) -> int:
-    device = rank_device()
-    gathered = torch.empty(world_size * elements, device=device)
-    compat.all_gather_single(gathered, torch.full((elements,), float(rank), device=device))
-    return gathered.nbytes
-
-
-def _gathered_kb() -> float:
-    return spawn(_gathered_bytes, world_size=4, args=(GATHERED,), output="none")[0] / 1000
-
-
-def _torchrun_rank() -> float:
-    records = torchrun.env_records(torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2,
-                                                           nproc_per_node=2, rendezvous="static"))
-    return next(int(r["RANK"]) for r in records if r["GROUP_RANK"] == "1" and r["LOCAL_RANK"] == "1")
-
-
 #: Every prediction a notebook asks, by name.
 PREDICTIONS: dict[str, Prediction] = {
+    "spawned processes": Prediction(
+        question=(f"dtlib.spawn(fn, world_size={SPAWNED}) runs fn once per rank, and each call returns os.getpid(), "
+                  "the ID of the process it runs in. How many different IDs are in the list spawn returns?"),
+        unit="IDs", measure=measured.spawned_processes, whole=True,
+        why=(f"Every rank is a process of its own, with its own Python, its own memory and its own copy of every "
+             f"variable: {SPAWNED} ranks, {SPAWNED} IDs. That is why ranks share nothing unless they send it, and why "
+             "a rank's print shows up tagged with its rank."),
+        hints=((1 / SPAWNED, "1 would be one process running every rank, threads say; each rank is a process."),
+               ((SPAWNED + 1) / SPAWNED, f"{SPAWNED + 1} counts the notebook's kernel too; it starts the ranks and "
+                                         "waits for them, but runs no rank itself.")),
+    ),
+    "sampler orders": Prediction(
+        question=(f"DistributedSampler(dataset of {SAMPLES}, num_replicas=2, rank=0, shuffle=True) is iterated "
+                  "once per epoch for 3 epochs, and sampler.set_epoch(epoch) is never called. How many different "
+                  "orders of indices does rank 0 get over the 3 epochs?"),
+        unit="", measure=measured.sampler_orders, whole=True, how_far=False,
+        why=("The sampler shuffles with a generator seeded by seed + epoch, and its epoch stays 0 until set_epoch "
+             "changes it: every epoch repeats epoch 0's order, on every rank. Nothing fails and the loss still "
+             "falls, a little worse than it should: only reading the order shows it."),
+        hints=((3.0, "3 is what set_epoch(epoch) gives; without it the sampler's seed never changes."),
+               (2.0, "2 would reshuffle once; the seed is seed + epoch, and the epoch never moves from 0.")),
+    ),
+    "micro-batches held": Prediction(
+        question=(f"torch's Schedule1F1B runs {PIPELINE_STAGES} stages on {PIPELINE_STAGES} ranks with "
+                  f"{PIPELINE_MICRO_BATCHES} micro-batches. At most how many micro-batches' activations does stage 0 "
+                  "hold at once (their forward run, their backward not yet)?"),
+        unit="micro-batches", measure=measured.micro_batches_held, whole=True,
+        why=(f"Stage 0 runs forwards until the first micro-batch's backward comes back from the last stage: "
+             f"{PIPELINE_STAGES} forwards, one per stage of the pipeline, then one forward per backward. Stage s "
+             f"holds at most p - s, whatever the number of micro-batches; GPipe would hold all "
+             f"{PIPELINE_MICRO_BATCHES}."),
+        hints=((PIPELINE_MICRO_BATCHES / PIPELINE_STAGES, "That is GPipe: every forward before any backward. 1F1B "
+                                                          "starts backwards as soon as the last stage can."),
+               (1 / PIPELINE_STAGES, "1 would start a backward right after each forward; the first backward must "
+                                     "wait until its micro-batch has gone through every stage."),
+               ((PIPELINE_STAGES - 1) / PIPELINE_STAGES, "p - 1 is the warm-up alone; stage 0 then runs one more "
+                                                         "forward before the first backward reaches it.")),
+    ),
+    "numbers on rank 0": Prediction(
+        question=("On a 2 x 2 mesh (dp, tp), nn.Sequential(nn.Linear(64, 256, bias=False), nn.LayerNorm(256, "
+                  "bias=False)) is split with parallelize_module(model, mesh['tp'], {'0': ColwiseParallel()}) (the "
+                  "norm is not in the plan), then fully_shard(model, mesh=mesh['dp']). How many numbers of the two "
+                  "weights does rank 0 hold?"),
+        unit="numbers", measure=measured.numbers_on_rank_0, whole=True,
+        why=("The Linear's 256 x 64 = 16,384 are cut twice, by tp and then by dp: 4,096. The norm's 256 are cut once: "
+             "tensor parallelism left them whole, and fully_shard shards them over dp only: 128. 4,224 in all."),
+        hints=((4160 / 4224, "4,160 cuts the norm four ways too; tp left it whole, so only dp shards it."),
+               (4352 / 4224, "4,352 leaves the norm whole; fully_shard shards every parameter of the model, the "
+                             "norm's over dp."),
+               (8320 / 4224, "8,320 cuts once; fully_shard shards tensor parallelism's slice again, along dp."),
+               (16640 / 4224, "That is the whole model; each rank holds a quarter of the Linear and half the norm.")),
+    ),
+    "ring attention bytes": Prediction(
+        question=(f"Ring attention on {RING_RANKS} ranks: a sequence of {KV_SEQUENCE:,} tokens, {KV_HEADS} heads of "
+                  f"{KV_HEAD_DIM} dimensions, K and V in bf16, each rank holding 1/{RING_RANKS} of them. How many MiB "
+                  "of K and V does each rank send in one forward?"),
+        unit="MiB", measure=measured.kv_mib_sent,
+        why=(f"A rank's K/V block is 2 x {KV_SEQUENCE // RING_RANKS:,} tokens x {KV_HEADS} x {KV_HEAD_DIM} x 2 "
+             f"bytes = 4 MiB, and it is sent on at each step but the last: {RING_RANKS - 1} x 4 = 12 MiB, "
+             "(p - 1)/p of the whole sequence's K and V, what a ring all-gather of them sends."),
+        hints=((4 / 3, "16 MiB sends at every step; after the last step no rank needs another block."),
+               (0.5, "6 MiB counts K or V alone; both go round, together."),
+               (1 / 3, "4 MiB is one block; it is passed on once per step, 3 times."),
+               (2.0, "24 MiB counts 4-byte numbers; bf16 takes 2 bytes.")),
+    ),
     "all-reduced value": Prediction(
         question=("4 ranks each hold total = torch.tensor([rank + 1.0]) and call dist.all_reduce(total), with no "
                   "other argument. What does total hold on rank 2 afterwards?"),
-        unit="", measure=_sum_on_rank_2, how_far=False,
+        unit="", measure=measured.sum_on_rank_2, how_far=False,
         why=("all_reduce sums by default (op=ReduceOp.SUM) and leaves the result on every rank, in place: "
              "1 + 2 + 3 + 4 = 10 on rank 2, and on every other rank."),
         hints=((0.3, "3 is rank 2's own value; all_reduce combines every rank's."),
@@ -233,7 +180,7 @@ PREDICTIONS: dict[str, Prediction] = {
     "gathered bytes": Prediction(
         question=(f"4 ranks each hold {GATHERED:,} float32 numbers and call dist.all_gather_single. How many kB "
                   "(1,000 bytes) does each rank's output tensor hold?"),
-        unit="kB", measure=_gathered_kb,
+        unit="kB", measure=measured.gathered_kb,
         why=(f"Every rank ends with every rank's {GATHERED:,} numbers, its own included, side by side: 4 x "
              f"{GATHERED:,} x 4 bytes = 16 kB on each rank. The output grows with the ranks; the input does not."),
         hints=((0.25, "4 kB is one rank's input; the output holds all four."),
@@ -243,7 +190,7 @@ PREDICTIONS: dict[str, Prediction] = {
     "torchrun rank": Prediction(
         question=("torchrun starts 2 nodes of 2 processes (--nnodes=2 --nproc_per_node=2, node ranks 0 and 1). What "
                   "RANK does the process with LOCAL_RANK 1 on node 1 get?"),
-        unit="", measure=_torchrun_rank, whole=True, how_far=False,
+        unit="", measure=measured.torchrun_rank, whole=True, how_far=False,
         why=("RANK counts every process of the job, node after node: node_rank x nproc_per_node + LOCAL_RANK = "
              "1 x 2 + 1 = 3. LOCAL_RANK counts on one machine only, and picks the GPU there."),
         hints=((1 / 3, "1 is its LOCAL_RANK, its number on its own machine; RANK numbers the whole job."),
@@ -253,7 +200,7 @@ PREDICTIONS: dict[str, Prediction] = {
     "ring bytes": Prediction(
         question=(f"{RING_RANKS} ranks each hold 1 MiB of float32 and all-reduce it with the ring (a reduce-scatter, "
                   "then an all-gather). How many MiB does each rank send in all?"),
-        unit="MiB", measure=_ring_mib,
+        unit="MiB", measure=measured.ring_mib,
         why=("In each phase a rank sends N-1 chunks of 1/N of the tensor: 2(N-1)/N x 1 MiB = 1.5 MiB with 4 ranks. "
              "It grows towards twice the tensor as N grows, never past it, which is why the ring scales."),
         hints=((2.0, "3 MiB is the whole tensor to each of the 3 others: the naive all-reduce, not the ring."),
@@ -264,7 +211,7 @@ PREDICTIONS: dict[str, Prediction] = {
     "ddp all-reduces": Prediction(
         question=("DDP trains notebook 04's wide_mlp (3.04 MiB of float32 gradients) on 2 ranks with the default "
                   "bucket_cap_mb=25. How many all-reduces does one step make, once the first step is over?"),
-        unit="all-reduces", measure=_ddp_calls, whole=True,
+        unit="all-reduces", measure=measured.ddp_calls, whole=True,
         why=("After step 0 DDP rebuilds its buckets in the order the gradients arrived, and closes the first one "
              "after about 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) so that communication starts early in backward: "
              "3.04 MiB go in 2 all-reduces, though all would fit under the 25 MB cap."),
@@ -275,7 +222,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=("Three Linear layers, each its own fully_shard unit with reshard_after_forward=True, then the root, "
                   "which holds no parameter of its own, train on 2 ranks. How many all-gathers does one forward and "
                   "backward make?"),
-        unit="all-gathers", measure=_fsdp_all_gathers, whole=True,
+        unit="all-gathers", measure=measured.fsdp_all_gathers, whole=True,
         why=("Each unit gathers its weights just before its forward and frees them after; backward needs them "
              "again, so each unit gathers them a second time: 2 x 3 = 6. The last unit too, though its backward "
              "comes right after its forward. reshard_after_forward=False would keep them and save the second three."),
@@ -290,7 +237,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=("4 ranks train the same model with DDP and with HSDP on a 2 x 2 mesh (each parameter sharded over a "
                   "pair of ranks, the two pairs holding copies). How many times DDP's bytes does one HSDP rank send "
                   "per step, every collective a ring?"),
-        unit="times DDP's bytes", measure=_hsdp_over_ddp,
+        unit="times DDP's bytes", measure=measured.hsdp_over_ddp,
         why=("DDP all-reduces the gradients S over 4 ranks: 2 x 3/4 x S = 1.5 S. HSDP all-gathers the weights twice "
              "and reduce-scatters the gradients once within its pair (1/2 x S each: 1.5 S), then all-reduces its "
              "half of the gradients with the other pair (2 x 1/2 x S/2 = 0.5 S): 2 S, which is 4/3 of DDP's."),
@@ -304,7 +251,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=("An MLP, its first Linear ColwiseParallel and its second RowwiseParallel (Megatron's split), runs "
                   "on 2 ranks; its input needs a gradient, as inside a model. How many all-reduces do one forward "
                   "and its backward make?"),
-        unit="all-reduces", measure=_tp_all_reduces, whole=True,
+        unit="all-reduces", measure=measured.tp_all_reduces, whole=True,
         why=("Forward: the column-parallel layer leaves each rank whole, different hidden features, which the "
              "row-parallel layer turns into summands of the output: one all-reduce adds them. Backward mirrors it: "
              "the gradient of the output arrives whole on every rank, and the gradient of the input is a sum of "
@@ -317,7 +264,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=(f"Rank 0 of {MOE_RANKS} holds {MOE_TOKENS:,} tokens; a router sends each to its top 2 of "
                   f"{MOE_EXPERTS} experts, 2 experts per rank (rank r holds 2r and 2r + 1). How many copies of "
                   "rank 0's tokens leave it for other ranks in the dispatch?"),
-        unit="copies", measure=_moe_copies_sent, rtol=0.05,
+        unit="copies", measure=measured.moe_copies_sent, rtol=0.05,
         why=(f"Each token is copied once per chosen expert, {MOE_TOKENS:,} x 2 assignments, and 3 of the 4 ranks "
              f"are elsewhere: about {MOE_TOKENS * 2 * 3 // 4:,} copies leave, as many as a fair router spreads "
              "evenly. A router that favours some experts moves the count, and the busiest rank sets the step's "
@@ -329,7 +276,7 @@ PREDICTIONS: dict[str, Prediction] = {
     "dtensor collectives": Prediction(
         question=("On 2 ranks, x = distribute_tensor(t, mesh, [Shard(0)]) for a 4 x 4 tensor t, then "
                   "x.full_tensor(). How many collectives does each rank call in all?"),
-        unit="collectives", measure=_dtensor_collectives, whole=True,
+        unit="collectives", measure=measured.dtensor_collectives, whole=True,
         why=("distribute_tensor scatters t from rank 0, each rank receiving its rows (1 scatter); full_tensor "
              "brings every rank's rows to every rank (1 all-gather). Neither shows in your code: the stepper finds "
              "them for you."),
@@ -341,7 +288,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=("A long job checkpoints after every hour of work (a checkpoint takes 1 minute), restarts in 5 "
                   "minutes, and fails every 4 hours on average, at random. What percentage of its wall time makes "
                   "no new work?"),
-        unit="%", measure=_job_waste_percent, rtol=0.1,
+        unit="%", measure=measured.job_waste_percent, rtol=0.1,
         why=("Three costs: the checkpoints (1 minute per hour of work, about 1.7%), the restarts (5 minutes per 4 "
              "hours, about 2%), and the work lost, on average half an interval per failure (30 minutes per 4 "
              "hours, about 12%): about 15% in all. The simulation drew 2,000 hours of work and about 500 failures; "
@@ -354,7 +301,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=("Llama 2 7B (6.74 billion parameters) trains on 64 ranks with FSDP, in bf16 with fp32 weights and "
                   "AdamW. How many GiB of model state (weights, gradients, optimizer) does rank 0 hold at the step's "
                   "peak memory?"),
-        unit="GiB", measure=_model_state_gib,
+        unit="GiB", measure=measured.model_state_gib,
         why=("At the peak rank 0 holds its shard of the fp32 weights and of Adam's two moments, 12 bytes per "
              "parameter divided by the 64 ranks: 12 x 6.74e9 / 64 bytes = 1.18 GiB. The gradients' 4 bytes come later "
              "in backward, as the activations are freed, so the peak does not hold them."),

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from dtlib.checks import predictions
+from dtlib.checks import measured, predictions
 from dtlib.checks.predictions import PREDICTIONS, Prediction, judge
 
 FIXED = Prediction(question="How many?", unit="MiB", measure=lambda: 1.5, why="Because.",
@@ -74,7 +74,7 @@ def test_every_prediction_has_a_question_a_unit_a_reason_and_hints_for_factors_o
 def test_the_rings_bytes_measured_on_real_ranks_are_the_simulators():
     from dtlib.ring import simulate_all_reduce
 
-    simulated = simulate_all_reduce([[0.0] * predictions.RING_ELEMENTS] * predictions.RING_RANKS,
+    simulated = simulate_all_reduce([[0.0] * measured.RING_ELEMENTS] * measured.RING_RANKS,
                                     keep_buffers=False).bytes_sent
     assert PREDICTIONS["ring bytes"].measure() == pytest.approx(max(simulated) / 2**20) == 1.5
 
@@ -141,7 +141,7 @@ def test_moe_copies_are_three_quarters_of_the_assignments_and_leave_the_kernels_
     before = torch.random.get_rng_state()
     copies = PREDICTIONS["moe copies"].measure()
     assert torch.equal(torch.random.get_rng_state(), before)
-    assert copies == pytest.approx(predictions.MOE_TOKENS * 2 * 3 / 4, rel=0.05)  # 3 of 4 ranks hold 3/4 of experts
+    assert copies == pytest.approx(measured.MOE_TOKENS * 2 * 3 / 4, rel=0.05)  # 3 of 4 ranks hold 3/4 of experts
 
 
 def test_the_simulated_jobs_waste_is_within_a_point_of_the_exact_expectation():
@@ -166,7 +166,7 @@ def test_rank_2_holds_the_sum_of_every_ranks_value_after_a_plain_all_reduce():
 
 @pytest.mark.timeout(180)
 def test_an_all_gathers_output_holds_every_ranks_input():
-    assert PREDICTIONS["gathered bytes"].measure() == 4 * predictions.GATHERED * 4 / 1000  # ranks x numbers x bytes
+    assert PREDICTIONS["gathered bytes"].measure() == 4 * measured.GATHERED * 4 / 1000  # ranks x numbers x bytes
 
 
 def test_the_torchrun_rank_is_read_from_the_env_records_of_node_1s_second_process(monkeypatch):
@@ -179,6 +179,46 @@ def test_the_torchrun_rank_is_read_from_the_env_records_of_node_1s_second_proces
     assert PREDICTIONS["torchrun rank"].measure() == 3
     said = judge(PREDICTIONS["torchrun rank"], "1", 3).message
     assert said.startswith("You predicted 1; this machine measured 3. 1 is")  # a rank is a name: no "% below"
+
+
+@pytest.mark.timeout(180)
+def test_each_rank_of_a_spawned_job_is_a_process_of_its_own():
+    assert PREDICTIONS["spawned processes"].measure() == measured.SPAWNED == 3
+    assert "counts the notebook's kernel" in judge(PREDICTIONS["spawned processes"], "4", 3).message
+
+
+def test_a_sampler_never_told_the_epoch_repeats_its_order_and_one_told_it_does_not():
+    from torch.utils.data import DistributedSampler
+
+    told = DistributedSampler(range(measured.SAMPLES), num_replicas=2, rank=0, shuffle=True)
+    orders = set()
+    for epoch in range(3):
+        told.set_epoch(epoch)
+        orders.add(tuple(told))
+    assert len(orders) == 3 and PREDICTIONS["sampler orders"].measure() == 1
+
+
+@pytest.mark.timeout(180)
+def test_1f1b_holds_as_many_micro_batches_on_stage_0_as_there_are_stages():
+    # The oracle: PipeDream-Flush (Narayanan et al., 2021): stage s of p holds at most p - s micro-batches.
+    assert PREDICTIONS["micro-batches held"].measure() == measured.PIPELINE_STAGES < measured.PIPELINE_MICRO_BATCHES
+
+
+@pytest.mark.timeout(180)
+def test_a_column_parallel_weight_is_cut_by_both_dimensions_and_a_norm_by_dp_only():
+    assert PREDICTIONS["numbers on rank 0"].measure() == 256 * 64 // 4 + 256 // 2
+
+
+@pytest.mark.timeout(180)
+def test_ring_attention_sends_each_ranks_kv_block_once_per_step_but_the_last():
+    block = 2 * measured.KV_SEQUENCE // measured.RING_RANKS * measured.KV_HEADS * measured.KV_HEAD_DIM * 2  # bf16
+    assert PREDICTIONS["ring attention bytes"].measure() == (measured.RING_RANKS - 1) * block / 2**20 == 12
+
+
+def test_a_counts_hint_is_shown_for_its_own_number_only():
+    numbers = PREDICTIONS["numbers on rank 0"]
+    assert "cuts the norm four ways" in judge(numbers, "4160", 4224).message
+    assert "Yours is 1% below the measurement. The Linear" in judge(numbers, "4200", 4224).message  # no hint
 
 
 def test_numbers_are_shown_as_a_person_reads_them():
