@@ -19,6 +19,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -352,6 +353,7 @@ class NotebookRuns:
         self._screenshots = screenshots
         self.hang_guard_x_budget = hang_guard_x_budget  # Run All may take this many times its budget, then: a hang
         self._runs: dict[str, NotebookRun] = {}
+        self._ending: list[threading.Thread] = []  # kernels being shut down while the next notebook starts
 
     def get(self, notebook: str) -> NotebookRun:
         """The run of ``notebook`` (a file name in notebooks/), running it first if needed."""
@@ -379,7 +381,10 @@ class NotebookRuns:
         finally:
             if not keep:
                 page.close()
-                self._lab.shutdown_kernels(notebook)
+                # The server waits seconds for a kernel to end: the next notebook need not (close() waits for all)
+                ending = threading.Thread(target=self._lab.shutdown_kernels, args=(notebook,), daemon=True)
+                ending.start()
+                self._ending.append(ending)
 
     @staticmethod
     def _verdict(view: NotebookPage, cell_index: int) -> str:
@@ -390,7 +395,10 @@ class NotebookRuns:
             return f"the page failed: {type(error).__name__}: {error}"[:500]
 
     def close(self) -> None:
-        """Close every page still open; the server stops with its kernels anyway."""
+        """Close every page still open, and wait for the kernels being shut down (the server stops with its kernels
+        anyway)."""
         for run in self._runs.values():
             if run.view is not None:
                 run.view.page.close()
+        for ending in self._ending:
+            ending.join(timeout=60)
