@@ -135,18 +135,22 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
         reader.start()
     ended: list[float | None] = [None] * len(processes)
     why = ""
-    while not why:
-        now = time.monotonic()
-        ended = [took if took is not None or process.poll() is None else now - started
-                 for took, process in zip(ended, processes, strict=True)]
-        if all(took is not None for took in ended):
-            break
-        if now - started >= timeout:
-            why = f"stopped after {timeout:.0f} s"
-        elif silence is not None and last_line and now - last_line[0] >= silence:
-            why = f"stopped after {now - started:.0f} s, {silence:.0f} s without a line of output"
-        else:
-            time.sleep(0.05)
+    try:
+        while not why:
+            now = time.monotonic()
+            ended = [took if took is not None or process.poll() is None else now - started
+                     for took, process in zip(ended, processes, strict=True)]
+            if all(took is not None for took in ended):
+                break
+            if now - started >= timeout:
+                why = f"stopped after {timeout:.0f} s"
+            elif silence is not None and last_line and now - last_line[0] >= silence:
+                why = f"stopped after {now - started:.0f} s, {silence:.0f} s without a line of output"
+            else:
+                time.sleep(0.05)
+    except BaseException:  # an interrupt (the notebook's stop button): the job ends with the cell, not after it
+        _stop(processes)
+        raise
     stopped = [took is None for took in ended]
     if why:
         _stop(processes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import cloudpickle
 import pytest
@@ -161,6 +162,29 @@ def test_silence_waits_for_a_first_line_and_a_job_that_finishes_keeps_all_its_ou
                                     timeout=50, silence=2)
     assert finished.returncode == 0 and "stopped after" not in finished.output
     assert [int(line.split(":")[-1]) for line in finished.output.splitlines() if "]:" in line] == list(range(1, 3001))
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_waiting_stops_the_job(monkeypatch):
+    import psutil
+
+    real_sleep, calls = time.sleep, []
+
+    def interrupt_the_first(seconds):  # the wait's first pause: as the notebook's stop button, mid-wait
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", interrupt_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        torchrun.single_node(["--no-python", "sleep", "61.25"], nproc_per_node=1, timeout=50)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 20
+    while (left := [p for p in psutil.process_iter(["cmdline"]) if "61.25" in (p.info["cmdline"] or [])]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"the job outlived the interrupt: {left}"
 
 
 @pytest.mark.parametrize("silence", [0, -1, "20", True])
