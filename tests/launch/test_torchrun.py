@@ -153,7 +153,7 @@ def test_a_job_that_prints_and_then_nothing_is_stopped_after_its_silence():
     finished = torchrun.single_node(["--no-python", "sh", "-c", "echo started; sleep 60"], nproc_per_node=1,
                                     timeout=50, silence=3)
     assert finished.returncode != 0 and "started" in finished.output
-    assert "3 s without a line of output" in finished.output and finished.seconds < 40
+    assert "3 s without a line of output" in finished.output and "stopped after 50 s" not in finished.output
 
 
 @pytest.mark.timeout(60)
