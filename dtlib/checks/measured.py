@@ -8,6 +8,7 @@ any learner. Example: ``ring_mib()`` is 1.5 on any machine (4 ranks, 1 MiB each:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,9 @@ KV_SEQUENCE, KV_HEADS, KV_HEAD_DIM = 4096, 8, 128  # notebook 12's ring attentio
 
 
 
-def _ring_sent(rank: int, world_size: int, elements: int) -> int:
-    """Bytes this rank sends in dtlib's ring all-reduce of ``elements`` float32 numbers, as c10d's ``send`` sees
-    them (``batch_isend_irecv`` posts one per ring step)."""
+def _sent_bytes(run: Callable[[], object]) -> int:
+    """Bytes this rank sends while ``run()`` runs, as c10d's ``send`` sees them (``batch_isend_irecv`` posts one
+    per peer and step)."""
     sent: list[int] = []
 
     def see(namespace: str, name: str, args: tuple) -> None:
@@ -53,8 +54,13 @@ def _ring_sent(rank: int, world_size: int, elements: int) -> int:
             sent.append(sum(tensor.nbytes for tensor in args[0]))
 
     with watching(see):
-        ring_all_reduce(torch.ones(elements, device=rank_device()))
+        run()
     return sum(sent)
+
+
+def _ring_sent(rank: int, world_size: int, elements: int) -> int:
+    """Bytes this rank sends in dtlib's ring all-reduce of ``elements`` float32 numbers."""
+    return _sent_bytes(lambda: ring_all_reduce(torch.ones(elements, device=rank_device())))
 
 
 def ring_mib() -> float:
@@ -213,21 +219,19 @@ def _kv_bytes_sent(rank: int, world_size: int) -> int:
     """Bytes this rank sends while ring attention's K/V blocks go round (section 2 of notebook 12: one block
     posted onward at every step but the last), as c10d's ``send`` sees them."""
     tokens, heads, head_dim = KV_SEQUENCE // world_size, KV_HEADS, KV_HEAD_DIM
-    kv = torch.zeros(2, heads, tokens, head_dim, dtype=torch.bfloat16, device=rank_device())  # K and V together
-    incoming, sent = torch.empty_like(kv), []
+    blocks = [torch.zeros(2, heads, tokens, head_dim, dtype=torch.bfloat16, device=rank_device())]  # K and V
+    blocks.append(torch.empty_like(blocks[0]))  # the block arriving
 
-    def see(namespace: str, name: str, args: tuple) -> None:
-        if namespace == "c10d" and name == "send":
-            sent.append(sum(tensor.nbytes for tensor in args[0]))
-
-    with watching(see):
+    def go_round() -> None:
         for _ in range(world_size - 1):
+            kv, incoming = blocks
             ops = [dist.P2POp(dist.isend, kv, (rank + 1) % world_size),
                    dist.P2POp(dist.irecv, incoming, (rank - 1) % world_size)]
             for transfer in dist.batch_isend_irecv(ops):
                 transfer.wait()
-            kv, incoming = incoming, kv
-    return sum(sent)
+            blocks.reverse()  # the block received is the one passed on next
+
+    return _sent_bytes(go_round)
 
 
 def kv_mib_sent() -> float:
