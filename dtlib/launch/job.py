@@ -41,6 +41,9 @@ ERROR_GRACE_S = 1.0  # after the first failure, how long other ranks may still r
 MAX_SELECT_S = 1.0  # wake at least this often (a far deadline would overflow epoll's timeout)
 HAND_OVER_POLL_S = 0.005  # how often stop() looks for ranks that have stopped themselves
 REAP_S = 10.0  # how long to wait for SIGKILLed ranks to be reaped before leaving them
+#: How long the ranks may take to start (fork, unpickle the call, join the process group) before a job's timeout
+#: starts counting: the timeout is the function's, so that a busy machine's slow start is never taken for a hang.
+STARTUP_S = 60.0
 
 # Every descriptor a running job holds in this process. A rank started with ``fork`` copies
 # them all; it must close the other jobs' ones, or it keeps their pipes (and ports) open.
@@ -59,6 +62,7 @@ class RankState:
     stderr: Connection
     stacks: Connection
     outcome: tuple[str, Any] | None = None  # ("ok", value) or ("error", RankFailure)
+    ready: bool = False  # it joined the process group (if any) and is about to call the function
     exited: bool = False
     server: int | None = None  # the pid of the forkserver that forked it
     channels: list[Connection] = field(default_factory=list)  # this end of the rank's two-way channels
@@ -179,12 +183,16 @@ class Job:
             self._close(alive_r)
 
     # -- the event loop ---------------------------------------------------------
-    def _take_result(self, state: RankState) -> None:
+    def _take_result(self, state: RankState) -> bool:
+        """Read one message of the rank's: "ready" (it is about to call the function), then its result. False
+        at the end of the pipe."""
         try:
             status, body = pickle.loads(state.result.recv_bytes())
         except (EOFError, OSError):
-            return
-        if status == "ok":
+            return False
+        if status == "ready":
+            state.ready = True
+        elif status == "ok":
             try:
                 state.outcome = ("ok", pickle.loads(body))
             except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
@@ -193,6 +201,7 @@ class Job:
         else:
             failure = RankFailure(state.rank, body["type"], body["message"], body["traceback"])
             state.outcome = ("error", failure)
+        return True
 
     def _read(self, state: RankState, stream: str, fd: int) -> bool:
         """Relay one read from a rank's stdout or stderr; False at the end of the pipe."""
@@ -220,13 +229,13 @@ class Job:
         elif kind in ("out", "err"):
             self._read(state, kind, fd)
         elif kind == "result":
-            self.selector.unregister(fd)
-            self._take_result(state)
+            if not self._take_result(state) or state.outcome is not None:
+                self.selector.unregister(fd)
         else:  # the process exited
             self.selector.unregister(fd)
             state.exited = True
-            if state.outcome is None and state.result.poll():
-                self._take_result(state)
+            while state.outcome is None and state.result.poll() and self._take_result(state):
+                pass
             if state.outcome is None:
                 state.outcome = ("error", self._death(state))
 
@@ -257,10 +266,15 @@ class Job:
         self.relay.flush_if_due()
 
     def wait(self, timeout: float | None) -> str:
-        """Run until every rank has reported ('ok'), one failed ('error') or time ran out ('timeout')."""
-        stop_at = float("inf") if timeout is None else time.monotonic() + timeout
+        """Run until every rank has reported ('ok'), one failed ('error') or time ran out ('timeout'): ``timeout``
+        seconds from the moment every rank was ready to call the function, which the ranks may take up to
+        :data:`STARTUP_S` to reach."""
+        stop_at = float("inf") if timeout is None else time.monotonic() + STARTUP_S + timeout
+        counting = timeout is None
         while not all(state.outcome is not None for state in self.ranks):
             now = time.monotonic()
+            if not counting and all(state.ready or state.outcome is not None for state in self.ranks):
+                counting, stop_at = True, min(stop_at, now + timeout)
             if now >= stop_at:
                 break
             self._select(stop_at - now)

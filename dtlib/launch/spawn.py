@@ -241,8 +241,11 @@ def spawn(
             ``nccl`` or ``mpi``.
         start_method: ``auto`` (``forkserver`` where available, else ``spawn``),
             ``spawn``, ``forkserver`` or ``fork``.
-        timeout: seconds before every rank is stopped and :class:`WorkerTimeout`
-            is raised with each running rank's stack; ``None`` (or ``inf``) waits for ever.
+        timeout: seconds ``fn`` may run, counted from the moment every rank is ready to call it
+            (started, and in the process group): then every rank is stopped and :class:`WorkerTimeout`
+            is raised with each running rank's stack. Starting may take up to
+            ``dtlib.launch.job.STARTUP_S`` (60 s) more, so a busy machine's slow start is not taken for a
+            hang. ``None`` (or ``inf``) waits for ever.
         init_process_group: initialise the default process group before ``fn``
             and destroy it after (unless ``fn`` did); ``False`` leaves both to ``fn``
             (``init_method="env://"``, the default, finds the TCP store).

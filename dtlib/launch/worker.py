@@ -305,6 +305,7 @@ def main(payload: bytes, config: WorkerConfig, pipes: WorkerPipes) -> None:
         if config.backend is not None:
             _init_process_group(config.backend, config)
             initialised = True
+        pipes.result.send_bytes(cloudpickle.dumps(("ready", None)))  # the job's timeout counts from here
         value = fn(config.rank, config.world_size, *args, **kwargs)
         try:
             message = ("ok", dumps_result(value))
