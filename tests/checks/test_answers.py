@@ -227,31 +227,3 @@ def test_any_text_gets_a_verdict_never_an_exception(pieces, separator):
     verdict = checks.torchrun_command(separator.join(pieces), **JOB)
     assert isinstance(verdict.ok, bool) and verdict.message
     assert not {"PET_NODE_RANK", "PET_NNODES"} & set(os.environ)  # the line's variables never leak out
-
-
-#: Llama-2-70B, tp=8 per stage, sequence 8192, checkpointing, 4 micro-batches, 79 GiB: pp=2 peaks at about
-#: 81 GiB, pp=4 at about 49 (dtlib.sim.simulate). (answer, ok, what the message must say)
-SMALLEST_PIPELINE = [
-    (4, True, ["Right: with pp=4 (32 GPUs)", "pp=2 would peak at"]),
-    ("4", True, ["Right: with pp=4"]),  # typed as text: the same number (dtlib.checks.typed)
-    (4.0, True, ["Right"]),
-    (2, False, ["With pp=2, rank 0 peaks at", "over the 79 GiB", "but hardly its activations"]),
-    (1, False, ["With pp=1, rank 0 peaks at"]),
-    (8, False, ["pp=8 fits", "but pp=5 fits too"]),
-    (5, False, ["pp=5 fits", "but pp=4 fits too"]),
-    (3, False, ["cannot split the 80 layers into equal stages"]),
-    (0, False, ["cannot split the 80 layers"]),
-    (-4, False, ["cannot split the 80 layers"]),
-    (2.5, False, ["whole number of pipeline stages"]),
-    (None, False, ["No answer yet"]),
-    ("four", False, ["Answer with a whole number of pipeline stages, not the text 'four'"]),
-]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("answer", "ok", "fragments"), SMALLEST_PIPELINE)
-def test_smallest_pipeline(answer, ok, fragments):
-    feedback = checks.smallest_pipeline(answer)
-    assert feedback.ok is ok, feedback.message
-    for fragment in fragments:
-        assert fragment in feedback.message, feedback.message
