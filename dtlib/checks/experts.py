@@ -11,10 +11,10 @@ Right: on every rank, the output, the gradient of ``x``, this rank's share of th
 gradients of this rank's experts equal one process applying the whole layer to every rank's tokens; the
 tokens travelled by all-to-all only, each assignment out once and each output home once.
 
-Each check draws a new seed for the weights and tokens, so no answer can rebuild another rank's experts or
-tokens for itself, and rank 0's tokens never choose experts 1, 4, 5 or 7: with 3 ranks it sends nothing to
-rank 1 (experts 1, 4, 7), with 4 ranks nothing to rank 1 (1, 5), an empty split that a plan assuming every
-pair of ranks exchanges tokens gets wrong.
+Each check draws a new seed for the weights and tokens, and with it ``top_k`` (2 or 3, :func:`top_k_of`), so no
+answer can rebuild another rank's experts or tokens for itself or hard-code top-2, and rank 0's tokens never
+choose experts 1, 4, 5 or 7: with 3 ranks it sends nothing to rank 1 (experts 1, 4, 7), with 4 ranks nothing to
+rank 1 (1, 5), an empty split that a plan assuming every pair of ranks exchanges tokens gets wrong.
 
 Example: ``expert_parallel_moe(fn)``.
 """
@@ -43,6 +43,12 @@ QUIET = (1, 4, 5, 7)  # experts rank 0's tokens never choose (an empty split at 
 _SEED = 13  # moe_inputs' default; each check draws its own
 
 
+def top_k_of(seed: int) -> int:
+    """How many experts each token goes to in the check drawn from ``seed``: 2 or 3, drawn with the weights, so
+    that no answer can hard-code it (the lesson's own inputs, :func:`moe_inputs`' default seed, keep top-2)."""
+    return TOP_K if seed == _SEED else random.Random(seed).choice((2, 3))
+
+
 def owner(expert: int, world_size: int) -> int:
     """The rank that holds ``expert`` in this exercise's round-robin layout: ``expert % world_size``."""
     return expert % world_size
@@ -60,7 +66,7 @@ def _build(world_size: int, device: torch.device | str, seed: int) -> tuple[torc
         fits = torch.empty(0, DIM)
         while len(fits) < TOKENS:  # about one random token in five avoids the quiet experts
             pool = torch.randn(16 * TOKENS, DIM, generator=generator)
-            avoids = ~torch.isin(router(pool).topk(TOP_K, dim=-1).indices, quiet).any(-1)
+            avoids = ~torch.isin(router(pool).topk(top_k_of(seed), dim=-1).indices, quiet).any(-1)
             fits = torch.cat([fits, pool[avoids]])
     tokens[:TOKENS] = fits[:TOKENS]
     torch.seed()  # a fresh random seed: torch.initial_seed() must not hand the check's seed to an answer
@@ -113,26 +119,28 @@ def _traffic_bound(chosen: torch.Tensor, size: int) -> list[int]:
     return (out + back).tolist()
 
 
-def _expected(size: int, seed: int, **variant: bool) -> list[dict[str, Any]]:
+def _expected(size: int, seed: int, **variant: Any) -> list[dict[str, Any]]:
     """Per rank, what one process gives: the output and the gradients (a variant: a known wrong layer). A copy
     of the kept one: no caller's edit in place reaches the next check's oracle."""
     return copy.deepcopy(_expected_kept(size, seed, **variant))
 
 
 @functools.lru_cache(maxsize=32)
-def _expected_kept(size: int, seed: int, **variant: bool) -> list[dict[str, Any]]:
-    """What :func:`_expected` copies, kept per (size, seed, variant)."""
+def _expected_kept(size: int, seed: int, top_k: int | None = None, **variant: bool) -> list[dict[str, Any]]:
+    """What :func:`_expected` copies, kept per (size, seed, variant); ``top_k`` other than the check's is a
+    variant too."""
     tokens, router, experts = _build(size, "cpu", seed)
     probe = _probe(size, seed)
     everyone = tokens.clone().requires_grad_(True)
-    (_layer(everyone, router, dict(enumerate(experts)), **variant) * probe).sum().backward()
+    top_k = top_k_of(seed) if top_k is None else top_k
+    (_layer(everyone, router, dict(enumerate(experts)), top_k, **variant) * probe).sum().backward()
     expert_grads = {e: _grads(expert) for e, expert in enumerate(experts)}
-    bound = _traffic_bound(router(tokens).topk(TOP_K, dim=-1).indices, size)
+    bound = _traffic_bound(router(tokens).topk(top_k, dim=-1).indices, size)
     out = []
     for rank in range(size):
         router.zero_grad()
         x = tokens.chunk(size)[rank].clone().requires_grad_(True)
-        y = _layer(x, router, dict(enumerate(experts)), **variant)
+        y = _layer(x, router, dict(enumerate(experts)), top_k, **variant)
         (y * probe.chunk(size)[rank]).sum().backward()
         out.append({"y": y.detach().double(), "x_grad": x.grad.double(), "router_grad": _grads(router)[0],
                     "expert_grads": {e: g for e, g in expert_grads.items() if owner(e, size) == rank},
@@ -172,7 +180,7 @@ def _run(fn: Callable[..., Any], seed: int, rank: int, world_size: int) -> dict[
             sent[0] += _rows_to_others(name, args, rank, world_size)
 
     with watching(see):
-        y = fn(x, router, experts, TOP_K, dist.group.WORLD)
+        y = fn(x, router, experts, top_k_of(seed), dist.group.WORLD)
     report: dict[str, Any] = {"rank": rank, "kind": type(y).__name__, "y": None, "rows_sent": sent[0]}
     if not isinstance(y, torch.Tensor):
         return report
@@ -231,18 +239,18 @@ def _misplaced(size: int, seed: int, how: str) -> list[torch.Tensor]:
 def _misplaced_kept(size: int, seed: int, how: str) -> list[torch.Tensor]:
     """What :func:`_misplaced` copies, kept per (size, seed, how)."""
     tokens, router, experts = _build(size, "cpu", seed)
-    out = []
+    top_k, out = top_k_of(seed), []
     with torch.no_grad():
         for rank in range(size):
             x = tokens.chunk(size)[rank]
-            gates, chosen = router(x).softmax(-1).topk(TOP_K, dim=-1)
+            gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
             gates = gates / gates.sum(-1, keepdim=True)
             flat = chosen.flatten()
             order = ((flat % size) * EXPERTS + flat).argsort(stable=True)
-            outputs = torch.stack([experts[int(e)](x[a // TOP_K]) for a, e in enumerate(flat)])
+            outputs = torch.stack([experts[int(e)](x[a // top_k]) for a, e in enumerate(flat)])
             arrived = outputs[order]  # what comes home, in the order it was sent
             y_flat = arrived if how == "kept sorted" else arrived[order]
-            out.append((gates.unsqueeze(-1) * y_flat.view(len(x), TOP_K, -1)).sum(1).double())
+            out.append((gates.unsqueeze(-1) * y_flat.view(len(x), top_k, -1)).sum(1).double())
     return out
 
 
@@ -252,6 +260,13 @@ def _misplaced_as(how: str) -> Callable[[Answer], bool]:
 
 def _like(**variant: bool) -> Callable[[Answer], bool]:
     return lambda a: _close(a.value["y"], _expected(a.size, a.expected[0]["seed"], **variant)[a.rank]["y"])
+
+
+def _other_top_k(a: Answer) -> int | None:
+    """The number of experts per token that the answer used where the check asked for another, or None."""
+    seed = a.expected[0]["seed"]
+    return next((k for k in (1, 2, 3, 4) if k != top_k_of(seed)
+                 and _close(a.value["y"], _expected(a.size, seed, top_k=k)[a.rank]["y"])), None)
 
 
 def _right_output(a: Answer) -> bool:
@@ -294,6 +309,10 @@ HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
      lambda a: f"Rank {a.rank}'s outputs are right, but the gradient of its tokens is not: it reaches x only through "
                "the router. The tokens must leave with all_to_all_single_autograd too, so that their gradients come "
                "back from the experts' ranks in backward."),
+    (lambda a: _other_top_k(a) is not None,
+     lambda a: f"Rank {a.rank} sent each token to {_other_top_k(a)} experts, but this check asked for top_k="
+               f"{top_k_of(a.expected[0]['seed'])}: use the top_k argument, which each check draws anew (2 or 3), "
+               "not a fixed number."),
     (_misplaced_as("kept sorted"),
      lambda a: f"Rank {a.rank} used the outputs in the order they came home, sorted by destination: put each back "
                "in its token's slot first, with the inverse of the sort (y_sorted[order] = back)."),

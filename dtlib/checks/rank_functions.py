@@ -225,9 +225,30 @@ def _kept_largest(a: Answer) -> bool:
                    for entry in entries) for entries in a.carried)
 
 
+def _ratios(entries: Sequence[Carried], own: float) -> list[float]:
+    """Each number a rank's collectives sent (up to 64 a call), divided by the rank's own one number."""
+    return [value / own for entry in entries if entry.call in _SENDING and entry.sent.numel() <= 64
+            for value in entry.sent.tolist()] if own else []
+
+
+def _one_scale(inputs: Sequence[Any], carried: Sequence[Sequence[Carried]]) -> bool:
+    """Whether every rank's collectives sent its own single number times one factor, the same on every rank (to
+    1%): a loss carried in fixed point (``round(loss * 1000)`` as an integer), say. A stand-in has no such
+    factor: the same number sent by every rank, or one unrelated to the rank's own, is a different multiple of
+    each rank's input."""
+    if not all(torch.as_tensor(given).numel() == 1 for given in inputs):
+        return False
+    ratios = [_ratios(entries, float(torch.as_tensor(inputs[rank]))) for rank, entries in enumerate(carried)]
+    return any(factor != 0 and all(any(abs(other - factor) <= 1e-2 * abs(factor) for other in rest)
+                                   for rest in ratios[1:]) for factor in ratios[0])
+
+
 def _moved(name: str) -> Callable[[Sequence[Any], Sequence[Sequence[Carried]]], str | None]:
-    """Once every value is right: each rank's collectives must have carried its own data."""
+    """Once every value is right: each rank's collectives must have carried its own data (a single number may
+    travel at any scale that is the same on every rank: :func:`_one_scale`)."""
     def check(inputs: Sequence[Any], carried: Sequence[Sequence[Carried]]) -> str | None:
+        if _one_scale(inputs, carried):
+            return None
         for rank, entries in enumerate(carried):
             own = torch.as_tensor(inputs[rank], dtype=torch.float64)
             if not _carried_by(entries, own.flatten(), len(inputs)):

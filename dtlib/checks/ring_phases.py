@@ -37,13 +37,25 @@ def _chunk_of(tensor: Any, views: list[Any]) -> int | None:
     return None
 
 
+_FIELDS = 6  # what each rank tells the others before a ring step: sizes, chunk, holds a chunk, dtypes
+#: The dtypes a ring step may name, by code (-1: any other).
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16)
+_DTYPES_SAID = {**{code: str(dtype).removeprefix("torch.") for code, dtype in enumerate(_DTYPES)},
+                -1: "another dtype"}
+
+
+def _dtype_code(tensor: Any) -> int:
+    return _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
+
+
 def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -> Callable[..., None]:
     """``ring_shift``, after every rank has told every other the sizes it sends and receives at this step.
 
     A send and the receive it meets must match in size; NCCL would not say so (it hangs or reads past the
     end) and gloo aborts the process. So every rank learns of a mismatch at once and raises
-    :class:`_StepRefused` with the same words. The exchange's own collectives go into ``extra``, which the
-    caller takes off the learner's count.
+    :class:`_StepRefused` with the same words; so does a step that sends or receives in another dtype than
+    the buffer's. The exchange's own collectives go into ``extra``, which the caller takes off the learner's
+    count, and so does the number of ring_shift calls, under "ring_shift".
     """
     real, step = send_recv.ring_shift, [0]
 
@@ -51,14 +63,23 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
         sent = _chunk_of(send, views)
         holds = any(send.numel() == chunk.numel() and torch.equal(send.reshape(-1).to(chunk.dtype), chunk.reshape(-1))
                     for chunk in [*views, *chunks])  # a chunk's numbers, itself or a copy, in the buffer or the list
-        mine = torch.tensor([send.numel(), receive_into.numel(), -1 if sent is None else sent, int(holds)],
-                            dtype=torch.int64, device=send.device)
-        every = torch.empty(4 * world_size, dtype=torch.int64, device=send.device)
+        mine = torch.tensor([send.numel(), receive_into.numel(), -1 if sent is None else sent, int(holds),
+                             _dtype_code(send), _dtype_code(receive_into)], dtype=torch.int64, device=send.device)
+        every = torch.empty(_FIELDS * world_size, dtype=torch.int64, device=send.device)
         _, calls = count_collectives(dist.all_gather_into_tensor, every, mine)
         for call, times in calls.items():
             extra[call] = extra.get(call, 0) + times
-        table, step[0] = every.view(world_size, 4).tolist(), step[0] + 1
-        for left, (n_sent, _, _, holds_a_chunk) in enumerate(table):
+        table, step[0] = every.view(world_size, _FIELDS).tolist(), step[0] + 1
+        extra["ring_shift"] = step[0]
+        wanted = _dtype_code(views[0])
+        for left, (*_, sends, receives) in enumerate(table):
+            if wanted not in (sends, receives) or sends != receives:
+                raise _StepRefused(
+                    f"In ring step {step[0]} of {world_size - 1}, rank {left} sent {_DTYPES_SAID[sends]} and received "
+                    f"into {_DTYPES_SAID[receives]}, while the buffer holds {_DTYPES_SAID[wanted]}: a copy in another "
+                    "dtype rounds every partial sum it carries (float16 keeps 3 digits, an integer none after the "
+                    "point), and the buffers' numbers have more. Send and receive in the buffer's own dtype.")
+        for left, (n_sent, _, _, holds_a_chunk, *_) in enumerate(table):
             if not holds_a_chunk:
                 raise _StepRefused(
                     f"In ring step {step[0]} of {world_size - 1}, rank {left} sent a tensor of {n_sent} elements that "
@@ -66,7 +87,7 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
                     "right numbers must come from what arrived, not from a formula that knows the inputs).")
         for right in range(world_size):
             left = (right - 1) % world_size
-            (n_sent, _, chunk, _), (_, n_expected, _, _) = table[left], table[right]
+            (n_sent, _, chunk, *_), (_, n_expected, *_) = table[left], table[right]
             if n_sent != n_expected:
                 what = f"chunk {chunk}" if chunk >= 0 else "a tensor"
                 raise _StepRefused(
@@ -100,6 +121,7 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
             send_recv.ring_shift = real
         seen["calls"] = {call: times - extra.get(call, 0) for call, times in calls.items()
                          if times - extra.get(call, 0)}
+        seen["shifts"] = extra.get("ring_shift", 0)  # ring_shift's own calls, not the sends the phase made
         seen["after"] = [view.tolist() for view in views]
         seen["replaced"] = [i for i, (view, now) in enumerate(zip(views, chunks, strict=False)) if view is not now]
 
@@ -108,12 +130,22 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
 
 
 def _inputs(length: int) -> Callable[[int, Any], list[Any]]:
-    """Every rank's buffer: whole numbers from 1 to 99 in float64, new on each call, so that sums in any order
-    are exact and a phase cannot know them."""
+    """Every rank's buffer of ``length`` numbers, new on each call so that a phase cannot know them: positive
+    float64 numbers with fractions, of magnitudes from 0.01 to 10,000, so that a lower-precision copy of a chunk
+    (float16, an integer) changes the sum."""
     def draw(world_size: int, generator: Any) -> list[Any]:
-        return [torch.randint(1, 100, (length,), generator=generator).double() for _ in range(world_size)]
+        def one() -> torch.Tensor:
+            scale = 10.0 ** torch.randint(-2, 4, (length,), generator=generator).double()
+            return (1 + 9 * torch.rand(length, generator=generator, dtype=torch.float64)) * scale
+        return [one() for _ in range(world_size)]
 
     return draw
+
+
+def _close(got: Sequence[float], want: Sequence[float]) -> bool:
+    """Equal to float64's precision: the ring adds in another order than the oracle."""
+    return len(got) == len(want) and torch.allclose(torch.tensor(got, dtype=torch.float64),
+                                                    torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0.0)
 
 
 def _first_wrong_chunk(a: Answer) -> tuple[str, list[float], list[float]]:
@@ -121,7 +153,7 @@ def _first_wrong_chunk(a: Answer) -> tuple[str, list[float], list[float]]:
     expected = a.expected.tolist()
     for chunk, (start, stop) in enumerate(chunk_bounds(len(expected), a.size)):
         got, want = a.value["ours"][start:stop], expected[start:stop]
-        if got != want:
+        if not _close(got, want):
             return f"On rank {a.rank}, chunk {chunk} holds {got} but should hold {want}", got, want
     return f"On rank {a.rank}, the buffer holds {a.value['ours']} but should hold {expected}", [], []
 
@@ -132,8 +164,8 @@ def _ring_diagnosis(a: Answer, which: str) -> str | None:
     name, write = which.replace("_", "-"), ("chunks[receive].copy_(incoming)" if which == "all_gather"
                                             else "chunks[receive] += incoming")
     for rank, report in enumerate(a.values):
-        shifts = report["calls"].get("send", 0)
-        if not shifts and not report["calls"].get("recv", 0):
+        shifts, sends = report.get("shifts", 0), report["calls"].get("send", 0)
+        if not shifts and not sends and not report["calls"].get("recv", 0):
             return (f"{where}: some ranks' contributions never reached it, because your {name} phase never "
                     f"called ring_shift on rank {rank}. Each of the {a.size - 1} steps sends one chunk to the right "
                     "and receives one from the left.")
@@ -144,8 +176,10 @@ def _ring_diagnosis(a: Answer, which: str) -> str | None:
         if report["before"] == report["after"]:
             did = ("never landed in chunks: copy it in with copy_" if which == "all_gather"
                    else "was never added to chunks: add it in place")
-            return (f"{where}: on rank {rank} your {name} phase called ring_shift {shifts} times but left every "
-                    f"chunk as it was, so what arrived {did} after each ring_shift ({write}).")
+            moved = (f"called ring_shift {shifts} times" if shifts else
+                     f"sent {sends} times with dist.send and never called ring_shift")
+            return (f"{where}: on rank {rank} your {name} phase {moved} but left every "
+                    f"chunk as it was, so what arrived {did} after each step ({write}).")
     return None
 
 
@@ -174,7 +208,7 @@ def _exercise(which: str, length: int) -> RankExercise:
     """The ring exercise for one phase, ``which``, on buffers of ``length`` numbers."""
     name = which.replace("_", "-")
 
-    def more(a: Answer) -> bool:  # every input is at least 1, so too much or too little is telling
+    def more(a: Answer) -> bool:  # every input is positive, so too much or too little is telling
         _, got, want = _first_wrong_chunk(a)
         return bool(got) and all(g >= w for g, w in zip(got, want, strict=True))
 
@@ -185,7 +219,7 @@ def _exercise(which: str, length: int) -> RankExercise:
     return RankExercise(
         expected=_summed,
         read=lambda report: report,
-        same=lambda report, expected: "sizes_differ" not in report and report["ours"] == expected.tolist(),
+        same=lambda report, expected: "sizes_differ" not in report and _close(report["ours"], expected.tolist()),
         inputs=_inputs(length),
         hints=[
             (lambda a: _sizes_differ(a) is not None, lambda a: _sizes_differ(a) or ""),
@@ -226,10 +260,10 @@ def ring_phase(phase: Callable[..., None], which: str = "all_gather", world_size
     """Notebook 03: your ``phase(chunks, rank, world_size)`` inside ``ring_all_reduce``.
 
     ``which`` is "all_gather" or "reduce_scatter": the phase you wrote; dtlib's own
-    implementation does the other one. Each rank's buffer (``length`` new numbers per call, uneven chunks
-    on 4 ranks) must come out equal to the sum of every rank's, computed in one process, with ``world_size``
-    ranks and with one more (which refuses a phase written for one world size), and each rank
-    must pass its chunks with ``ring_shift``, N-1 times.
+    implementation does the other one. Each rank's buffer (``length`` new numbers per call, fractional and of
+    several magnitudes, uneven chunks on 4 ranks) must come out equal to the sum of every rank's, computed in
+    one process, with ``world_size`` ranks and with one more (which refuses a phase written for one world size),
+    and each rank must pass its chunks with ``ring_shift``, N-1 times, in the buffer's dtype.
 
     Example: ``ring_phase(dtlib.ring.send_recv.ring_all_gather_phase)`` is ✓.
     """

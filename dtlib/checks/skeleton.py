@@ -21,7 +21,8 @@ alone (``dtlib.spawn(rank_args=...)``), so only a collective can bring it anothe
 in the order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of unbatched ``isend``/``irecv`` runs on
 gloo and hangs on NCCL). And it must leave the job as it found it: the default group alive, no group added, no
 work unwaited, no data left in the store (not a channel), and the ranks' collectives paired, which one
-all-reduce of the checker's own, run once every rank has returned, shows.
+all-reduce of the checker's own, run once every rank has returned, shows. Where the exercise gives inputs, its
+collectives may send at most :data:`SENT_LIMIT` times the bytes of the rank's own input.
 
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
 """
@@ -66,6 +67,7 @@ class Carried:
     received: torch.Tensor
     functional: bool = False  # a functional collective (funcol.all_reduce, ...): it returns its result, x stays
     dtype: str = ""  # the dtype it carried, as torch names it ("float16"), where it sent a tensor
+    root: int | None = None  # the src or dst of a rooted collective (reduce, broadcast, gather, scatter), in its group
 
 
 @dataclass(frozen=True)
@@ -143,10 +145,15 @@ ON_GLOO = {"backend": "gloo", "strict": True, "env": {"CUDA_VISIBLE_DEVICES": ""
 
 
 def _stuck_in(stack: str, function_name: str) -> str:
-    """From a faulthandler stack (most recent call first): "all_reduce (line 4, in fn)"."""
+    """From a faulthandler stack (most recent call first), where a rank was when the checker gave up: "waited in
+    all_reduce (line 4, in fn)", or, for a rank in no collective (sleeping, computing), "was still running line 4
+    of fn, in no collective"."""
     inside = torch_call_in(stack)  # the collective is torch's frame
     line = next((n for n, name in re.findall(r"line (\d+) in (\w+)", stack) if name == function_name), "")
-    return (inside or "a collective") + (f" (line {line}, in {function_name})" if line else "")
+    if inside is None:
+        return (f"was still running line {line} of {function_name}, in no collective" if line
+                else "was still running, in no collective")
+    return f"waited in {inside}" + (f" (line {line}, in {function_name})" if line else "")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -159,7 +166,12 @@ def _ranks(ranks: list[int]) -> str:
 def same_collectives_hang(err: WorkerTimeout, function_name: str) -> str:
     """What to say when ranks hung in collectives: where each one waited (the call, and the line of the
     learner's function it was on), and which ranks had returned without making it."""
-    stuck = "; ".join(f"rank {rank} waited in {_stuck_in(stack, function_name)}" for rank, stack in err.stacks.items())
+    if all(torch_call_in(stack) is None and f"in {function_name}" not in stack for stack in err.stacks.values()):
+        return (f"It did not finish within the checker's {err.timeout:g} s, but no rank was waiting: "
+                f"{_ranks(sorted(err.stacks))} {'was' if len(err.stacks) == 1 else 'were'} outside your function, in "
+                "the checker's own work (recording what the collectives carried). A busy machine is slow there: "
+                "pass a longer timeout=.")
+    stuck = "; ".join(f"rank {rank} {_stuck_in(stack, function_name)}" for rank, stack in err.stacks.items())
     if not err.finished_ranks:
         return (f"It hung: {stuck}, and no rank returned: each waited for a call that no other rank made. Every "
                 "rank must call the same collectives in the same order.")
@@ -168,10 +180,18 @@ def same_collectives_hang(err: WorkerTimeout, function_name: str) -> str:
 
 
 def reduce_hint(answer: Answer) -> str:
-    """What to say when ``dist.reduce`` stood where ``dist.all_reduce`` belongs."""
-    return (f"Rank {answer.rank} does not hold the result: dist.reduce leaves it on one rank only (dst), and the "
-            "others' tensors are undefined afterwards (NCCL promises them nothing; the checker fills them with NaN). "
-            "Use dist.all_reduce, which leaves it on every rank.")
+    """What to say when ``dist.reduce`` stood where ``dist.all_reduce`` belongs: about a rank that was not its dst
+    (the dst, named, holds the result), where the call was recorded."""
+    roots = [entry.root for entry in (answer.carried[answer.rank] if answer.carried else ())
+             if entry.call == "reduce" and entry.root is not None]
+    if not roots:
+        return (f"Rank {answer.rank} does not hold the result: dist.reduce leaves it on one rank only (dst), and the "
+                "others' tensors are undefined afterwards (NCCL promises them nothing; the checker fills them with "
+                "NaN). Use dist.all_reduce, which leaves it on every rank.")
+    other = next(rank for rank in range(answer.size) if rank != roots[0])
+    return (f"Rank {other} does not hold the result: dist.reduce leaves it on its dst alone, here rank {roots[0]}, "
+            "and the other ranks' tensors are undefined afterwards (NCCL promises them nothing; the checker fills "
+            "them with NaN). Use dist.all_reduce, which leaves it on every rank.")
 
 
 def dropped_functional(answer: Answer, left: torch.Tensor) -> bool:
@@ -218,6 +238,33 @@ _SENDS = {"allreduce_": 0, "broadcast_": 0, "reduce_": 0, "send": 0, "recv_": No
 _WRITES = {"send": None}
 
 
+#: A rank's collectives may send at most this many times the bytes of its own input, and 64 bytes whatever the
+#: input: a ring's reduce-scatter and all-gather send under twice it, a count packed beside a loss a few bytes
+#: more. Sending far more (a 16 MB buffer to carry one number) is a cost every step repeats on the network.
+SENT_LIMIT = 8
+_SENT_FLOOR = 64
+
+
+def _sent_bytes(entry: Carried) -> int:
+    """The bytes one collective sent, in the dtype it sent them (float64 where none is known)."""
+    dtype = getattr(torch, entry.dtype, None) if entry.dtype else None
+    return entry.sent.numel() * (dtype.itemsize if isinstance(dtype, torch.dtype) else 8)
+
+
+def oversent(inputs: Sequence[Any], carried: Sequence[Sequence[Carried]]) -> str | None:
+    """Once every value is right: the first rank whose collectives sent more than :data:`SENT_LIMIT` times its own
+    input's bytes, said with the numbers, or None."""
+    for rank, entries in enumerate(carried):
+        own = torch.as_tensor(inputs[rank])
+        need, sent = own.numel() * own.element_size(), sum(map(_sent_bytes, entries))
+        if sent > max(SENT_LIMIT * need, _SENT_FLOOR):
+            return (f"Every rank returned the right numbers, but rank {rank}'s collectives sent {sent:,} bytes to "
+                    f"carry its input of {need:,} bytes, {sent / max(need, 1):,.0f} times as much. A collective "
+                    "sends every byte of its tensor, at every step, over the network on a cluster: pass the input "
+                    "itself (or a few numbers beside it), not a larger buffer that holds it.")
+    return None
+
+
 def _flat(value: Any) -> torch.Tensor:
     """Every tensor in a (nested) list, flattened and joined, in float64 on the CPU."""
     if isinstance(value, torch.Tensor):
@@ -233,10 +280,15 @@ def _dtype(value: Any) -> str:
     return next((found for found in map(_dtype, value) if found), "") if isinstance(value, (list, tuple)) else ""
 
 
-def _async(name: str, args: tuple) -> bool:
+def _argument(name: str, args: tuple, argument: str) -> Any:
+    """The value of the c10d op ``name``'s argument called ``argument`` in ``args`` as dispatched, or None."""
     schema = getattr(torch.ops.c10d, name).default._schema
-    where = next((i for i, argument in enumerate(schema.arguments) if argument.name == "async_op"), None)
-    return where is not None and where < len(args) and bool(args[where])
+    where = next((i for i, known in enumerate(schema.arguments) if known.name == argument), None)
+    return args[where] if where is not None and where < len(args) else None
+
+
+def _async(name: str, args: tuple) -> bool:
+    return bool(_argument(name, args, "async_op"))
 
 
 def _recorded(rank: int, world_size: int, fn: Callable[..., Any], given: Any
@@ -247,13 +299,14 @@ def _recorded(rank: int, world_size: int, fn: Callable[..., Any], given: Any
     mode runs on copies) when ``fn`` returns, and may then be unfinished: read it as a hint, not a proof."""
     device = rank_device()
     given = given.to(device) if isinstance(given, torch.Tensor) else given
-    going: list[tuple[str, torch.Tensor, Any, bool, str]] = []  # (call, sent, the tensors it writes, async, dtype)
+    # (call, sent, the tensors it writes, async, dtype, root)
+    going: list[tuple[str, torch.Tensor, Any, bool, str, int | None]] = []
     carried: list[Carried] = []  # in the order the calls were made, each once its result is read
 
     def settle(finished: bool) -> None:
         for entry in [entry for entry in going if finished or not entry[3]]:
             going.remove(entry)
-            carried.append(Carried(entry[0], entry[1], _flat(entry[2]), dtype=entry[4]))
+            carried.append(Carried(entry[0], entry[1], _flat(entry[2]), dtype=entry[4], root=entry[5]))
 
     def see(namespace: str, name: str, args: tuple) -> None:
         settle(False)
@@ -266,7 +319,7 @@ def _recorded(rank: int, world_size: int, fn: Callable[..., Any], given: Any
         sends, writes = _SENDS.get(name, 1), _WRITES.get(name, 0)
         sent = _flat(args[sends]) if sends is not None else torch.zeros(0, dtype=torch.float64)
         going.append((CALL_NAMES[name], sent, args[writes] if writes is not None else [], _async(name, args),
-                      _dtype(args[sends]) if sends is not None else ""))
+                      _dtype(args[sends]) if sends is not None else "", _argument(name, args, "root_rank")))
 
     with watching(see):
         value, calls = count_collectives(fn, rank, world_size, given)
@@ -415,5 +468,8 @@ def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any
     silent = rank_without_communication(calls)  # right values, but did they travel?
     if silent is not None:
         return exercise.no_collective(silent, expected, calls[silent])
-    stand_in = exercise.moved(inputs, carried) if exercise.inputs is not None else None
-    return stand_in or job or exercise.excess(calls) or exercise.also(values, size)
+    if exercise.inputs is not None:
+        stand_in = exercise.moved(inputs, carried) or oversent(inputs, carried)
+        if stand_in:
+            return stand_in
+    return job or exercise.excess(calls) or exercise.also(values, size)

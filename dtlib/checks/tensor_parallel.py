@@ -12,6 +12,7 @@ Example: ``tensor_parallel_mlp(fn)``, where ``fn(rank, world_size)`` returns the
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,20 +28,30 @@ from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import CALL_NAMES, watching
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
+_LESSON_SEED = 9  # mlp_inputs' numbers in the lesson's cells
+#: The seed mlp_inputs draws from now: the lesson's, or, while a check runs (in its ranks and in this process),
+#: the check's own, new on each call, so that no answer can return numbers worked out in advance.
+_seed = [_LESSON_SEED]
 
 
 def mlp_inputs(device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` (4, 8), ``up`` (12, 8) and ``down`` (8, 12), float32 on ``device`` (default: the rank's own,
-    :func:`dtlib.rank_device`), the same on every rank.
+    :func:`dtlib.rank_device`), the same on every rank; new numbers in each check of
+    :func:`tensor_parallel_mlp`, the lesson's own (seed 9) otherwise.
 
     Example: ``x, up, down = mlp_inputs()``.
     """
     device = rank_device() if device is None else device
-    generator = torch.Generator().manual_seed(9)
+    return tuple(tensor.to(device) for tensor in _drawn(_seed[0]))  # type: ignore[return-value]
+
+
+def _drawn(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x``, ``up`` and ``down`` from ``seed``, on the CPU."""
+    generator = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH, FEATURES, generator=generator)
     up = torch.randn(HIDDEN, FEATURES, generator=generator) / FEATURES ** 0.5
     down = torch.randn(FEATURES, HIDDEN, generator=generator) / HIDDEN ** 0.5
-    return x.to(device), up.to(device), down.to(device)
+    return x, up, down
 
 
 def _mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -221,6 +232,9 @@ TENSOR_PARALLEL_MLP = RankExercise(
          lambda a: f"Rank {a.rank} holds its own summand, in part or whole, although it called all_reduce: the "
                    "all-reduce had not finished when it returned. With async_op=True, call .wait() on the work it "
                    "returns before returning y."),
+        (lambda a: _close(a.value, _mlp(*_drawn(_LESSON_SEED)).double()),
+         lambda a: f"Rank {a.rank} returned the MLP's output for the lesson's inputs, not for this check's: each check "
+                   "draws new numbers, which mlp_inputs() returns in its ranks. Compute the output from them."),
         (lambda a: _close(a.value, _partial(a.size, a.rank)),
          lambda a: f"Rank {a.rank} holds only its share of the output: after the row-parallel layer each rank has a "
                    "partial sum over its hidden features. dist.all_reduce(y) (SUM) adds the shares."),
@@ -372,6 +386,12 @@ def _judge_moves(size: int, rank: int, report: dict[str, Any]) -> str | None:
     return None
 
 
+def _on_seed(fn: Callable[[int, int], Any], seed: int, rank: int, world_size: int) -> Any:
+    """In a rank: ``fn(rank, world_size)`` with :func:`mlp_inputs` drawing from the check's ``seed``."""
+    _seed[0] = seed
+    return fn(rank, world_size)
+
+
 def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
     """Notebook 09: ``fn(rank, world_size)`` computes :func:`mlp_inputs`' MLP with its own slice of ``up`` and of
     ``down`` and returns the whole output on every rank; it runs with ``world_size`` ranks and with one more.
@@ -381,13 +401,26 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
     all-gather), and no other data moved. Each wrong answer is named: the missing all-reduce, an average, MAX,
     gelu in the wrong place, the first layer split by its input features, slices written for another world size,
     a shape that does not fit, and right numbers reached some other way (every rank computing everything, a
-    broadcast, a batch split).
+    broadcast, a batch split). :func:`mlp_inputs` gives new numbers in each check.
     """
     judged = [size for size in range(2, HIDDEN + 1) if HIDDEN % size == 0 and HIDDEN % (size + 1) == 0]
     if world_size not in judged:  # a share of the hidden features per rank, equal at both sizes the check runs
         raise ValueError(f"tensor_parallel_mlp checks world sizes {' or '.join(map(str, judged))}: it runs "
                          f"world_size ranks and one more, and the MLP's {HIDDEN} hidden features split evenly over "
                          f"both only then (got {world_size!r})")
+    if not callable(fn):
+        return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
+    seed = random.randrange(2**31)
+    on_seed = functools.update_wrapper(functools.partial(_on_seed, fn, seed), fn)  # fn's name, in messages
+    _seed[0] = seed  # this process's oracles draw the same numbers as the ranks
+    try:
+        return _judged(on_seed, world_size, timeout)
+    finally:
+        _seed[0] = _LESSON_SEED
+
+
+def _judged(fn: Callable[[int, int], Any], world_size: int, timeout: float) -> Feedback:
+    """:func:`tensor_parallel_mlp`'s verdict on ``fn``, already bound to the check's numbers."""
     verdict = judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
     if not verdict.ok:
         return verdict

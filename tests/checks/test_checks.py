@@ -225,7 +225,7 @@ SUM_WRONG = [
     (lambda rank, world_size, x: x, ["it returned its own x: was dist.all_reduce called"]),
     (_sum_functional_result_unused, ["called the functional all_reduce", "Use what it returns"]),
     (_sum_reading_the_checkers_frames, ["it returned its own x"]),  # the other ranks' inputs are out of reach
-    (_sum_by_reduce, ["does not hold the result: dist.reduce leaves it on one rank only"]),
+    (_sum_by_reduce, ["does not hold the result: dist.reduce leaves it on its dst alone, here rank 0"]),
     (_sum_async_without_wait, ["call .wait()"]),
     (_sum_hard_coded_world_size, ["With 4 ranks", "it holds 3/4 of the sum: a fixed 3"]),
     (_sum_by_max, ["the largest value of each slot: ReduceOp.MAX"]),
@@ -570,6 +570,43 @@ def _gather_twice(chunks, rank, world_size):
     send_recv.ring_all_gather_phase(chunks, rank, world_size)  # right again, at twice the bytes
 
 
+def _gather_in_float16(chunks, rank, world_size):
+    import torch
+
+    from dtlib.ring import send_recv
+
+    for step in range(world_size - 1):  # wrong: half the bytes on the wire, and 3 digits left of each number
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive], dtype=torch.float16)
+        send_recv.ring_shift(chunks[send].half(), incoming, rank, world_size)
+        chunks[receive].copy_(incoming)
+
+
+def _gather_in_int32(chunks, rank, world_size):
+    import torch
+
+    from dtlib.ring import send_recv
+
+    for step in range(world_size - 1):  # wrong: whole numbers only
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive], dtype=torch.int32)
+        send_recv.ring_shift(chunks[send].int(), incoming, rank, world_size)
+        chunks[receive].copy_(incoming)
+
+
+def _gather_by_send_and_recv_without_copy(chunks, rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    for step in range(world_size - 1):  # wrong: its own transfers, and what arrives is dropped
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        ops = [dist.P2POp(dist.isend, chunks[send], (rank + 1) % world_size),
+               dist.P2POp(dist.irecv, incoming, (rank - 1) % world_size)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 def _gather_sending_copies(chunks, rank, world_size):  # right: a copy of the chunk carries the same numbers
     import torch
 
@@ -605,6 +642,11 @@ RING = [
     (_gather_by_broadcast, "all_gather", False, ["called broadcast", "the exercise is the ring itself"]),
     (_gather_twice, "all_gather", False, ["sent 6 chunks and received 6", "3 steps for 4 ranks"]),
     (_scatter_without_add, "reduce_scatter", False, ["was never added to chunks", "chunks[receive] += incoming"]),
+    (_gather_in_float16, "all_gather", False, ["rank 0 sent float16 and received into float16, while the buffer "
+                                               "holds float64", "rounds every partial sum"]),
+    (_gather_in_int32, "all_gather", False, ["sent int32 and received into int32"]),
+    (_gather_by_send_and_recv_without_copy, "all_gather", False, ["sent 2 times with dist.send and never called "
+                                                                  "ring_shift"]),
 ]
 
 

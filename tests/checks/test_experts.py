@@ -194,6 +194,21 @@ def test_each_wrong_layer_is_named(mistake, said):
     assert said in feedback.message, feedback.message
 
 
+def top_2_hard_coded(x, router, experts, top_k, group):
+    return moe(x, router, experts, 2, group)  # the notebook's top-2, whatever the check asks
+
+
+def test_top_k_is_drawn_with_each_check_so_a_hard_coded_top_2_fails():
+    from dtlib.checks.experts import top_k_of
+
+    assert {top_k_of(seed) for seed in range(40)} == {2, 3}
+    three = next(seed for seed in range(40) if top_k_of(seed) == 3)
+    assert checks.expert_parallel_moe(moe, seed=three, timeout=60).ok
+    feedback = checks.expert_parallel_moe(top_2_hard_coded, seed=three, timeout=60)
+    assert not feedback.ok and "sent each token to 2 experts, but this check asked for top_k=3" in feedback.message, \
+        feedback.message
+
+
 def _source_lines(fn):
     import inspect
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import cloudpickle
 import pytest
@@ -118,6 +119,16 @@ def _mean_by_reduce(rank, world_size, loss):
     return loss.item() / world_size
 
 
+def _sum_by_reduce(rank, world_size, loss):
+    dist.reduce(loss, dst=0)  # rank 0, the dst, holds the sum; the others nothing defined
+    return loss.item()
+
+
+def _mean_by_reduce_to_the_last(rank, world_size, loss):
+    dist.reduce(loss, dst=world_size - 1)
+    return loss.item() / world_size
+
+
 def _mean_without_wait(rank, world_size, loss):
     dist.all_reduce(loss, async_op=True)  # never waited for
     return loss.item() / world_size
@@ -155,15 +166,54 @@ def _mean_loss_as_numpy(rank, world_size, loss):  # right: a numpy float32
     return (loss / world_size).cpu().numpy()
 
 
+def _mean_loss_in_fixed_point(rank, world_size, loss):  # right: the loss carried as a whole number of micro-units
+    fixed = (loss.double() * 10**6).round().long()
+    dist.all_reduce(fixed)
+    return fixed.item() / 10**6 / world_size
+
+
+def _mean_loss_in_a_big_buffer(rank, world_size, loss):
+    buffer = torch.zeros(4 * 2**20, device=loss.device)  # 16 MB to carry one number
+    buffer[0] = loss
+    dist.all_reduce(buffer)
+    return buffer[0].item() / world_size
+
+
+def _mean_loss_then_destroy(rank, world_size, loss):
+    dist.all_reduce(loss)
+    dist.destroy_process_group()  # "clean up"
+    return loss.item() / world_size
+
+
+def _mean_loss_on_a_new_group(rank, world_size, loss):
+    group = dist.new_group()  # a new group on every call
+    dist.all_reduce(loss, group=group)
+    return loss.item() / world_size
+
+
+def _mean_loss_with_a_send_left_pending(rank, world_size, loss):
+    dist.isend(loss.clone(), dst=(rank + 1) % world_size)  # nobody receives it, nobody waits for it
+    dist.all_reduce(loss)
+    return loss.item() / world_size
+
+
+def _mean_loss_of_a_strided_view(rank, world_size, loss):
+    both = torch.stack([loss, torch.ones_like(loss)]).repeat(2)[::2]  # [loss, loss], every other element
+    dist.all_reduce(both)
+    return both[0].item() / world_size
+
+
 RIGHT = [_mean_loss_as_numpy, _mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering,
-         _mean_loss_with_a_count, _mean_loss_functional]
+         _mean_loss_with_a_count, _mean_loss_functional, _mean_loss_in_fixed_point]
 
 #: (wrong answer, what the message must say): one of each kind
 WRONG = [
     (_max_then_the_formula, ["all_reduce left the largest loss", "ReduceOp.MAX keeps the largest"]),
     (_throwaway_collective_then_the_formula, ["Rank 0 called dist.all_reduce, but on [1], not on its own loss"]),
     (_mean_by_two, ["With 3 ranks, rank 0 returned", "the sum divided by 2", "not a constant"]),
-    (_mean_by_reduce, ["dist.reduce leaves it on one rank only"]),
+    (_mean_by_reduce, ["Rank 1 does not hold the result: dist.reduce leaves it on its dst alone, here rank 0"]),
+    (_sum_by_reduce, ["Rank 1 does not hold the result", "here rank 0"]),
+    (_mean_by_reduce_to_the_last, ["Rank 0 does not hold the result", "here rank 1"]),
     (_mean_without_wait, ["call .wait() on the work"]),
     (_sum_not_mean, ["returned the sum", "divide by world_size"]),
     (lambda rank, world_size, loss: loss.item(), ["Rank 0 returned its own loss"]),
@@ -172,6 +222,11 @@ WRONG = [
     (lambda rank, world_size, loss: "1.5", ["returned '1.5': return the mean loss as one number"]),
     (_raises, ["rank 0 raised KeyError"]),
     ("mean_loss", ["Pass your function itself"]),
+    (_mean_loss_in_a_big_buffer, ["rank 0's collectives sent 16,777,216 bytes to carry its input of 4 bytes"]),
+    (_mean_loss_then_destroy, ["destroyed the process group"]),
+    (_mean_loss_on_a_new_group, ["created 1 process group and left it"]),
+    (_mean_loss_with_a_send_left_pending, ["Rank 0's dist.isend to rank 1 is never matched"]),
+    (_mean_loss_of_a_strided_view, ["contiguous"]),
 ]
 
 
@@ -201,6 +256,21 @@ def test_checker_reports_which_rank_hung_where():
     line = _mean_loss_buggy.__code__.co_firstlineno + 3  # the dist.all_reduce line
     assert f"rank 0 waited in all_reduce (line {line}, in _mean_loss_buggy)" in feedback.message, feedback.message
     assert "while rank 1 returned without calling it" in feedback.message, feedback.message
+
+
+def _sleeps_on_rank_1(rank, world_size, loss):
+    if rank == 1:
+        time.sleep(60)  # a slow rank, in no collective
+    dist.all_reduce(loss)
+    return loss.item() / world_size
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_sleeps_is_not_said_to_wait_in_a_collective():
+    feedback = fixed_barrier(_sleeps_on_rank_1, timeout=3)
+    line = _sleeps_on_rank_1.__code__.co_firstlineno
+    assert f"rank 0 waited in all_reduce (line {line + 3}, in _sleeps_on_rank_1)" in feedback.message, feedback.message
+    assert f"rank 1 was still running line {line + 2} of _sleeps_on_rank_1, in no collective" in feedback.message
 
 
 @pytest.mark.timeout(60)

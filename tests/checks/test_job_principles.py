@@ -142,6 +142,28 @@ def test_an_answer_right_in_value_that_leaves_the_job_broken_is_refused(answer, 
     assert feedback.message.startswith(said), feedback.message
 
 
+def sums_inside_a_buffer_64_times_its_size(rank, world_size, x):
+    buffer = torch.zeros(64 * x.numel(), dtype=x.dtype, device=x.device)
+    buffer[: x.numel()] = x
+    dist.all_reduce(buffer)
+    return buffer[: x.numel()]
+
+
+def sums_beside_a_count(rank, world_size, x):  # right: a few numbers beside the input cost a few bytes
+    both = torch.cat([x, torch.ones(1, dtype=x.dtype, device=x.device)])
+    dist.all_reduce(both)
+    return both[:-1]
+
+
+def test_collectives_send_at_most_a_stated_multiple_of_the_ranks_own_input():
+    """skeleton.SENT_LIMIT: a buffer 64 times the input is refused, with the bytes it sent; a count beside the
+    input passes."""
+    feedback = checks.sum_of_ranks(sums_inside_a_buffer_64_times_its_size, world_size=2)
+    assert not feedback.ok and "but rank 0's collectives sent" in feedback.message, feedback.message
+    assert "64 times as much" in feedback.message, feedback.message
+    assert checks.sum_of_ranks(sums_beside_a_count, world_size=2).ok
+
+
 def one_all_reduce_more_on_rank_0(rank, world_size, x):
     dist.all_reduce(x)
     if rank == 0:

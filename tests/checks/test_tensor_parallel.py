@@ -111,6 +111,25 @@ def test_the_inputs_are_the_same_on_every_call_and_split_evenly_over_2_and_3_ran
     assert up.shape[0] % 2 == up.shape[0] % 3 == 0
 
 
+#: The MLP's output on the lesson's inputs, worked out in advance (what a notebook cell could print and paste).
+LESSON_OUTPUT = (F.gelu(mlp_inputs("cpu")[0] @ mlp_inputs("cpu")[1].T) @ mlp_inputs("cpu")[2].T).tolist()
+
+
+def precomputed_after_a_right_all_reduce(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)  # the right communication, then the numbers of the lesson's inputs
+    return torch.tensor(LESSON_OUTPUT, device=y.device)
+
+
+def test_each_check_draws_new_inputs_so_numbers_worked_out_in_advance_fail():
+    lesson = mlp_inputs("cpu")
+    feedback = checks.tensor_parallel_mlp(precomputed_after_a_right_all_reduce)
+    assert not feedback.ok and "returned the MLP's output for the lesson's inputs" in feedback.message, \
+        feedback.message
+    assert all(torch.equal(a, b) for a, b in zip(lesson, mlp_inputs("cpu"), strict=True))  # the lesson's again
+
+
 # -- right numbers reached without tensor parallelism, and right answers written other ways (review of 09) --
 
 
