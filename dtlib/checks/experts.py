@@ -167,10 +167,22 @@ def _over_bound(rows_sent: float, bound: int) -> bool:
     return rows_sent > bound * (DIM + 1) / DIM + 1e-9
 
 
-def _run(fn: Callable[..., Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
-    """In a rank: call ``fn`` on this rank's inputs, noting the token rows its all-to-alls send elsewhere,
-    then back-propagate ``(y * probe).sum()`` through it."""
-    x, router, experts = moe_inputs(rank, world_size, seed=seed)
+def _given(rank: int, world_size: int, seed: int) -> tuple[Any, ...]:
+    """What the check hands rank ``rank`` alone, built in the checker's process: its tokens, the router, its own
+    experts, its rows of the loss's weights and top_k. The seed stays behind: no frame an answer can reach in the
+    rank holds it, or any other rank's tokens or experts."""
+    x, router, experts = moe_inputs(rank, world_size, "cpu", seed=seed)
+    return x, router, experts, _probe(world_size, seed).chunk(world_size)[rank].clone(), top_k_of(seed)
+
+
+def _run(fn: Callable[..., Any], rank: int, world_size: int, given: tuple[Any, ...]) -> dict[str, Any]:
+    """In a rank: call ``fn`` on this rank's inputs (:func:`_given`, moved to the rank's device), noting the token
+    rows its all-to-alls send elsewhere, then back-propagate ``(y * probe).sum()`` through it."""
+    device = rank_device()
+    x, router, experts, probe, top_k = given
+    x, router, probe = x.to(device), router.to(device), probe.to(device)
+    experts = {e: expert.to(device) for e, expert in experts.items()}
+    del given
     x.requires_grad_(True)
     sent = [0.0]
 
@@ -180,7 +192,7 @@ def _run(fn: Callable[..., Any], seed: int, rank: int, world_size: int) -> dict[
             sent[0] += _rows_to_others(name, args, rank, world_size)
 
     with watching(see):
-        y = fn(x, router, experts, top_k_of(seed), dist.group.WORLD)
+        y = fn(x, router, experts, top_k, dist.group.WORLD)
     report: dict[str, Any] = {"rank": rank, "kind": type(y).__name__, "y": None, "rows_sent": sent[0]}
     if not isinstance(y, torch.Tensor):
         return report
@@ -188,7 +200,7 @@ def _run(fn: Callable[..., Any], seed: int, rank: int, world_size: int) -> dict[
     if y.shape != x.shape or not y.is_floating_point():
         return report
     if y.requires_grad:
-        (y * _probe(world_size, seed).chunk(world_size)[rank].to(y.device)).sum().backward()
+        (y * probe.to(y.device)).sum().backward()
     report.update(y=y.detach().double().cpu(), x_grad=None if x.grad is None else x.grad.double().cpu(),
                   router_grad=_grads(router)[0], expert_grads={e: _grads(m) for e, m in experts.items()})
     return report
@@ -378,7 +390,7 @@ def _excess(calls: Sequence[dict[str, int]]) -> str | None:
 
 
 EXPERT_PARALLEL_MOE = RankExercise(
-    expected=_expected,  # bound to a seed by expert_parallel_moe
+    expected=_expected,  # bound to a seed, with the inputs, by expert_parallel_moe
     read=_read,
     same=_within_bound,
     hints=HINTS,
@@ -413,5 +425,7 @@ def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: fl
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
     seed = random.randrange(2**31) if seed is None else seed
-    exercise = dataclasses.replace(EXPERT_PARALLEL_MOE, expected=functools.partial(_expected, seed=seed))
-    return judge(functools.partial(_run, fn, seed), exercise, world_size, timeout)
+    exercise = dataclasses.replace(
+        EXPERT_PARALLEL_MOE, expected=lambda inputs: _expected(len(inputs), seed),
+        inputs=lambda size, generator: [_given(rank, size, seed) for rank in range(size)])
+    return judge(functools.partial(_run, fn), exercise, world_size, timeout)

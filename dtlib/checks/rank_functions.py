@@ -463,8 +463,15 @@ def _failed(err: WorkerError) -> str:
     return f"A rank failed{hint}:\n{(raised or err.failures)[0].headline()[:300]}"
 
 
+def _one(value: float, expected: float) -> tuple[str, str]:
+    """Two numbers shown with the digits that tell them apart (:func:`_contrast`, without its brackets)."""
+    got, want = _contrast(value, expected)
+    return got.strip("[]"), want.strip("[]")
+
+
 def _near(value: Any, number: float) -> bool:
-    return value is not UNREADABLE and abs(value - number) < 1e-5 * max(1.0, abs(number))
+    """Equal to float32's precision (the losses' dtype): a loss rounded to 4 decimals "for the log" is not."""
+    return value is not UNREADABLE and abs(value - number) <= FLOAT32_RTOL * max(1.0, abs(number))
 
 
 FIXED_BARRIER = RankExercise(
@@ -494,9 +501,9 @@ FIXED_BARRIER = RankExercise(
                    f"{_whole_divisor(a, a.stacked.sum())}: divide by world_size (dist.get_world_size()), not a "
                    "constant."),
     ],
-    otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {a.value:.4g}, expected the mean of the ranks' "
-                         f"losses, {a.expected:.4g}: all_reduce (SUM) the loss once on every rank, then divide by "
-                         "world_size once."),
+    otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {_one(a.value, a.expected)[0]}, expected the "
+                         f"mean of the ranks' losses, {_one(a.value, a.expected)[1]}: all_reduce (SUM) the loss once "
+                         "on every rank, then divide by world_size once, and return it as it is (not rounded)."),
     no_collective=lambda rank, expected, calls: (
         f"Rank {rank} returned the mean, but no collective was called. Call dist.all_reduce on the loss on every "
         "rank, then divide by world_size."),

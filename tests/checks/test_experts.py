@@ -194,6 +194,26 @@ def test_each_wrong_layer_is_named(mistake, said):
     assert said in feedback.message, feedback.message
 
 
+def seeks_the_checks_seed(x, router, experts, top_k, group):
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:  # every frame the answer can reach in its rank
+        held = [*frame.f_locals.values(), *(v for value in frame.f_locals.values()
+                                            for v in getattr(value, "args", ()) if not callable(v))]
+        if "seed" in frame.f_locals or any(isinstance(v, int) and v > 10**6 for v in held):
+            raise RuntimeError(f"found the check's seed in {frame.f_code.co_name}")
+        frame = frame.f_back
+    return moe(x, router, experts, top_k, group)
+
+
+def test_a_rank_holds_only_its_own_inputs_not_the_seed_that_builds_every_ranks():
+    """Isolation: the checker builds each rank's tokens and experts and sends each rank its own; the seed from
+    which any rank's could be rebuilt never reaches a rank."""
+    feedback = checks.expert_parallel_moe(seeks_the_checks_seed, seed=2**30 + 7, timeout=60)
+    assert feedback.ok, feedback.message
+
+
 def top_2_hard_coded(x, router, experts, top_k, group):
     return moe(x, router, experts, 2, group)  # the notebook's top-2, whatever the check asks
 

@@ -140,6 +140,11 @@ def _mean_of_rounded_losses(rank, world_size, loss):
     return rounded.item() / world_size
 
 
+def _mean_of_losses_rounded_to_4_decimals(rank, world_size, loss):
+    dist.all_reduce(loss)
+    return round(loss.item() / world_size, 4)  # "for the log"
+
+
 def _raises(rank, world_size, loss):
     raise KeyError("loss")
 
@@ -221,6 +226,7 @@ WRONG = [
     (lambda rank, world_size, loss: None, ["returned None"]),
     (lambda rank, world_size, loss: "1.5", ["returned '1.5': return the mean loss as one number"]),
     (_raises, ["rank 0 raised KeyError"]),
+    (_mean_of_losses_rounded_to_4_decimals, ["expected the mean of the ranks' losses"]),
     ("mean_loss", ["Pass your function itself"]),
     (_mean_loss_in_a_big_buffer, ["rank 0's collectives sent 16,777,216 bytes to carry its input of 4 bytes"]),
     (_mean_loss_then_destroy, ["destroyed the process group"]),
