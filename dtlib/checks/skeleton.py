@@ -20,7 +20,8 @@ Every answer is also held to what any job needs of it, whatever the exercise. Ea
 alone (``dtlib.spawn(rank_args=...)``), so only a collective can bring it another's. Its transfers must finish
 in the order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of unbatched ``isend``/``irecv`` runs on
 gloo and hangs on NCCL). And it must leave the job as it found it: the default group alive, no group added, no
-work unwaited, no data left in the store (not a channel), and the ranks' collectives paired, which one
+work unwaited, no data left in the store and no file one rank wrote and another read (neither is a channel),
+and the ranks' collectives paired, which one
 all-reduce of the checker's own, run once every rank has returned, shows. Where the exercise gives inputs, its
 collectives may send at most :data:`SENT_LIMIT` times the bytes of the rank's own input.
 
@@ -29,10 +30,13 @@ Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtli
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,6 +356,67 @@ def _returned(err: WorkerTimeout) -> WorkerTimeout:
     return WorkerTimeout(err.timeout, stacks, [*err.finished_ranks, *late], outcome=err.outcome)
 
 
+class _Files:
+    """The paths a rank opened while the answer ran, to write and to read, seen by Python's audit hook (every
+    ``open``, ``io.open`` and ``os.open``: pickle's, numpy's and torch.load's files) and by ``torch.save``, which
+    writes from C++ and is watched by name. A hook cannot be removed, so it is added once per rank process and
+    records only inside :meth:`recording`."""
+
+    def __init__(self) -> None:
+        self.on, self.hooked = False, False
+        self.written: set[str] = set()
+        self.read: set[str] = set()
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if not self.on or event != "open" or len(args) < 3 or args[0] is None or isinstance(args[0], int):
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(os.fspath(args[0])))
+        except (TypeError, ValueError):
+            return
+        mode, flags = args[1], args[2]
+        writes = (any(c in mode for c in "wax+") if isinstance(mode, str)
+                  else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
+        (self.written if writes else self.read).add(path)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        if not self.hooked:
+            sys.addaudithook(self._hook)
+            self.hooked = True
+        self.written.clear()
+        self.read.clear()
+        save = torch.save
+
+        def noted_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, (str, bytes, os.PathLike)):
+                self.written.add(os.path.abspath(os.fsdecode(os.fspath(f))))
+            return save(obj, f, *args, **kwargs)
+
+        torch.save, self.on = noted_save, True
+        try:
+            yield
+        finally:
+            torch.save, self.on = save, False
+
+
+_FILES = _Files()
+
+
+def file_channel(files: Sequence[tuple[set[str], set[str]]]) -> str | None:
+    """From every rank's (paths written, paths read) while the answer ran: a file one rank wrote and another read,
+    said, or None. Writing a log is no channel; reading what another rank wrote is."""
+    for reader, (_, read) in enumerate(files):
+        for writer, (written, _) in enumerate(files):
+            shared = sorted(read & written) if writer != reader else []
+            if shared:
+                return (f"Rank {reader} read {shared[0]}, a file that rank {writer} wrote while your function ran. A "
+                        "file is not a channel between ranks: on a cluster they rarely share a disk, and nothing "
+                        "orders one rank's write before another's read. Only a collective may bring a rank another's "
+                        "data.")
+    return None
+
+
 _REACHED = "dtlib-check/reached"  # the one key of the checker's barriers: a counter, so they add no keys after it
 
 
@@ -399,21 +464,22 @@ def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any)
 
 
 def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
-          ) -> tuple[Any, dict[str, int], list[Carried], list[nccl_order.Launch], list[str]]:
+          ) -> tuple[Any, dict[str, int], list[Carried], list[nccl_order.Launch], list[str], tuple[set[str], set[str]]]:
     """What every checker's rank runs: the answer, its collectives counted (and, given this rank's own input,
-    recorded), what strict mode saw it post (for :func:`nccl_order.deadlock`), and what it left the job
-    (:func:`_left_behind`)."""
+    recorded), what strict mode saw it post (for :func:`nccl_order.deadlock`), what it left the job
+    (:func:`_left_behind`), and the files it wrote and read meanwhile (:func:`file_channel`)."""
     store = distributed_c10d._get_default_store()
     _all_reach(store, 1, world_size)  # every rank's joining keys are written, and the barrier's own
     groups, keys = len(distributed_c10d._world.pg_map), store.num_keys()
     _all_reach(store, 2, world_size)  # every rank has counted before any answer writes
-    with nccl_order.recording() as posted:
+    with nccl_order.recording() as posted, _FILES.recording():
         if not given:
             value, calls = count_collectives(fn, rank, world_size)
             carried: list[Carried] = []
         else:
             value, calls, carried = _recorded(rank, world_size, fn, *given)
-    return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store)
+    files = (set(_FILES.written), set(_FILES.read))
+    return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store), files
 
 
 def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed: int | None = None) -> Feedback:
@@ -434,7 +500,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
                 expected = exercise.expected(inputs)
             reports = spawn(_rank, size, args=(fn,), rank_args=inputs if exercise.inputs is not None else None,
                             timeout=timeout, output="none", **ON_GLOO)
-            results, calls, carried, posted, left = (list(column) for column in zip(*reports, strict=True))
+            results, calls, carried, posted, left, files = (list(column) for column in zip(*reports, strict=True))
         except WorkerTimeout as err:
             err = _returned(err)
             return Feedback(False, transfers_hang(err) or exercise.hang(err, getattr(fn, "__name__", "")))
@@ -446,7 +512,8 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
             calls = [exercise.calls_in(result) for result in results]
         values = [exercise.read(value) for value in results]
         wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried,
-                       nccl_order.deadlock(posted) or next((said for rank in left for said in rank), None))
+                       nccl_order.deadlock(posted) or next((said for rank in left for said in rank), None),
+                       file_channel(files))
         if wrong is not None:
             return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
         first = first or values
@@ -454,12 +521,13 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed
 
 
 def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,
-           calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]], job: str | None = None
-           ) -> str | None:
+           calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]], job: str | None = None,
+           channel: str | None = None) -> str | None:
     """What is wrong with one run's answers, in the learner's terms, or None: the first wrong rank's value
     explained by the first hint that holds, or, every value right, what no collective, a stand-in, the state the
     job was left in (``job``: transfers that hang on NCCL, a group destroyed or added, work never waited for),
-    more collectives than needed or the exercise's own last checks (``also``) say."""
+    more collectives than needed or the exercise's own last checks (``also``) say. A file one rank wrote and
+    another read (``channel``) is said first once the values are right: it is how they got there."""
     for rank, value in enumerate(values):
         if value is not UNREADABLE and exercise.same(value, expected):
             continue
@@ -467,6 +535,8 @@ def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any
         hints = [*exercise.hints, (_holds_undefined, undefined_hint)]  # the exercise's own come first
         say = next((say for holds, say in hints if holds(answer)), exercise.otherwise)
         return say(answer)
+    if channel is not None:
+        return channel
     silent = rank_without_communication(calls)  # right values, but did they travel?
     if silent is not None:
         return exercise.no_collective(silent, expected, calls[silent])

@@ -164,6 +164,40 @@ def test_collectives_send_at_most_a_stated_multiple_of_the_ranks_own_input():
     assert checks.sum_of_ranks(sums_beside_a_count, world_size=2).ok
 
 
+def sums_through_files(rank, world_size, x):
+    import os
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"dtlib-channel-{os.getppid()}")
+    os.makedirs(folder, exist_ok=True)
+    torch.save(x.cpu(), os.path.join(folder, f"{rank}.pt"))
+    dist.all_reduce(torch.zeros(1, device=x.device))  # a barrier, the only collective: every file is written
+    total = sum(torch.load(os.path.join(folder, f"{r}.pt")) for r in range(world_size))
+    dist.all_reduce(x)  # a collective that carries x too, so that only the files tell
+    return total.to(x.device)
+
+
+def sums_and_writes_a_log(rank, world_size, x):  # right: a file written and read by its own rank is no channel
+    import os
+    import tempfile
+
+    dist.all_reduce(x)
+    log = os.path.join(tempfile.gettempdir(), f"dtlib-log-{os.getpid()}.txt")
+    with open(log, "w") as out:
+        out.write(f"rank {rank}: {x.tolist()}\n")
+    with open(log) as back:
+        back.read()
+    os.remove(log)
+    return x
+
+
+def test_a_file_one_rank_writes_and_another_reads_is_no_channel():
+    feedback = checks.sum_of_ranks(sums_through_files, world_size=2)
+    assert not feedback.ok and "a file that rank" in feedback.message and "is not a channel" in feedback.message, \
+        feedback.message
+    assert checks.sum_of_ranks(sums_and_writes_a_log, world_size=2).ok
+
+
 def one_all_reduce_more_on_rank_0(rank, world_size, x):
     dist.all_reduce(x)
     if rank == 0:
