@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from dtlib.arguments import seconds, whole
 from dtlib.checks.feedback import Feedback
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.launch import nccl_order, strict
@@ -482,9 +483,16 @@ def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
     return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store), files
 
 
-def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float, seed: int | None = None) -> Feedback:
+def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | None, seed: int | None = None
+          ) -> Feedback:
     """Run ``fn`` on ``world_size`` ranks and on one more, and judge it by ``exercise`` (with ``inputs``, on a
-    new draw of them for each call unless ``seed`` is given)."""
+    new draw of them for each call unless ``seed`` is given). A ``world_size`` under 2, or one that is not a
+    whole number, and a ``timeout`` that is not a positive number of seconds raise ValueError."""
+    try:  # the check's own arguments, not the answer: a clear error, as for any call
+        world_size, timeout = whole("world_size", world_size, minimum=2), seconds("timeout", timeout)
+    except ValueError as err:
+        raise ValueError(f"{err}: the check runs world_size ranks and one more, and a collective needs two ranks "
+                         "to show anything") from None
     if not callable(fn):
         return Feedback(False, f"Pass your function itself, not {type(fn).__name__}.")
     sizes = (world_size, world_size + 1)  # a second size refuses answers written for one world size; one is odd

@@ -348,3 +348,12 @@ def test_a_collective_imported_by_name_is_held_to_nccls_contract_too():
     root, other = dtlib.spawn(reduce_imported_by_name, 2, strict=True, timeout=60)
     assert root == [3.0, 3.0]
     assert all(value != value for value in other)  # NaN: NCCL leaves a reduce's other ranks undefined
+
+
+@pytest.mark.parametrize(("world_size", "said"), [(1, "world_size must be >= 2, got 1"), (0, ">= 2, got 0"),
+                                                  (2.5, "must be a whole number"), ("2", "must be a finite number")])
+def test_a_world_size_no_collective_can_be_judged_on_is_a_clear_error(world_size, said):
+    with pytest.raises(ValueError, match=said):
+        checks.sum_of_ranks(sums_beside_a_count, world_size=world_size)
+    with pytest.raises(ValueError, match="a collective needs two ranks"):
+        checks.fixed_barrier(sums_beside_a_count, world_size=world_size)
