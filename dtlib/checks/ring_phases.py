@@ -73,7 +73,7 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
         extra["ring_shift"] = step[0]
         wanted = _dtype_code(views[0])
         for left, (*_, sends, receives) in enumerate(table):
-            if wanted not in (sends, receives) or sends != receives:
+            if not sends == receives == wanted:
                 raise _StepRefused(
                     f"In ring step {step[0]} of {world_size - 1}, rank {left} sent {_DTYPES_SAID[sends]} and received "
                     f"into {_DTYPES_SAID[receives]}, while the buffer holds {_DTYPES_SAID[wanted]}: a copy in another "

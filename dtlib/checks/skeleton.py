@@ -21,9 +21,9 @@ alone (``dtlib.spawn(rank_args=...)``), so only a collective can bring it anothe
 in the order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of unbatched ``isend``/``irecv`` runs on
 gloo and hangs on NCCL). And it must leave the job as it found it: the default group alive, no group added, no
 work unwaited, no data left in the store and no file one rank wrote and another read (neither is a channel),
-and the ranks' collectives paired, which one
-all-reduce of the checker's own, run once every rank has returned, shows. Where the exercise gives inputs, its
-collectives may send at most :data:`SENT_LIMIT` times the bytes of the rank's own input.
+and the ranks' collectives paired, which one all-reduce of the checker's own, run once every rank has returned,
+shows. Where the exercise gives inputs, its collectives may send at most :data:`SENT_LIMIT` times the bytes of
+the rank's own input.
 
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
 """
