@@ -160,6 +160,15 @@ def _close(value: torch.Tensor, expected: torch.Tensor) -> bool:
     return value.shape == expected.shape and torch.allclose(value, expected, atol=1e-5, rtol=1e-5)
 
 
+def _to_a_few_digits(value: Any, expected: torch.Tensor) -> bool:
+    """Whether ``value`` is the output to a 16-bit float's precision but not to float32's: the work was right and a
+    step of it ran in float16 or bfloat16 (which keep 3 significant digits or fewer)."""
+    if not isinstance(value, torch.Tensor) or value.shape != expected.shape:
+        return False
+    scale = expected.abs().max().item()
+    return bool(torch.allclose(value, expected, atol=2e-2 * max(scale, 1e-3), rtol=0.0))
+
+
 def _part_way(value: torch.Tensor, summand: torch.Tensor, total: torch.Tensor) -> bool:
     """Each number is this rank's summand or the finished sum, and not all are the sum: an all-reduce read
     before it finished (while gloo still writes into the tensor, some numbers may be done, some not)."""
@@ -252,6 +261,10 @@ TENSOR_PARALLEL_MLP = RankExercise(
                    "values were partial sums, and gelu of a partial sum is not part of gelu of the sum. Split up by "
                    "its output features (dim 0): each rank then holds whole hidden features, and gelu needs no "
                    "communication."),
+        (lambda a: _to_a_few_digits(a.value, a.expected),
+         lambda a: f"With {a.size} ranks, rank {a.rank}'s output is one process's to about 3 digits only (off by up to "
+                   f"{(a.value - a.expected).abs().max().item():.2g}): the split is right, but something ran in 16 "
+                   "bits, a float16 or bfloat16 copy all-reduced or multiplied, say. Keep every step in float32."),
     ],
     otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank}'s output differs from one process's by up to "
                          f"{(a.value - a.expected).abs().max().item():.3g}: each rank pairs its rows of up (dim 0) "

@@ -232,6 +232,14 @@ def in_bfloat16(rank, world_size):
     return y
 
 
+def all_reduced_in_bfloat16(rank, world_size):
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    wire = y.bfloat16()  # "half the bytes on the wire"
+    dist.all_reduce(wire)
+    return wire.float()
+
+
 def _padded(y, world_size):
     flat = y.reshape(-1)  # 32 numbers: 3 ranks need padding to 33
     return torch.cat([flat, flat.new_zeros(-flat.numel() % world_size)])
@@ -360,6 +368,7 @@ def uneven_shares(rank, world_size):  # wrong, though the sum is right: rank 0 t
     (dtensor_from_local, True, []),
     (dtensor_returned, False, ["returned a DTensor", "full_tensor()"]),
     (in_bfloat16, False, ["computed in bfloat16", "compute in float32"]),
+    (all_reduced_in_bfloat16, False, ["to about 3 digits only", "the split is right", "Keep every step in float32"]),
 ])
 def test_tensor_parallel_mlp_is_not_fooled_by_right_numbers_and_takes_right_answers_in_any_spelling(fn, ok, fragments):
     feedback = checks.tensor_parallel_mlp(fn)
