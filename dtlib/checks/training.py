@@ -74,20 +74,29 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
     return watched
 
 
-def _your_hook_against_ddp(hook: Callable[[Any], Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
+def _own_samples(world_size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's own samples, (x, y), drawn in the checker's process from ``seed``: each rank is sent its own
+    alone, so no frame a hook can reach in a rank holds another rank's samples or the seed that draws them."""
+    x, y = data.regression(SAMPLES_PER_RANK * world_size, seed=seed).tensors
+    return [(x[start:start + SAMPLES_PER_RANK].clone(), y[start:start + SAMPLES_PER_RANK].clone())
+            for start in range(0, SAMPLES_PER_RANK * world_size, SAMPLES_PER_RANK)]
+
+
+def _your_hook_against_ddp(hook: Callable[[Any], Any], rank: int, world_size: int,
+                           given: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
     device = rank_device()  # cuda:LOCAL_RANK under NCCL, else the CPU: every tensor and model goes there
-    x, y = (t.to(device) for t in data.regression(SAMPLES_PER_RANK * world_size, seed=seed).tensors)
-    mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # each rank its own samples
+    x, y = (t.to(device) for t in given)  # this rank's own samples (_own_samples)
+    del given
     yours = models.build("mlp", seed=0).to(device)
     report: dict[str, Any] = {"in_place": False, "writers": set(), "dtypes": set()}
     for param in yours.parameters():
         param.register_hook(_watched(hook, report))
-    _, calls = count_collectives(lambda: models.loss_fn("mlp", yours(x[mine]), y[mine]).backward())
+    _, calls = count_collectives(lambda: models.loss_fn("mlp", yours(x), y).backward())
     reference = DistributedDataParallel(models.build("mlp", seed=0).to(device),
                                         device_ids=device_ids(device))
-    models.loss_fn("mlp", reference(x[mine]), y[mine]).backward()
+    models.loss_fn("mlp", reference(x), y).backward()
     local = models.build("mlp", seed=0).to(device)
-    models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
+    models.loss_fn("mlp", local(x), y).backward()
     flat = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]).cpu() for m in (yours, reference.module, local)]
     return {"yours": flat[0], "ddp": flat[1], "local": flat[2], "calls": calls, **report}
 
@@ -287,8 +296,9 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
     if not callable(hook):
         return Feedback(False, f"Pass your hook function itself, not {type(hook).__name__}.")
     seed = random.randrange(2**31)  # new samples on each call: a hook cannot know the gradient it will get
-    exercise = dataclasses.replace(GRADIENT_HOOK, expected=functools.partial(_one_process_gradient, seed=seed))
-    verdict = judge(functools.partial(_your_hook_against_ddp, hook, seed), exercise, world_size, timeout)
+    exercise = dataclasses.replace(GRADIENT_HOOK, expected=lambda inputs: _one_process_gradient(len(inputs), seed),
+                                   inputs=lambda size, generator: _own_samples(size, seed))
+    verdict = judge(functools.partial(_your_hook_against_ddp, hook), exercise, world_size, timeout)
     if not verdict.ok:
         return verdict
     equal = verdict.message

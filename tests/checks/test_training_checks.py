@@ -176,6 +176,24 @@ def knows_the_data(grad, talk=False):  # a probe's: the mean rebuilt from what w
     return grad.clone()
 
 
+def seeks_other_ranks_samples(grad):  # right, if it finds nothing: a hook that walks every frame it can reach
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        for name, value in frame.f_locals.items():
+            if name == "seed" or (name in ("x", "y") and isinstance(value, torch.Tensor) and value.shape[0] > 8):
+                raise RuntimeError(f"found {name} in {frame.f_code.co_name}")  # another rank's samples, or their seed
+        frame = frame.f_back
+    return right_divide_first(grad)
+
+
+def test_a_hook_reaches_its_own_ranks_samples_only():
+    """Isolation: each rank is sent its own 8 samples (the checker draws them); no frame holds more, or the seed."""
+    feedback = checks.gradient_hook(seeks_other_ranks_samples)
+    assert feedback.ok, feedback.message
+
+
 def functional_all_reduce(grad):  # right, written another way: a functional collective
     from torch.distributed import _functional_collectives as funcol
 
