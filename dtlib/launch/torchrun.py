@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlib import arguments
-from dtlib.launch.processes import free_port
+from dtlib.launch.processes import end_tree, free_port
+from dtlib.launch.proctree import end_below
 
 
 @dataclass
@@ -103,32 +104,42 @@ def _start(command: list[str], extra_env: dict[str, str] | None = None) -> subpr
 
 def _stop(processes: list[subprocess.Popen[str]]) -> None:
     """SIGTERM first: torchrun's agent then stops its ranks, which run in sessions of their own;
-    SIGKILL to whatever is left after a grace period."""
+    SIGKILL to whatever is left after a grace period, the agent and every process below it
+    (:func:`dtlib.launch.processes.end_tree`: the ranks' own sessions too)."""
     for process in processes:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
     for process in processes:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            end_tree(process.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
 
 
 def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], timeout: float,
-            env: dict[str, str] | None = None, silence: float | None = None) -> list[Finished]:
+            env: dict[str, str] | None = None, silence: float | None = None,
+            kill: tuple[int | str, str] | None = None, port: int | None = None) -> list[Finished]:
     """Wait for every process, reading their output as it comes. Stop them all at ``timeout`` seconds, or,
     once they have printed a first line, when none has printed another for ``silence`` seconds (the imports
     before a first line are slow on a busy machine); say so at the end of the output of each process that
-    was still running."""
+    was still running. ``kill=(index, text)``: SIGKILL process ``index`` and everything below it, once, as soon
+    as it prints a line holding ``text``, and say so in its output; ``kill=("host", text)``: the process that
+    listens on ``port``."""
     started = time.monotonic()  # a moment after they started: Popen returns once each has been exec'd
     lines: list[list[str]] = [[] for _ in processes]
     last_line: list[float] = []  # when the latest line came, once one has
+    said: set[int] = set()  # the processes that printed kill's text
 
     def read(index: int, process: subprocess.Popen[str]) -> None:
         for line in process.stdout:  # type: ignore[union-attr]
             lines[index].append(line)
             last_line[:] = [time.monotonic()]
+            if kill is not None and kill[1] in line:
+                said.add(index)
 
     readers = [threading.Thread(target=read, args=pair, daemon=True) for pair in enumerate(processes)]
     for reader in readers:
@@ -142,6 +153,11 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
                      for took, process in zip(ended, processes, strict=True)]
             if all(took is not None for took in ended):
                 break
+            if kill is not None and said:
+                doomed = _store_host(port, processes) if kill[0] == "host" and port is not None else kill[0]
+                if isinstance(doomed, int) and doomed in said:
+                    _kill_node(processes[doomed], lines[doomed], kill[1], now - started, kill[0] == "host")
+                    kill = None
             if now - started >= timeout:
                 why = f"stopped after {timeout:.0f} s"
             elif silence is not None and last_line and now - last_line[0] >= silence:
@@ -168,6 +184,16 @@ def _finish(processes: list[subprocess.Popen[str]], commands: list[list[str]], t
              for command in shown]
     return [Finished(cmd, p.returncode if p.returncode is not None else -9, out, took)
             for cmd, p, out, took in zip(shown, processes, outputs, seconds, strict=True)]
+
+
+def _kill_node(process: subprocess.Popen[str], lines: list[str], text: str, at: float, host: bool) -> None:
+    """SIGKILL a node whole, as when a machine is lost: its agent and every rank below it, with no warning."""
+    below = end_below(process.pid, include_root=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    lines.append(f"[dtlib.launch.torchrun] {at:.1f} s: killed this node{' (it served the rendezvous store)' * host}, "
+                 f"its agent and the {len(below)} process{'es' * (len(below) != 1)} below it, with SIGKILL, after a "
+                 f"line holding {text!r}\n")
 
 
 def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequence[str] = (),
@@ -200,16 +226,29 @@ def exit_codes(finished: Finished) -> dict[int, int]:
 
 
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
+                   min_nodes: int | None = None, store: str = "agent", kill: tuple[int | str, str] | None = None,
                    options: Sequence[str] = (), timeout: float = 60.0, silence: float | None = None,
                    restart_fix: bool = True) -> list[Finished]:
-    """``nnodes`` torchrun processes on this machine, each playing one node of a cluster.
+    """``nnodes`` torchrun processes on this machine, each playing one node of a cluster; one ``Finished`` per
+    node, in the order they were started (node 0 first).
 
-    ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``; the agent on
-    the endpoint's host serves the store (here every node is on 127.0.0.1, so the first to bind the port
-    does), and node ranks are given out when the rendezvous completes, not in order of arrival.
-    ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by hand,
-    node 0 hosting the store, as with ``torch.distributed.launch`` of old. ``options``: more of torchrun's
-    own, given to every node, and ``silence`` and ``restart_fix``, as in :func:`single_node`.
+    ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``, and node ranks
+    are given out when the rendezvous completes, not in order of arrival. With ``store="agent"`` the agent that
+    binds the endpoint's port first serves the rendezvous store, as the agent on the endpoint's machine does on a
+    cluster (here every node is on 127.0.0.1). ``store="apart"``: a process of its own serves it, as a store on a
+    machine that runs no training would; pass ``--rdzv_conf=is_host=false`` in ``options`` to say so to torchrun.
+    ``min_nodes``: an elastic job, ``--nnodes=min_nodes:nnodes``, which carries on with any number of nodes in
+    that range. ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by
+    hand, node 0 hosting the store, as with ``torch.distributed.launch`` of old.
+
+    ``kill=(node, text)``: once node ``node`` prints a line holding ``text``, SIGKILL it whole, its agent and
+    every rank below it, as when a machine is lost; its output says when. ``kill=("host", text)``: the node whose
+    agent serves the store (``store="agent"``). ``options``: more of torchrun's own,
+    given to every node, and ``silence`` and ``restart_fix``, as in :func:`single_node`. Example, a job that
+    loses one of its two nodes and goes on with the other::
+
+        simulate_nodes(["train.py"], 2, min_nodes=1, store="apart", kill=(0, '"step": 6'),
+                       options=["--max_restarts=1", "--rdzv_conf=is_host=false"])
     """
     target, nproc_per_node, timeout = _checked(target, nproc_per_node, timeout)
     silence = arguments.seconds("silence", silence)
@@ -217,17 +256,98 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     nnodes = arguments.count("nnodes", nnodes, 1)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
+    if store not in ("agent", "apart"):
+        raise ValueError(f"store must be 'agent' (a node's agent serves it) or 'apart' (a process of its own), "
+                         f"got {store!r}")
+    if rendezvous == "static" and (min_nodes is not None or store != "agent"):
+        raise ValueError("min_nodes and store='apart' need rendezvous='c10d': the static rendezvous has a fixed "
+                         "number of nodes, and node 0 serves its store")
+    smallest = nnodes if min_nodes is None else arguments.count("min_nodes", min_nodes, 1)
+    if smallest > nnodes:
+        raise ValueError(f"min_nodes must be at most nnodes ({nnodes}), got {min_nodes}")
+    kill = _checked_kill(kill, nnodes, store)
     port = free_port()
+    sizes = f"{smallest}:{nnodes}" if min_nodes is not None else str(nnodes)
     commands = []
     for node_rank in range(nnodes):
         if rendezvous == "c10d":
-            options = [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+            options = [f"--nnodes={sizes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                        f"--rdzv_id=dtlib-{port}"]
         else:
             options = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
                        f"--master_port={port}"]
         commands.append(_command(target, nproc_per_node, [*options, *extra]))
-    return _finish([_start(c, env) for c in commands], commands, timeout, env, silence)
+    server = _store_server(port, timeout) if store == "apart" else None
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        processes += [_start(command, env) for command in commands]
+        return _finish(processes, commands, timeout, env, silence, kill, port)
+    except BaseException:
+        _stop(processes)
+        raise
+    finally:
+        if server is not None:
+            end_tree(server.pid)
+            server.wait()
+
+
+def _checked_kill(kill: object, nnodes: int, store: str) -> tuple[int | str, str] | None:
+    if kill is None:
+        return None
+    node = kill[0] if isinstance(kill, tuple) and len(kill) == 2 else None
+    if not (isinstance(kill, tuple) and len(kill) == 2 and isinstance(kill[1], str) and kill[1]
+            and (node == "host" or isinstance(node, int) and not isinstance(node, bool) and 0 <= node < nnodes)):
+        raise ValueError(f"kill must be (node, text): a node from 0 to {nnodes - 1}, or 'host' (the node whose agent "
+                         f"serves the rendezvous store), and the text of a line after which it dies, e.g. "
+                         f"(1, '\"step\": 6'); got {kill!r:.80}")
+    if node == "host" and store != "agent":
+        raise ValueError("kill=('host', ...) needs store='agent': with store='apart' no node serves the store")
+    return kill  # type: ignore[return-value]
+
+
+def _listening(port: int) -> list[str]:
+    """The socket inodes listening on TCP ``port`` on this machine, read from ``/proc/net`` (connecting to
+    nothing: a store sent a connection it cannot parse logs a warning); none where that cannot be read."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    found.append(fields[9])
+    return found
+
+
+def _store_host(port: int, processes: list[subprocess.Popen[str]]) -> int | None:
+    """The index of the process that listens on ``port`` (a torchrun agent serving the rendezvous store)."""
+    sockets = {f"socket:[{inode}]" for inode in _listening(port)}
+    for index, process in enumerate(processes):
+        with contextlib.suppress(OSError):
+            folder = f"/proc/{process.pid}/fd"
+            if any(os.readlink(f"{folder}/{fd}") in sockets for fd in os.listdir(folder)):
+                return index
+    return None
+
+
+def _wait_listening(port: int, process: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _listening(port) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _store_server(port: int, timeout: float) -> subprocess.Popen[str]:
+    """A TCPStore server on 127.0.0.1:``port`` in a process of its own, which lives until it is killed or its
+    caller dies (it exits when its stdin, a pipe from the caller, closes)."""
+    code = ("import sys, torch.distributed as dist; "
+            f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+            "sys.stdin.read()")
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    _wait_listening(port, server, timeout)
+    if not _listening(port):
+        end_tree(server.pid)
+        raise RuntimeError(f"the rendezvous store could not start on port {port} (exit code {server.returncode})")
+    return server
 
 
 def env_records(finished: Sequence[Finished]) -> list[dict[str, object]]:

@@ -338,3 +338,121 @@ def test_json_records_are_every_ranks_json_lines_and_nothing_else():
     assert torchrun.json_records(run) == [{"rank": 0, "step": 1}, {"rank": 1, "step": 1}, {"rank": 10, "step": 2},
                                           {"plain": True}]
     assert torchrun.json_records([run, run]) == torchrun.json_records(run) * 2
+
+
+ELASTIC = """
+import json, os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(json.dumps({"attempt": attempt, "world": dist.get_world_size(), "pid": os.getpid()}), flush=True)
+if attempt == 0:
+    time.sleep(3)   # every rank: the moment its node may be killed
+total = torch.ones(1)
+dist.all_reduce(total)
+print(json.dumps({"attempt": attempt, "sum": total.item()}), flush=True)
+dist.destroy_process_group()
+"""
+#: Found fast on one machine: a dead node after 2 missed heartbeats of 1 s, a round closed 3 s after its first node.
+FAST_RENDEZVOUS = "--rdzv_conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+def _gone(pids, deadline_s=15.0):
+    import psutil
+
+    deadline = time.monotonic() + deadline_s
+    while (alive := [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+def _store_servers(finished):
+    import psutil
+
+    port = re.search(r"--rdzv_endpoint=127\.0\.0\.1:(\d+)", finished[0].command).group(1)
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if f"{port}, is_master=True" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_whose_store_runs_apart_loses_a_node_and_goes_on_at_world_size_1(tmp_path):
+    """Two nodes, --nnodes=1:2: node 0 is killed whole (agent and rank) while every rank waits; node 1's
+    all-reduce fails, its agent restarts it, and the new round has one node: world size 1, the sum 1."""
+    (tmp_path / "elastic.py").write_text(ELASTIC)
+    finished = torchrun.simulate_nodes([str(tmp_path / "elastic.py")], 2, min_nodes=1, store="apart",
+                                       kill=(0, '"attempt": 0'), timeout=90,
+                                       options=["--max_restarts=1", f"{FAST_RENDEZVOUS},is_host=false"])
+    killed, survivor = finished
+    assert killed.returncode == -9 and "killed this node, its agent and the 1 process below it" in killed.output
+    assert survivor.returncode == 0, failure_report(survivor)
+    records = torchrun.json_records(survivor)
+    assert [(r["attempt"], r["world"]) for r in records if "world" in r] == [(0, 2), (1, 1)]
+    assert records[-1] == {"attempt": 1, "sum": 1.0}
+    assert "--nnodes=1:2" in survivor.command
+    ranks = [r["pid"] for r in torchrun.json_records(finished) if "pid" in r]
+    assert not _gone(ranks) and not _store_servers(finished), "a rank or the store outlived the call"
+
+
+@pytest.mark.timeout(120)
+def test_killing_the_node_that_serves_the_store_ends_the_survivor_too(tmp_path):
+    (tmp_path / "elastic.py").write_text(ELASTIC)
+    finished = torchrun.simulate_nodes([str(tmp_path / "elastic.py")], 2, min_nodes=1, kill=("host", '"attempt": 0'),
+                                       options=["--max_restarts=1", FAST_RENDEZVOUS], timeout=90)
+    host = [f for f in finished if "it served the rendezvous store" in f.output]
+    assert len(host) == 1 and host[0].returncode == -9
+    other = finished[1 - finished.index(host[0])]
+    assert other.returncode == 1 and "RendezvousConnectionError" in other.output
+    assert not [r for r in torchrun.json_records(other) if r.get("attempt") == 1]
+    assert not _gone([r["pid"] for r in torchrun.json_records(finished) if "pid" in r])
+
+
+@pytest.mark.timeout(60)
+def test_a_job_stopped_at_its_timeout_takes_its_separate_store_with_it():
+    finished = torchrun.simulate_nodes(["--no-python", "sleep", "61.75"], 2, min_nodes=1, store="apart", timeout=6,
+                                       options=["--rdzv_conf=is_host=false"])
+    assert all("stopped after 6 s" in f.output for f in finished)
+    import psutil
+
+    sleeping = [p.pid for p in psutil.process_iter(["cmdline"]) if "61.75" in (p.info["cmdline"] or [])]
+    assert not _gone(sleeping) and not _store_servers(finished)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kill": (2, "x")}, "kill must be"), ({"kill": (0, "")}, "kill must be"), ({"kill": "host"}, "kill must be"),
+    ({"kill": (True, "x")}, "kill must be"), ({"kill": ("host", "x"), "store": "apart"}, "needs store='agent'"),
+    ({"store": "etcd"}, "store must be"), ({"min_nodes": 3}, "min_nodes must be at most nnodes"),
+    ({"min_nodes": 0}, "min_nodes must be >= 1"), ({"min_nodes": 1, "rendezvous": "static"}, "need rendezvous='c10d'"),
+])
+def test_bad_elastic_settings_are_refused_before_anything_starts(monkeypatch, kwargs, message):
+    monkeypatch.setattr(torchrun.subprocess, "Popen", lambda *a, **k: pytest.fail("torchrun started"))
+    with pytest.raises(ValueError, match=message):
+        torchrun.simulate_nodes(["x.py"], 2, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_nodes_run_ends_every_agent_rank_and_the_separate_store(monkeypatch):
+    import psutil
+
+    real_sleep, servers = time.sleep, []
+    real_server = torchrun._store_server
+
+    def remember(port, timeout):
+        servers.append(real_server(port, timeout))
+        return servers[-1]
+
+    def interrupt_the_wait(seconds):  # the nodes' wait, once their ranks run: as the notebook's stop button
+        if sys._getframe(1).f_code.co_name == "_finish" and \
+                [p for p in psutil.process_iter(["cmdline"]) if "61.5" in (p.info["cmdline"] or [])]:
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(torchrun, "_store_server", remember)
+    monkeypatch.setattr(time, "sleep", interrupt_the_wait)
+    with pytest.raises(KeyboardInterrupt):
+        torchrun.simulate_nodes(["--no-python", "sleep", "61.5"], 2, min_nodes=1, store="apart", timeout=50,
+                                options=["--rdzv_conf=is_host=false"])
+    monkeypatch.undo()
+    sleeping = [p.pid for p in psutil.process_iter(["cmdline"]) if "61.5" in (p.info["cmdline"] or [])]
+    assert servers and servers[0].poll() is not None, "the store outlived the interrupt"
+    assert not _gone(sleeping), "a rank outlived the interrupt"
