@@ -288,7 +288,7 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     finally:
         if server is not None:
             end_tree(server.pid)
-            server.wait()
+            server.communicate()  # reaped, and its pipes closed
 
 
 def _checked_kill(kill: object, nnodes: int, store: str) -> tuple[int | str, str] | None:
@@ -329,24 +329,22 @@ def _store_host(port: int, processes: list[subprocess.Popen[str]]) -> int | None
     return None
 
 
-def _wait_listening(port: int, process: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not _listening(port) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def _store_server(port: int, timeout: float) -> subprocess.Popen[str]:
     """A TCPStore server on 127.0.0.1:``port`` in a process of its own, which lives until it is killed or its
-    caller dies (it exits when its stdin, a pipe from the caller, closes)."""
+    caller dies (it exits when its stdin, a pipe from the caller, closes); returned once it listens."""
     code = ("import sys, torch.distributed as dist; "
             f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
             "sys.stdin.read()")
     server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    _wait_listening(port, server, timeout)
-    if not _listening(port):
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while _store_host(port, [server]) != 0 and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _store_host(port, [server]) != 0:
         end_tree(server.pid)
-        raise RuntimeError(f"the rendezvous store could not start on port {port} (exit code {server.returncode})")
+        said = [line for line in server.communicate()[1].splitlines() if line.strip()]
+        raise RuntimeError(f"the rendezvous store could not start on port {port}"
+                           + (f": {said[-1].strip()[:300]}" if said else f" within {timeout:.0f} s"))
     return server
 
 

@@ -456,3 +456,51 @@ def test_an_interrupt_while_nodes_run_ends_every_agent_rank_and_the_separate_sto
     sleeping = [p.pid for p in psutil.process_iter(["cmdline"]) if "61.5" in (p.info["cmdline"] or [])]
     assert servers and servers[0].poll() is not None, "the store outlived the interrupt"
     assert not _gone(sleeping), "a rank outlived the interrupt"
+
+
+def test_a_store_whose_port_another_process_holds_is_named_and_nothing_starts(monkeypatch):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(torchrun, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match=rf"could not start on port {taken.getsockname()[1]}: .*"):
+            torchrun.simulate_nodes(["x.py"], 2, min_nodes=1, store="apart", timeout=60)
+
+
+def _notebook_16_scripts(folder):
+    """The files notebook 16 writes (train_resume.py, faults.py), from its own %%writefile cells."""
+    import json
+    from pathlib import Path
+
+    notebook = Path(__file__).parents[2] / "notebooks" / "16_when_a_rank_dies.ipynb"
+    for cell in json.loads(notebook.read_text())["cells"]:
+        text = "".join(cell["source"])
+        if text.startswith("%%writefile "):
+            name, body = text.split("\n", 1)
+            (folder / name.split()[1]).write_text(body)
+    return str(folder / "train_resume.py")
+
+
+@pytest.mark.timeout(120)
+def test_notebook_16s_script_without_restarts_fails_clearly_with_each_ranks_exit(tmp_path):
+    script = _notebook_16_scripts(tmp_path)
+    job = torchrun.single_node([script, "--folder", str(tmp_path / "ckpt"), "--fault", "kill:6"],
+                               options=["--max_restarts=0"], timeout=90)
+    assert job.returncode == 1 and torchrun.exit_codes(job) == {0: -15, 1: -9}, job.output[-3000:]
+    assert max(r["step"] for r in torchrun.json_records(job)) == 6
+    assert (tmp_path / "ckpt" / "latest").read_text() == "4"  # the last complete checkpoint, for a later resume
+
+
+@pytest.mark.timeout(150)
+def test_notebook_16s_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
+    """DCP reshards on load: a checkpoint written by 2 ranks resumes on 3, each taking its rows of the step."""
+    script = _notebook_16_scripts(tmp_path)
+    folder = str(tmp_path / "ckpt")
+    first = torchrun.single_node([script, "--folder", folder, "--fault", "kill:6"], timeout=90)
+    assert first.returncode == 1 and (tmp_path / "ckpt" / "latest").read_text() == "4"
+    again = torchrun.single_node([script, "--folder", folder], nproc_per_node=3, timeout=90)
+    assert again.returncode == 0, again.output[-3000:]
+    records = torchrun.json_records(again)
+    assert {r["world"] for r in records} == {3} and sorted({r["step"] for r in records}) == list(range(5, 13))
