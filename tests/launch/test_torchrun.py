@@ -504,3 +504,19 @@ def test_notebook_16s_checkpoint_of_two_ranks_resumes_on_three(tmp_path):
     assert again.returncode == 0, again.output[-3000:]
     records = torchrun.json_records(again)
     assert {r["world"] for r in records} == {3} and sorted({r["step"] for r in records}) == list(range(5, 13))
+
+
+@pytest.mark.timeout(150)
+def test_notebook_16s_rank_lost_at_a_checkpoint_step_resumes_from_the_checkpoint_before(tmp_path):
+    """Killed after step 8's training, before its save: rank 0 fails inside dcp.save, the marker still names
+    step 4, and the restart runs steps 5 to 8 again, to the same losses. Steps lost: 4, not 8 mod 4."""
+    script = _notebook_16_scripts(tmp_path)
+    job = torchrun.single_node([script, "--folder", str(tmp_path / "ckpt"), "--fault", "kill:8"],
+                               options=["--max_restarts=1"], timeout=120)
+    assert job.returncode == 0, job.output[-3000:]
+    records = torchrun.json_records(job)
+    first = {(r["rank"], r["step"]): r["loss"] for r in records if r["attempt"] == 0}
+    again = {(r["rank"], r["step"]): r["loss"] for r in records if r["attempt"] == 1}
+    assert max(step for _, step in first) == 8 and min(step for _, step in again) == 5
+    assert all(again[key] == loss for key, loss in first.items() if key[1] >= 5)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "12"
