@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from dtlib.bench import bandwidth, ddp, fsdp, live, startup, targets
+from dtlib.bench import bandwidth, checkpoint, ddp, fsdp, live, startup, targets
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     live_parser.add_argument("--samples", type=_count(1), default=50, help="round trips timed (the median counts)")
     live_parser.add_argument("--starts", type=_count(1), default=5, help="starts and spawns timed")
     live_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    save_parser = commands.add_parser("checkpoint", help="what a DCP save takes from its step: blocking and async")
+    save_parser.add_argument("--world-size", type=_count(1), default=2)
+    save_parser.add_argument("--steps", type=_count(1), default=12, help="timed training steps per run")
+    save_parser.add_argument("--every", type=_count(1), default=4, help="a checkpoint every this many steps")
+    save_parser.add_argument("--layers", type=_count(1), default=8, help="Linear(1024, 1024) layers of the model")
+    save_parser.add_argument("--repeats", type=_count(1), default=3, help="runs of each kind of save, alternating")
+    save_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     check_parser = commands.add_parser("check", help="every speed target against its limit; exit 1 on a miss")
     check_parser.add_argument("--only", default=",".join(targets.TARGETS),
                               help=f"comma-separated subset of {','.join(targets.TARGETS)}")
@@ -114,6 +121,9 @@ def _measure(options: argparse.Namespace) -> str:
     if options.what == "live":
         rows = live.measure(options.world_size, options.samples, options.starts)
         return json.dumps(live.as_records(rows), indent=2) if options.json else live.format_table(rows)
+    if options.what == "checkpoint":
+        rows = checkpoint.measure(options.world_size, options.steps, options.every, options.layers, options.repeats)
+        return json.dumps(checkpoint.as_records(rows), indent=2) if options.json else checkpoint.format_table(rows)
     if options.what == "fsdp":
         bench, rows = fsdp, fsdp.measure(options.world_size, options.steps)
     elif options.what == "ddp":
