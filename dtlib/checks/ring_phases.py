@@ -48,16 +48,17 @@ def _dtype_code(tensor: Any) -> int:
     return _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
 
 
-def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -> Callable[..., None]:
+def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int],
+                   shifts: list[int]) -> Callable[..., None]:
     """``ring_shift``, after every rank has told every other the sizes it sends and receives at this step.
 
     A send and the receive it meets must match in size; NCCL would not say so (it hangs or reads past the
     end) and gloo aborts the process. So every rank learns of a mismatch at once and raises
     :class:`_StepRefused` with the same words; so does a step that sends or receives in another dtype than
     the buffer's. The exchange's own collectives go into ``extra``, which the caller takes off the learner's
-    count, and so does the number of ring_shift calls, under "ring_shift".
+    count; ``shifts[0]`` counts the calls of ring_shift.
     """
-    real, step = send_recv.ring_shift, [0]
+    real, step = send_recv.ring_shift, shifts
 
     def shift(send: Any, receive_into: Any, rank: int, world_size: int) -> None:
         sent = _chunk_of(send, views)
@@ -70,7 +71,6 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int]) -
         for call, times in calls.items():
             extra[call] = extra.get(call, 0) + times
         table, step[0] = every.view(world_size, _FIELDS).tolist(), step[0] + 1
-        extra["ring_shift"] = step[0]
         wanted = _dtype_code(views[0])
         for left, (*_, sends, receives) in enumerate(table):
             if not sends == receives == wanted:
@@ -112,7 +112,8 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
         views = list(chunks)  # views of the buffer: the list may hold other tensors afterwards
         seen["before"] = [view.tolist() for view in views]
         extra: dict[str, int] = {}
-        real, send_recv.ring_shift = send_recv.ring_shift, _checked_shift(views, chunks, extra)
+        shifts = [0]
+        real, send_recv.ring_shift = send_recv.ring_shift, _checked_shift(views, chunks, extra, shifts)
         try:
             _, calls = count_collectives(phase, chunks, rank, world_size)
         except _StepRefused as err:
@@ -121,7 +122,7 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
             send_recv.ring_shift = real
         seen["calls"] = {call: times - extra.get(call, 0) for call, times in calls.items()
                          if times - extra.get(call, 0)}
-        seen["shifts"] = extra.get("ring_shift", 0)  # ring_shift's own calls, not the sends the phase made
+        seen["shifts"] = shifts[0]  # ring_shift's own calls, not the sends the phase made
         seen["after"] = [view.tolist() for view in views]
         seen["replaced"] = [i for i, (view, now) in enumerate(zip(views, chunks, strict=False)) if view is not now]
 

@@ -42,7 +42,8 @@ def mlp_inputs(device: torch.device | str | None = None) -> tuple[torch.Tensor, 
     Example: ``x, up, down = mlp_inputs()``.
     """
     device = rank_device() if device is None else device
-    return tuple(tensor.to(device) for tensor in _drawn(_seed[0]))  # type: ignore[return-value]
+    x, up, down = _drawn(_seed[0])
+    return x.to(device), up.to(device), down.to(device)
 
 
 def _drawn(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
