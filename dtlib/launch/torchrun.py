@@ -227,10 +227,10 @@ def exit_codes(finished: Finished) -> dict[int, int]:
 
 def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int = 1, *, rendezvous: str = "c10d",
                    min_nodes: int | None = None, store: str = "agent", kill: tuple[int | str, str] | None = None,
-                   options: Sequence[str] = (), timeout: float = 60.0, silence: float | None = None,
+                   absent: int = 0, options: Sequence[str] = (), timeout: float = 60.0, silence: float | None = None,
                    restart_fix: bool = True) -> list[Finished]:
     """``nnodes`` torchrun processes on this machine, each playing one node of a cluster; one ``Finished`` per
-    node, in the order they were started (node 0 first).
+    node started, in the order they were started (node 0 first).
 
     ``rendezvous="c10d"``: every node names the same ``--rdzv_endpoint`` and ``--rdzv_id``, and node ranks
     are given out when the rendezvous completes, not in order of arrival. With ``store="agent"`` the agent that
@@ -243,7 +243,9 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
 
     ``kill=(node, text)``: once node ``node`` prints a line holding ``text``, SIGKILL it whole, its agent and
     every rank below it, as when a machine is lost; its output says when. ``kill=("host", text)``: the node whose
-    agent serves the store (``store="agent"``). ``options``: more of torchrun's own,
+    agent serves the store (``store="agent"``). ``absent``: that many nodes, the last ones, are never started,
+    as machines that never came up: the others wait for them until the rendezvous gives up (its
+    ``join_timeout``, 600 s unless ``--rdzv_conf`` says otherwise). ``options``: more of torchrun's own,
     given to every node, and ``silence`` and ``restart_fix``, as in :func:`single_node`. Example, a job that
     loses one of its two nodes and goes on with the other::
 
@@ -265,7 +267,10 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     smallest = nnodes if min_nodes is None else arguments.count("min_nodes", min_nodes, 1)
     if smallest > nnodes:
         raise ValueError(f"min_nodes must be at most nnodes ({nnodes}), got {min_nodes}")
-    kill = _checked_kill(kill, nnodes, store)
+    absent = arguments.count("absent", absent, 0)
+    if absent >= nnodes:
+        raise ValueError(f"absent must be less than nnodes ({nnodes}): at least one node starts; got {absent}")
+    kill = _checked_kill(kill, nnodes - absent, store)
     port = free_port()
     sizes = f"{smallest}:{nnodes}" if min_nodes is not None else str(nnodes)
     commands = []
@@ -280,8 +285,8 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     server = _store_server(port, timeout) if store == "apart" else None
     processes: list[subprocess.Popen[str]] = []
     try:
-        processes += [_start(command, env) for command in commands]
-        return _finish(processes, commands, timeout, env, silence, kill, port)
+        processes += [_start(command, env) for command in commands[:nnodes - absent]]
+        return _finish(processes, commands[:nnodes - absent], timeout, env, silence, kill, port)
     except BaseException:
         _stop(processes)
         raise

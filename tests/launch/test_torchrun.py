@@ -424,6 +424,8 @@ def test_a_job_stopped_at_its_timeout_takes_its_separate_store_with_it():
     ({"kill": (True, "x")}, "kill must be"), ({"kill": ("host", "x"), "store": "apart"}, "needs store='agent'"),
     ({"store": "etcd"}, "store must be"), ({"min_nodes": 3}, "min_nodes must be at most nnodes"),
     ({"min_nodes": 0}, "min_nodes must be >= 1"), ({"min_nodes": 1, "rendezvous": "static"}, "need rendezvous='c10d'"),
+    ({"absent": 2}, "absent must be less than nnodes"), ({"absent": -1}, "absent must be >= 0"),
+    ({"absent": 1, "kill": (1, "x")}, "kill must be"),
 ])
 def test_bad_elastic_settings_are_refused_before_anything_starts(monkeypatch, kwargs, message):
     monkeypatch.setattr(torchrun.subprocess, "Popen", lambda *a, **k: pytest.fail("torchrun started"))
@@ -521,3 +523,11 @@ def test_notebook_16s_rank_lost_at_a_checkpoint_step_resumes_from_the_checkpoint
     assert max(step for _, step in first) == 8 and min(step for _, step in again) == 5
     assert all(again[key] == loss for key, loss in first.items() if key[1] >= 5)
     assert (tmp_path / "ckpt" / "latest").read_text() == "12"
+
+
+@pytest.mark.timeout(90)
+def test_a_node_that_never_comes_ends_the_rendezvous_at_its_join_timeout_with_torchs_own_error():
+    finished = torchrun.simulate_nodes(["--no-python", "true"], 2, absent=1, timeout=60,
+                                       options=["--rdzv_conf=join_timeout=4"])
+    assert len(finished) == 1 and finished[0].returncode == 1 and "stopped after" not in finished[0].output
+    assert "RendezvousTimeoutError" in finished[0].output, finished[0].output[-2000:]
