@@ -343,8 +343,13 @@ def _store_server(port: int, timeout: float) -> subprocess.Popen[str]:
     server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
-    while _store_host(port, [server]) != 0 and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        while _store_host(port, [server]) != 0 and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except BaseException:  # an interrupt while it starts: it ends with the call
+        end_tree(server.pid)
+        server.communicate()
+        raise
     if _store_host(port, [server]) != 0:
         end_tree(server.pid)
         said = [line for line in server.communicate()[1].splitlines() if line.strip()]

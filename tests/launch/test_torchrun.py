@@ -531,3 +531,25 @@ def test_a_node_that_never_comes_ends_the_rendezvous_at_its_join_timeout_with_to
                                        options=["--rdzv_conf=join_timeout=4"])
     assert len(finished) == 1 and finished[0].returncode == 1 and "stopped after" not in finished[0].output
     assert "RendezvousTimeoutError" in finished[0].output, finished[0].output[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_the_separate_store_starts_ends_it(monkeypatch):
+    import psutil
+
+    from dtlib.launch.processes import free_port
+
+    port, real_sleep = free_port(), time.sleep
+
+    def interrupt_the_store_start(seconds):
+        if sys._getframe(1).f_code.co_name == "_store_server":
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(torchrun, "free_port", lambda: port)
+    monkeypatch.setattr(time, "sleep", interrupt_the_store_start)
+    with pytest.raises(KeyboardInterrupt):
+        torchrun.simulate_nodes(["x.py"], 2, min_nodes=1, store="apart", timeout=30)
+    monkeypatch.undo()
+    left = _store_servers([torchrun.Finished(f"torchrun --rdzv_endpoint=127.0.0.1:{port}", 0, "")])
+    assert not [pid for pid in left if psutil.Process(pid).status() != "zombie"], "the store outlived the interrupt"
