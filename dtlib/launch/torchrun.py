@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlib import arguments
+from dtlib.launch.job import STARTUP_S
 from dtlib.launch.processes import end_tree, free_port
 from dtlib.launch.proctree import end_below
 
@@ -236,7 +237,7 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     are given out when the rendezvous completes, not in order of arrival. With ``store="agent"`` the agent that
     binds the endpoint's port first serves the rendezvous store, as the agent on the endpoint's machine does on a
     cluster (here every node is on 127.0.0.1). ``store="apart"``: a process of its own serves it, as a store on a
-    machine that runs no training would; pass ``--rdzv_conf=is_host=false`` in ``options`` to say so to torchrun.
+    machine that runs no training would (its start is not counted in ``timeout``); pass ``--rdzv_conf=is_host=false`` in ``options`` to say so to torchrun.
     ``min_nodes``: an elastic job, ``--nnodes=min_nodes:nnodes``, which carries on with any number of nodes in
     that range. ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by
     hand, node 0 hosting the store, as with ``torch.distributed.launch`` of old.
@@ -282,7 +283,7 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
             options = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1",
                        f"--master_port={port}"]
         commands.append(_command(target, nproc_per_node, [*options, *extra]))
-    server = _store_server(port, timeout) if store == "apart" else None
+    server = _store_server(port) if store == "apart" else None
     processes: list[subprocess.Popen[str]] = []
     try:
         processes += [_start(command, env) for command in commands[:nnodes - absent]]
@@ -334,15 +335,17 @@ def _store_host(port: int, processes: list[subprocess.Popen[str]]) -> int | None
     return None
 
 
-def _store_server(port: int, timeout: float) -> subprocess.Popen[str]:
+def _store_server(port: int, start_s: float = STARTUP_S) -> subprocess.Popen[str]:
     """A TCPStore server on 127.0.0.1:``port`` in a process of its own, which lives until it is killed or its
-    caller dies (it exits when its stdin, a pipe from the caller, closes); returned once it listens."""
+    caller dies (it exits when its stdin, a pipe from the caller, closes); returned once it listens. Its start
+    (Python and torch imported) may take ``start_s``, outside the job's timeout, as a rank's start does in
+    :func:`dtlib.spawn`: a busy machine's slow start is not the job's fault."""
     code = ("import sys, torch.distributed as dist; "
             f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
             "sys.stdin.read()")
     server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + start_s
     try:
         while _store_host(port, [server]) != 0 and server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -354,7 +357,7 @@ def _store_server(port: int, timeout: float) -> subprocess.Popen[str]:
         end_tree(server.pid)
         said = [line for line in server.communicate()[1].splitlines() if line.strip()]
         raise RuntimeError(f"the rendezvous store could not start on port {port}"
-                           + (f": {said[-1].strip()[:300]}" if said else f" within {timeout:.0f} s"))
+                           + (f": {said[-1].strip()[:300]}" if said else f" within {start_s:.0f} s"))
     return server
 
 

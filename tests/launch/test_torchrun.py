@@ -440,8 +440,8 @@ def test_an_interrupt_while_nodes_run_ends_every_agent_rank_and_the_separate_sto
     real_sleep, servers = time.sleep, []
     real_server = torchrun._store_server
 
-    def remember(port, timeout):
-        servers.append(real_server(port, timeout))
+    def remember(port):
+        servers.append(real_server(port))
         return servers[-1]
 
     def interrupt_the_wait(seconds):  # the nodes' wait, once their ranks run: as the notebook's stop button
