@@ -237,7 +237,8 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
     are given out when the rendezvous completes, not in order of arrival. With ``store="agent"`` the agent that
     binds the endpoint's port first serves the rendezvous store, as the agent on the endpoint's machine does on a
     cluster (here every node is on 127.0.0.1). ``store="apart"``: a process of its own serves it, as a store on a
-    machine that runs no training would (its start is not counted in ``timeout``); pass ``--rdzv_conf=is_host=false`` in ``options`` to say so to torchrun.
+    machine that runs no training would (its start is not counted in ``timeout``); pass
+    ``--rdzv_conf=is_host=false`` in ``options`` to say so to torchrun.
     ``min_nodes``: an elastic job, ``--nnodes=min_nodes:nnodes``, which carries on with any number of nodes in
     that range. ``rendezvous="static"``: ``--node_rank``, ``--master_addr`` and ``--master_port`` fixed by
     hand, node 0 hosting the store, as with ``torch.distributed.launch`` of old.
