@@ -92,6 +92,8 @@ class CommLog:
     _pending: list[tuple[CommEvent, Any, Any]] = field(default_factory=list, repr=False)
     _reference: tuple[Any, float] | None = field(default=None, repr=False)  # (CUDA event, this clock) in step
     _side: Any = field(default=None, repr=False)  # the stream that waits for each collective
+    # CPU collectives whose finish is stamped by a callback: the futures that complete after it ran
+    _stamping: list[Any] = field(default_factory=list, repr=False)
 
     def now(self) -> float:
         """Seconds since this log began: the clock of every event."""
@@ -136,11 +138,16 @@ class CommLog:
         return collective
 
     def _stamp(self, event: CommEvent, work: Any, async_op: bool) -> None:
-        """A CPU collective's finish on this clock: now if the caller waited, else when its future fires."""
+        """A CPU collective's finish on this clock: now if the caller waited, else when its future fires.
+
+        The callback runs on gloo's thread and needs the GIL. If the caller holds it when the collective ends,
+        a callback the caller chains later (DDP's hook) runs first, on the caller's thread, and the step goes
+        on with this one still queued: :meth:`resolve` waits for it.
+        """
         if not async_op or work is None:
             event.done_s = self.now()
         else:
-            work.get_future().then(lambda _: setattr(event, "done_s", self.now()))
+            self._stamping.append(work.get_future().then(lambda _: setattr(event, "done_s", self.now())))
 
     def _cuda_mark(self) -> Any:
         """A timing CUDA event on the caller's stream; the first one also fixes the reference."""
@@ -168,8 +175,12 @@ class CommLog:
         return done
 
     def resolve(self) -> None:
-        """Put every CUDA collective recorded so far on this clock (synchronises the GPU once; a no-op when
-        there are none, as on CPU ranks). Call it after a step, not inside one."""
+        """Give every collective recorded so far its finish on this clock. A CPU collective's: wait for the
+        callback that stamps it (see :meth:`_stamp`). A CUDA collective's: read from its events (synchronises
+        the GPU once, and only if there are some). Call it after a step, not inside one."""
+        for stamped in self._stamping:
+            stamped.wait()  # releases the GIL, so that gloo's thread can run the stamp
+        self._stamping.clear()
         if not self._pending or self._reference is None:
             return
         torch.cuda.synchronize()

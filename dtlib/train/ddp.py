@@ -171,7 +171,7 @@ def train(rank: int, world_size: int, config: TrainConfig) -> RankResult:
 def _record_step(result: RankResult, log: CommLog, step: int, step_start: float, step_s: float,
                  loss_value: float) -> None:
     """Keep one step's numbers; ``step_s`` is its time, measured before this bookkeeping began."""
-    log.resolve()  # CUDA collectives: their GPU start and finish, read from CUDA events (a no-op on CPU ranks)
+    log.resolve()  # every finish known: CPU stamps waited for, CUDA collectives read from their events
     events = log.in_step(step)
     compute_end = max((e.launched_s for e in events), default=log.now())
     result.losses.append(loss_value)

@@ -68,6 +68,7 @@ def _record_all_reduces(rank, world_size):
         pending = torch.arange(6, dtype=torch.float64) * (rank + 1)  # 48 bytes
         work = dist.all_reduce(pending, async_op=True)
         work.wait()
+        log.resolve()  # wait() can return before the stamp's callback has run (test below)
         async_done_s = log.events[-1].done_s
     restored = dist.all_reduce is original
     try:
@@ -112,6 +113,34 @@ def test_every_event_gets_its_finish_time(recorded):
         times = [(launched, done) for _, _, _, launched, done, _ in report["events"]]
         assert all(0 <= launched <= done for launched, done in times)
         assert [launched for launched, _ in times] == sorted(launched for launched, _ in times)
+
+
+def _finish_seen_by_the_caller_first(rank, world_size):
+    """The caller keeps the GIL while its all-reduces finish, then chains its own callback, as DDP's hook does:
+    that callback runs at once, on the caller's thread, while the log's stamp still waits for the GIL."""
+    import sys
+
+    log = CommLog()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)  # this thread gives the GIL up only where it blocks
+    try:
+        with log.recording():
+            for _ in range(5):
+                work = dist.all_reduce(torch.ones(1 << 20), async_op=True)  # 4 MiB: still in flight
+                while not work.get_future().done():  # no blocking call: gloo's thread cannot take the GIL
+                    pass
+                work.get_future().then(lambda fut: fut.value())  # runs here and now
+    finally:
+        sys.setswitchinterval(interval)
+    log.resolve()
+    return [e.done_s for e in log.events]
+
+
+@pytest.mark.timeout(90)
+def test_resolve_waits_for_a_finish_the_caller_saw_first():
+    """The race behind a busy gate's NaN hidden share: DDP went on before the stamp ran (torch 2.13, gloo)."""
+    for finishes in dtlib.spawn(_finish_seen_by_the_caller_first, 2, output="none"):
+        assert len(finishes) == 5 and not any(math.isnan(done) for done in finishes)
 
 
 @pytest.mark.timeout(90)
