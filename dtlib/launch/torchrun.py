@@ -17,18 +17,20 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dtlib import arguments
 from dtlib.launch.job import STARTUP_S
-from dtlib.launch.processes import end_tree, free_port
+from dtlib.launch.processes import SOCKET_PATH_MAX, end_tree, free_port, temp_base
 from dtlib.launch.proctree import end_below
 
 
@@ -94,6 +96,29 @@ def _torchrun_options(options: Sequence[str], restart_fix: bool = True) -> tuple
     if restart_fix and restarts is not NOT_GIVEN and int(restarts) > 0 and RESTART_FIX[0] not in os.environ:  # type: ignore[call-overload]
         env[RESTART_FIX[0]] = RESTART_FIX[1]
     return list(options), env
+
+
+#: What a rank's multiprocessing adds to its temporary folder for a socket: /pymp-12345678/listener-12345678
+_RANK_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+
+
+@contextlib.contextmanager
+def _private_temp() -> Iterator[dict[str, str]]:
+    """A temporary folder private to one job, removed with it, and the environment that sends the job's litter
+    there: torchrun's logs (``PET_LOG_DIR``, which its parser reads for ``--log-dir``; left to itself, each
+    torchrun leaves a ``torchelastic_*`` folder, 20 of them per Run All of notebooks 07 and 16) and the ranks'
+    own temporary files (``TMPDIR``: a DataLoader's workers leave multiprocessing's ``pymp-*`` folders when
+    their rank ends). The command shown stays the one a learner would type. A ``--log-dir`` in the options, or
+    a ``PET_LOG_DIR`` already set, wins, and what is there stays; ``TMPDIR`` is left alone where the folder's
+    path would make a rank's socket path too long."""
+    folder = tempfile.mkdtemp(prefix="dtlib-run-", dir=temp_base())
+    env = {} if "PET_LOG_DIR" in os.environ else {"PET_LOG_DIR": folder}
+    if len(os.fsencode(folder)) + _RANK_SOCKET_SUFFIX <= SOCKET_PATH_MAX:
+        env["TMPDIR"] = folder
+    try:
+        yield env
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _start(command: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -215,7 +240,8 @@ def single_node(target: Sequence[str], nproc_per_node: int = 2, *, options: Sequ
     options, env = _torchrun_options(options, restart_fix)
     module = "torch.distributed.launch" if legacy else "torch.distributed.run"
     command = _command(target, nproc_per_node, ["--standalone", *options], module)
-    return _finish([_start(command, env)], [command], timeout, env, silence)[0]
+    with _private_temp() as private:
+        return _finish([_start(command, {**env, **private})], [command], timeout, env, silence)[0]
 
 
 def exit_codes(finished: Finished) -> dict[int, int]:
@@ -286,16 +312,17 @@ def simulate_nodes(target: Sequence[str], nnodes: int = 2, nproc_per_node: int =
         commands.append(_command(target, nproc_per_node, [*options, *extra]))
     server = _store_server(port) if store == "apart" else None
     processes: list[subprocess.Popen[str]] = []
-    try:
-        processes += [_start(command, env) for command in commands[:nnodes - absent]]
-        return _finish(processes, commands[:nnodes - absent], timeout, env, silence, kill, port)
-    except BaseException:
-        _stop(processes)
-        raise
-    finally:
-        if server is not None:
-            end_tree(server.pid)
-            server.communicate()  # reaped, and its pipes closed
+    with _private_temp() as private:
+        try:
+            processes += [_start(command, {**env, **private}) for command in commands[:nnodes - absent]]
+            return _finish(processes, commands[:nnodes - absent], timeout, env, silence, kill, port)
+        except BaseException:
+            _stop(processes)
+            raise
+        finally:
+            if server is not None:
+                end_tree(server.pid)
+                server.communicate()  # reaped, and its pipes closed
 
 
 def _checked_kill(kill: object, nnodes: int, store: str) -> tuple[int | str, str] | None:

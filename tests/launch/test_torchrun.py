@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 import time
 
 import cloudpickle
@@ -42,10 +43,12 @@ def _by_rank(records):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("rendezvous", "per_node"), [("static", 2), ("c10d", 1)])
-def test_two_nodes_on_one_machine(rendezvous, per_node):
+def test_two_nodes_on_one_machine(rendezvous, per_node, monkeypatch, tmp_path):
     """Two torchrun processes, one job whose all-reduce sees every rank of both. Static: two ranks each (4 in
     all), so a rank's number is 2 * its node's plus its local one; c10d: one each, enough for its rendezvous
-    (node ranks given out as the agents meet) to join the nodes into one job."""
+    (node ranks given out as the agents meet) to join the nodes into one job. Nothing is left in the temporary
+    directory (torchrun's own logs go to a folder removed with the job)."""
+    _temporary_directory(monkeypatch, tmp_path)
     finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=per_node,
                                        rendezvous=rendezvous, timeout=90)
     assert [f.returncode for f in finished] == [0, 0], [failure_report(f) for f in finished]
@@ -60,6 +63,14 @@ def test_two_nodes_on_one_machine(rendezvous, per_node):
         assert "--node_rank=1" in finished[1].command and {r["MASTER_ADDR"] for r in ranks.values()} == {"127.0.0.1"}
     else:
         assert "--rdzv_backend=c10d" in finished[0].command and "--node_rank" not in finished[0].command
+    assert list(tmp_path.iterdir()) == [], "left in the temporary directory"
+
+
+def _temporary_directory(monkeypatch, folder):
+    """``folder`` as the temporary directory of this process (tempfile's cached choice forgotten) and of what
+    it starts."""
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", None)
 
 
 @pytest.mark.timeout(120)
@@ -157,10 +168,12 @@ def test_a_job_that_prints_and_then_nothing_is_stopped_after_its_silence():
 
 
 @pytest.mark.timeout(60)
-def test_silence_waits_for_a_first_line_and_a_job_that_finishes_keeps_all_its_output():
+def test_silence_waits_for_a_first_line_and_a_job_that_finishes_keeps_all_its_output(monkeypatch, tmp_path):
+    _temporary_directory(monkeypatch, tmp_path)
     finished = torchrun.single_node(["--no-python", "sh", "-c", "sleep 4; seq 1 3000"], nproc_per_node=1,
                                     timeout=50, silence=2)
     assert finished.returncode == 0 and "stopped after" not in finished.output
+    assert list(tmp_path.iterdir()) == [], "torchrun's logs left in the temporary directory"
     assert [int(line.split(":")[-1]) for line in finished.output.splitlines() if "]:" in line] == list(range(1, 3001))
 
 
