@@ -339,7 +339,40 @@ def uneven_shares(rank, world_size):  # wrong, though the sum is right: rank 0 t
     return y
 
 
+def rounded_for_the_log(rank, world_size):  # wrong: right to 5 decimals only
+    y = megatron(rank, world_size)
+    return torch.round(y * 1e5) / 1e5
+
+
+def tanh_gelu(rank, world_size):  # wrong: gelu's tanh approximation, right to about 3 to 4 digits
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T, approximate="tanh") @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return y
+
+
+def in_float64(rank, world_size):  # right: more precise than float32, cast back
+    x, up, down = (t.double() for t in mlp_inputs())
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.all_reduce(y)
+    return y.float()
+
+
+def feature_by_feature(rank, world_size):  # right: the summand added up one hidden feature at a time
+    x, up, down = mlp_inputs()
+    y = torch.zeros(x.shape[0], down.shape[0], device=x.device)
+    for j in range(rank, up.shape[0], world_size):
+        y += torch.outer(F.gelu(x @ up[j]), down[:, j])
+    dist.all_reduce(y)
+    return y
+
+
 @pytest.mark.parametrize("fn, ok, fragments", [
+    (rounded_for_the_log, False, ["right to about 5 digits, not to float32's precision", "off by",
+                                  "float32's rounding allows"]),
+    (tanh_gelu, False, ["gelu's tanh approximation", "keep the default"]),
+    (in_float64, True, []),
+    (feature_by_feature, True, []),
     (broadcast_from_rank_0, False, ["also moved data (broadcast)"]),
     (interleaved_features, True, []),
     (slices_in_reverse, True, []),
