@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dtlib.checks._numbers import whole_answer
+from dtlib.checks.extreme import Extreme, judge_extreme
 from dtlib.checks.feedback import Feedback
 from dtlib.measure.stages import pipeline_bubble
 
@@ -27,39 +27,46 @@ def pipeline_micro_batches(answer: Any, stages: int = 4, target: float = 0.1, ba
     """
     if not 0 < target < 1:
         raise ValueError(f"target is the bubble's share, between 0 and 1 (0.1 for 10%), got {target!r}")
-    count = whole_answer(answer, "micro-batches")  # 32, 32.0, torch.tensor(32.) and numpy's are one number
-    if isinstance(count, str):
-        return Feedback(False, count)
     bound = math.ceil((stages - 1) * (1 - target) / target - 1e-9)  # (p - 1) / (m + p - 1) <= target
-    fits = [m for m in range(max(1, stages), batch + 1) if batch % m == 0 and pipeline_bubble(stages, m) <= target]
-    if count < 1:
-        return Feedback(False, "A step needs at least one micro-batch.")
-    if count > batch or batch % count:
-        return Feedback(False, f"{count} micro-batch{'es' if count != 1 else ''} do not split {batch} samples evenly: "
-                               f"every micro-batch must have the same size (the pipeline averages their gradients "
-                               f"by dividing the sum by m), so choose a divisor of {batch}.")
-    if count < stages:
-        return Feedback(False, f"A 1F1B schedule needs at least one micro-batch per stage: with {count} on {stages} "
-                               "stages, torch's Schedule1F1B refuses to start, and most ranks would wait anyway.")
-    bubble = pipeline_bubble(stages, count)
-    if bubble > target and not fits:
-        return Feedback(False, f"No count of micro-batches that divides {batch} keeps the bubble at {target:.0%}: even "
-                               f"{batch} leave {pipeline_bubble(stages, batch):.1%}. Ask for a larger batch, or fewer "
-                               "stages.")
-    if bubble > target:
-        return Feedback(False, f"With {count} micro-batches the bubble is (p - 1) / (m + p - 1) = {stages - 1}/"
-                               f"{count + stages - 1} = {bubble:.1%}, above {target:.0%}: more micro-batches shrink "
-                               "it, because the p - 1 steps of filling and draining are shared by more of them.")
-    if count > fits[0]:
+    counts = [m for m in range(max(1, stages), batch + 1) if batch % m == 0]  # what a 1F1B step can take
+
+    def allowed(count: int) -> str | None:
+        if count < 1:
+            return "A step needs at least one micro-batch."
+        if count > batch or batch % count:
+            return (f"{count} micro-batch{'es' if count != 1 else ''} do not split {batch} samples evenly: every "
+                    "micro-batch must have the same size (the pipeline averages their gradients by dividing the "
+                    f"sum by m), so choose a divisor of {batch}.")
+        if count < stages:
+            return (f"A 1F1B schedule needs at least one micro-batch per stage: with {count} on {stages} stages, "
+                    "torch's Schedule1F1B refuses to start, and most ranks would wait anyway.")
+        return None
+
+    def fails(count: int) -> str:
+        if pipeline_bubble(stages, batch) > target:
+            return (f"No count of micro-batches that divides {batch} keeps the bubble at {target:.0%}: even {batch} "
+                    f"leave {pipeline_bubble(stages, batch):.1%}. Ask for a larger batch, or fewer stages.")
+        return (f"With {count} micro-batches the bubble is (p - 1) / (m + p - 1) = {stages - 1}/{count + stages - 1} "
+                f"= {pipeline_bubble(stages, count):.1%}, above {target:.0%}: more micro-batches shrink it, because "
+                "the p - 1 steps of filling and draining are shared by more of them.")
+
+    def beaten(count: int, fewer: int) -> str:
         each = batch // count
-        return Feedback(False, f"{count} micro-batches meet the target ({bubble:.1%}), but fewer do too: each extra "
-                               f"one makes every pass smaller (here {each} sample{'s' if each != 1 else ''}), which a "
-                               "GPU computes less efficiently, and sends one more message per stage. Find the fewest.")
-    each = batch // count
-    batches, samples = f"micro-batch{'es' if count != 1 else ''}", f"sample{'s' if each != 1 else ''}"
-    return Feedback(True, f"{count} {batches} of {each} {samples}: the bubble is "
-                          f"{stages - 1}/{count + stages - 1} = {bubble:.1%}. The bound alone asks m >= {bound}, "
-                          f"and {count} is the fewest at or above it that divides {batch}.")
+        return (f"{count} micro-batches meet the target ({pipeline_bubble(stages, count):.1%}), but fewer do too: "
+                f"each extra one makes every pass smaller (here {each} sample{'s' if each != 1 else ''}), which a GPU "
+                "computes less efficiently, and sends one more message per stage. Find the fewest.")
+
+    def right(count: int, fewer: int | None) -> str:
+        each = batch // count
+        batches, samples = f"micro-batch{'es' if count != 1 else ''}", f"sample{'s' if each != 1 else ''}"
+        return (f"{count} {batches} of {each} {samples}: the bubble is {stages - 1}/{count + stages - 1} = "
+                f"{pipeline_bubble(stages, count):.1%}. The bound alone asks m >= {bound}, and {count} is the fewest "
+                f"at or above it that divides {batch}.")
+
+    # The bubble only shrinks as m grows, so the next smaller count that a step can take is the one to beat.
+    return judge_extreme(answer, Extreme(
+        "micro-batches", allowed, lambda count: pipeline_bubble(stages, count) <= target,
+        lambda count: max((m for m in counts if m < count), default=None), fails, beaten, right))
 
 
 def _groups(shape: Sequence[int], dim: int) -> list[list[int]]:
