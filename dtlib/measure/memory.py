@@ -166,33 +166,40 @@ def llama_block_params(hidden: int, heads: int, kv_heads: int, ffn: int) -> int:
 
 
 def activation_bytes(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, tokens: int, *,
-                     checkpointing: bool = False) -> float:
-    """Bytes a rank holds at its step's peak beyond model state, for a Llama-shaped model (bf16 compute, fp32
-    RMSNorm, SwiGLU MLP, grouped-query attention with fused SDPA) sharded with FSDP2, on ``tokens`` tokens per
-    rank (sequence length x micro-batch), the ``layers`` blocks alike.
+                     checkpointing: bool = False, kernels: str = "cuda") -> float:
+    """Bytes a rank holds at its step's peak beyond model state, for a Llama-shaped model (bf16 compute, RMSNorm,
+    SwiGLU MLP, grouped-query attention with fused SDPA) sharded with FSDP2, on ``tokens`` tokens per rank
+    (sequence length x micro-batch), the ``layers`` blocks alike, with the kernels of a GPU (``"cuda"``) or of
+    this CPU (``"cpu"``).
 
-    Saved for backward, per block and token: A = 24h + 4h x kv_heads/heads + 8 ffn bytes. This is Korthikanti
-    et al.'s count (2022, "Reducing Activation Recomputation in Large Transformer Models": 34 sbh + 5 a s^2 b for
-    GPT) redone for this block as torch runs it: each RMSNorm saves its input and its output in fp32 (16h for
-    two), the attention input and the MLP input in bf16 (2h each), q, k, v and the attention output (2h, 4h
-    kv/heads, 2h; no s^2 term: the fused kernel saves its log-sum-exp, not the scores), and the MLP's gate, up,
-    SiLU and product (8 ffn). Beside them the logits, about 14 bytes per token and word (bf16, their fp32 copy for
-    the loss, log-softmax's output and its gradient), and FSDP's transients, about 10 bytes per parameter of one
-    block (two blocks' gathered bf16 weights and one block's unsharded gradients):
+    Saved for backward, per block and token: A = 12h + 4h x kv_heads/heads + 8 ffn bytes on a GPU. This is
+    Korthikanti et al.'s count (2022, "Reducing Activation Recomputation in Large Transformer Models": 34 sbh +
+    5 a s^2 b for GPT) redone for this block as torch runs it: each RMSNorm saves its bf16 input (2h; CUDA's fused
+    kernel, beside one fp32 number per token), the attention input and the MLP input in bf16 (2h each), q, k, v
+    and the attention output (2h, 4h kv/heads, 2h; no s^2 term: the fused kernel saves its log-sum-exp, not the
+    scores), and the MLP's gate, up, SiLU and product (8 ffn). On a CPU, torch's composite RMSNorm saves its input
+    and its normalised input in fp32 instead, 8h each: A grows by 12h (24h + 4h kv/heads + 8 ffn). Beside them the
+    logits, about 14 bytes per token and word (bf16, their fp32 copy for the loss, log-softmax's output and its
+    gradient), and FSDP's transients, about 10 bytes per parameter of one block (two blocks' gathered bf16 weights
+    and one block's unsharded gradients):
 
         no checkpointing:   tokens x (L A + 14 V) + 10 x block
         checkpointing:      tokens x (L 2h + max(14 V, 2 A)) + 10 x block     (each block keeps its bf16 input;
                             at the peak either the logits or one block recomputed, with its gradients, are live)
 
-    Checked against the simulator of :mod:`dtlib.sim` (tests/sim): within 5% without checkpointing and 15% with,
-    for Llama 2 7B, 13B and 70B and another shape at 2k to 8k tokens. Example::
+    Checked against the simulator of :mod:`dtlib.sim`, with either kernels: within 7% without checkpointing and
+    8% with, for Llama 2 7B, 13B and 70B and another shape at 2k to 8k tokens (tests/sim checks three of them).
+    Example::
 
-        activation_bytes(32, 4096, 32, 32, 11008, 32000, 4096) / 2**30    # about 28 GiB: Llama 2 7B, 4k tokens
+        activation_bytes(32, 4096, 32, 32, 11008, 32000, 4096) / 2**30    # about 22 GiB: Llama 2 7B, 4k tokens
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
                         ("ffn", ffn), ("vocab", vocab), ("tokens", tokens)):
         whole(name, value)
-    per_block = 24 * hidden + 4 * hidden * kv_heads / heads + 8 * ffn
+    if kernels not in ("cpu", "cuda"):
+        raise ValueError(f"kernels must be 'cuda' (a GPU's) or 'cpu' (this CPU's), got {kernels!r}")
+    norms = 4 * hidden if kernels == "cuda" else 16 * hidden  # two RMSNorms' saved inputs
+    per_block = norms + 8 * hidden + 4 * hidden * kv_heads / heads + 8 * ffn
     block = llama_block_params(hidden, heads, kv_heads, ffn)
     logits = 14 * vocab
     if checkpointing:

@@ -1,10 +1,13 @@
 """The simulator's proof: the same layout and step on live ranks (gloo on CPUs, NCCL on GPUs), measured with
 the same trackers, so that a cell can put rank 0's simulated tables beside real ones.
 
+The live ranks run torch's own kernels, those of their device: their result's ``kernels`` says which ("cpu" on
+gloo's CPU ranks, "cuda" on GPUs), and the simulation to compare with is asked for the same.
+
 Example::
 
     real = on_live_ranks(LLAMA["tiny"], dp=2, tp=2, seq_len=64)
-    fake = simulate(LLAMA["tiny"], dp=2, tp=2, seq_len=64, depths=None)
+    fake = simulate(LLAMA["tiny"], dp=2, tp=2, seq_len=64, depths=None, kernels=real.kernels)
     real.traffic == fake.traffic     # True: the same collectives, the same bytes
 """
 
@@ -26,7 +29,8 @@ from dtlib.sim.step import Layout, Simulated, check_layout, groups_of, mesh_of, 
 
 
 def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointing: bool,
-          parallelize: Callable[..., Any], step: Callable[..., Any] | None) -> tuple[dict[str, int], list[Row]]:
+          parallelize: Callable[..., Any], step: Callable[..., Any] | None
+          ) -> tuple[dict[str, int], list[Row], str]:
     device = rank_device()
     mesh = mesh_of(layout, device.type)
     with torch.device("meta"):
@@ -39,20 +43,22 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens: tp ranks must see one batch
     tokens = tokens_for(shape, layout, generator).to(device)
-    run_step(step, model, optimizer, tokens[:1] if tokens.dim() == 3 else tokens, mesh)
+    run_step(step, model, optimizer, tokens, mesh)  # the same whole step first, as the simulator does
     with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
         run_step(step, model, optimizer, tokens, mesh)
-    return peak.categories(), seen.rows()
+    return peak.categories(), seen.rows(), "cuda" if device.type == "cuda" else "cpu"
 
 
 def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, micro_batch: int = 1,
                   checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1,
                   parallelize: Callable[..., nn.Module] = parallelize, step: Callable[..., Any] | None = None,
                   timeout: float = 120.0) -> Simulated:
-    """Rank 0's step on pp x dp x tp live ranks, as :func:`dtlib.sim.simulate` reports it (every layer run)."""
+    """Rank 0's step on pp x dp x tp live ranks, as :func:`dtlib.sim.step.simulate` reports it (every layer run),
+    with torch's own kernels: the result's ``kernels`` names the device's."""
     layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches)
     started = time.perf_counter()
     results = spawn(_rank, layout.world_size, args=(shape, layout, checkpointing, parallelize, step),
                     timeout=timeout, output="none")
-    memory, rows = results[0]
-    return Simulated(shape, layout, checkpointing, memory, rows, (shape.layers,), time.perf_counter() - started)
+    memory, rows, kernels = results[0]
+    return Simulated(shape, layout, checkpointing, memory, rows, (shape.layers,), time.perf_counter() - started,
+                     kernels)

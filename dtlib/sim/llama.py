@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,14 +75,56 @@ LLAMA: Mapping[str, Shape] = MappingProxyType({
 })
 
 
+#: Whose kernels the simulator keeps tensors for backward as: "cuda", a GPU's (CUDA's fused RMSNorm), or "cpu",
+#: this CPU's (torch's composite RMSNorm). Attention needs no choice: on this CPU, as on an A100 or H100 in bf16,
+#: SDPA runs a flash kernel that keeps q, k and v (k and v at their own heads under GQA), its output and one fp32
+#: log-sum-exp per head and token.
+KERNELS = ("cuda", "cpu")
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm keeping for backward what CUDA's fused kernel (``aten._fused_rms_norm``) keeps: its input as it
+    came (bf16 under mixed precision) and one fp32 reciprocal RMS per row. The CPU's composite RMSNorm keeps two
+    fp32 copies of its input instead (the input cast up, and the normalised input): 8 bytes per number against 2.
+
+    Example: ``FusedRMSNorm.apply(x, weight, 1e-6)`` equals ``F.rms_norm(x, x.shape[-1:], weight, 1e-6)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 arithmetic for 16-bit inputs, as CUDA's
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        y = wide * rstd
+        return (y if weight is None else y * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed, grad = x.to(rstd.dtype) * rstd, grad.to(rstd.dtype)
+        scaled = grad if weight is None else grad * weight.to(rstd.dtype)
+        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+        grad_weight = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def rms_norm(norm: nn.RMSNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``norm(x)``: torch's own RMSNorm (the kernel of the device it runs on), or, ``fused``, one that keeps what
+    CUDA's fused kernel keeps, on any device (:class:`FusedRMSNorm`)."""
+    return FusedRMSNorm.apply(x, norm.weight, norm.eps) if fused else norm(x)
+
+
 class Block(nn.Module):
     """One Llama block. Under tensor parallelism each rank holds ``heads / tp`` heads: the reshapes below
-    read the local width, so the same code runs whole and sharded."""
+    read the local width, so the same code runs whole and sharded. ``fused_norm``: see :func:`rms_norm`."""
 
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Shape, fused_norm: bool = False) -> None:
         super().__init__()
         kv = shape.kv_heads * shape.head_dim
-        self.head_dim, self.checkpointing = shape.head_dim, False
+        self.head_dim, self.checkpointing, self.fused_norm = shape.head_dim, False, fused_norm
         self.attention_norm, self.mlp_norm = nn.RMSNorm(shape.hidden), nn.RMSNorm(shape.hidden)
         self.q, self.k, self.v = (nn.Linear(shape.hidden, shape.hidden, bias=False),
                                   nn.Linear(shape.hidden, kv, bias=False), nn.Linear(shape.hidden, kv, bias=False))
@@ -92,11 +135,11 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        y = self.attention_norm(x)
+        y = rms_norm(self.attention_norm, x, self.fused_norm)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (self.q(y), self.k(y), self.v(y)))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
-        y = self.mlp_norm(x)
+        y = rms_norm(self.mlp_norm, x, self.fused_norm)
         return x + self.down(F.silu(self.gate(y)) * self.up(y))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,17 +153,19 @@ class Llama(nn.Module):
 
     As stage ``stage`` of a pipeline of ``stages``, it holds its share of the blocks (``shape.layers / stages``
     of them), the embedding only on the first stage and the norm and head only on the last: a middle stage maps
-    (B, T, hidden) activations to activations.
+    (B, T, hidden) activations to activations. ``fused_norm``: every RMSNorm keeps what CUDA's fused kernel
+    keeps, on any device (:class:`FusedRMSNorm`); otherwise torch's own runs, the kernel of the device.
     """
 
-    def __init__(self, shape: Shape, stage: int = 0, stages: int = 1) -> None:
+    def __init__(self, shape: Shape, stage: int = 0, stages: int = 1, fused_norm: bool = False) -> None:
         super().__init__()
         if not 0 <= stage < stages or shape.layers % stages:
             raise ValueError(f"stage {stage} of {stages}: the stages must divide the {shape.layers} layers evenly")
         share = shape.layers // stages
         self.hidden, self.first, self.last = shape.hidden, stage == 0, stage == stages - 1
+        self.fused_norm = fused_norm
         self.embedding = nn.Embedding(shape.vocab, shape.hidden) if self.first else None
-        self.blocks = nn.ModuleList(Block(shape) for _ in range(share))
+        self.blocks = nn.ModuleList(Block(shape, fused_norm) for _ in range(share))
         self.norm = nn.RMSNorm(shape.hidden) if self.last else None
         self.head = nn.Linear(shape.hidden, shape.vocab, bias=False) if self.last else None
 
@@ -131,7 +176,7 @@ class Llama(nn.Module):
             x = block(x)
         if self.head is None or self.norm is None:
             return x
-        return self.head(self.norm(x))
+        return self.head(rms_norm(self.norm, x, self.fused_norm))
 
 
 def llama_like(num_params: float, vocab: int = 32_000) -> Shape:

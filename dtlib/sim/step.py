@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from dtlib.arguments import whole
 from dtlib.measure.peak import CATEGORIES, PeakTracker
 from dtlib.measure.traffic import Row, sent_by_group, traffic
-from dtlib.sim.llama import Llama, Shape
+from dtlib.sim.llama import KERNELS, Llama, Shape
 from dtlib.sim.pipeline import pipeline_step
 from dtlib.sim.world import fake_world
 
@@ -90,6 +90,7 @@ class Simulated:
     traffic: list[Row]
     depths: tuple[int, ...] = ()  # the depths simulated: two, scaled to shape.layers, or the real one
     seconds: float = 0.0  # how long the simulation took here
+    kernels: str = "cuda"  # whose kernels kept the tensors for backward: a GPU's or this CPU's (llama.KERNELS)
 
     @property
     def world_size(self) -> int:
@@ -151,23 +152,24 @@ def run_step(step: Callable[..., Any] | None, model: nn.Module, optimizer: torch
 
 
 def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False,
-                       parallelize: Callable[..., Any] = parallelize, step: Callable[..., Any] | None = None
-                       ) -> tuple[dict[str, int], list[Row]]:
+                       parallelize: Callable[..., Any] = parallelize, step: Callable[..., Any] | None = None,
+                       kernels: str = "cuda") -> tuple[dict[str, int], list[Row]]:
     """Rank 0 of the layout's fake ranks, the first pipeline stage: lay the model out with
     ``parallelize(model, mesh, checkpointing)``, then run the step (:func:`run_step`) twice, the first to create
-    Adam's state (on one micro-batch: enough for that), and measure the second. The first must be a whole step:
-    Adam's state made from zero gradients after a forward alone leaves FSDP's first backward to the measured
-    step, and changes its peak."""
+    Adam's state, and measure the second. The first must be the same whole step: Adam's state made from zero
+    gradients after a forward alone leaves FSDP's first backward to the measured step, and a first pipeline step
+    of one micro-batch, the first in a process, left one activation's worth of first-time work to the measured
+    step (with the fused RMSNorm). ``kernels``: what the model keeps for backward (:data:`dtlib.sim.llama.KERNELS`)."""
     with fake_world(layout.world_size):
         mesh = mesh_of(layout, "cpu")  # fails inside FakeTensorMode
         with torch.device("meta"):
-            model = Llama(shape, stage=0, stages=layout.pp)
+            model = Llama(shape, stage=0, stages=layout.pp, fused_norm=kernels == "cuda")
         model = parallelize(model, mesh, checkpointing)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             tokens = tokens_for(shape, layout)
-            run_step(step, model, optimizer, tokens[:1] if tokens.dim() == 3 else tokens, mesh)
+            run_step(step, model, optimizer, tokens, mesh)
             with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
                 run_step(step, model, optimizer, tokens, mesh)
         return peak.categories(), seen.rows()
@@ -181,7 +183,7 @@ def _extend(low: float, high: float, low_depth: int, high_depth: int, depth: int
 def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_batch: int = 1,
              checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1,
              depths: tuple[int, int] | None = (3, 4), parallelize: Callable[..., Any] = parallelize,
-             step: Callable[..., Any] | None = None) -> Simulated:
+             step: Callable[..., Any] | None = None, kernels: str = "cuda") -> Simulated:
     """Rank 0's memory and traffic for one training step of ``shape`` on pp x dp x tp ranks (rank 0 is the
     pipeline's first stage: the embedding, its share of the blocks, and the most micro-batches in flight).
 
@@ -191,19 +193,23 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     simulate them (a step for a pipeline, or for several micro-batches, also takes the mesh). With dtlib's
     own layout and step, a question asked again in this process is answered from the first run, and every
     caller gets a copy of its own: converting one's result in place (to GiB, say) changes no other caller's.
+    ``kernels``: what the model keeps for backward, as a GPU's kernels keep it ("cuda", a cluster's question) or
+    as this CPU's do ("cpu", what live ranks here measure); :data:`dtlib.sim.llama.KERNELS`.
     """
     started = time.perf_counter()
     layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches)
-    key = (shape, layout, checkpointing, depths)
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    key = (shape, layout, checkpointing, depths, kernels)
     if parallelize is _parallelize and step is None and key in _ANSWERED:  # dtlib's own layout and step, again
         return copy.deepcopy(_ANSWERED[key])  # the kept answer is never handed out: a checker reads it next
     if depths is None or shape.layers <= max(depths) * pp:
-        memory, rows = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step)
+        memory, rows = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step, kernels)
         used = (shape.layers,)
     else:
         low_depth, high_depth = (depth * pp for depth in depths)  # layers in all: each stage holds depth blocks
-        low = step_on_fake_ranks(shape.with_layers(low_depth), layout, checkpointing, parallelize, step)
-        high = step_on_fake_ranks(shape.with_layers(high_depth), layout, checkpointing, parallelize, step)
+        low = step_on_fake_ranks(shape.with_layers(low_depth), layout, checkpointing, parallelize, step, kernels)
+        high = step_on_fake_ranks(shape.with_layers(high_depth), layout, checkpointing, parallelize, step, kernels)
         memory = {name: _extend(low[0][name], high[0][name], low_depth, high_depth, shape.layers)
                   for name in CATEGORIES}
         lows = {(row.group, row.call): row for row in low[1]}
@@ -213,13 +219,13 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
                       for name in ("calls", "payload", "sent")))
                 for row in high[1]]
         used = (low_depth, high_depth)
-    result = Simulated(shape, layout, checkpointing, memory, rows, used, time.perf_counter() - started)
+    result = Simulated(shape, layout, checkpointing, memory, rows, used, time.perf_counter() - started, kernels)
     if parallelize is _parallelize and step is None:
         _ANSWERED[key] = copy.deepcopy(result)  # kept apart from the caller's, which they may edit
     return result
 
 
 _parallelize = parallelize  # dtlib's own layout: the one whose results are kept
-#: Results of dtlib's own layout and step, by (shape, layout, checkpointing, depths): a checker asking what a
+#: Results of dtlib's own layout and step, by (shape, layout, checkpointing, depths, kernels): a checker asking what a
 #: cell already simulated gets the answer at once (its ``seconds`` are the first run's). Only copies leave it.
 _ANSWERED: dict[tuple[Any, ...], Simulated] = {}

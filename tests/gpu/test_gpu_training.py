@@ -126,3 +126,21 @@ def test_notebook_04s_syncbatchnorm_uses_the_global_batch_statistics():
         torch.testing.assert_close(real, whole, rtol=0, atol=1e-5)  # statistics of the global batch
     if WORLD > 1:
         assert not torch.allclose(reports[0][0], whole, atol=1e-2)  # a rank's own mean would differ
+
+
+@pytest.mark.timeout(180)
+def test_the_simulators_gpu_kernels_are_what_a_gpu_keeps():
+    """Notebook 14's default count (``kernels="cuda"``: CUDA's fused RMSNorm, SDPA's flash kernel) against the
+    same step on this GPU, torch's own kernels, rank 0 measured by the same tracker. GPU run must confirm: the
+    activations equal, byte for byte, as the CPU's kernels equal the CPU's live ranks (tests/sim)."""
+    from dtlib.sim.live import on_live_ranks
+    from dtlib.sim.llama import LLAMA
+    from dtlib.sim.step import simulate
+
+    args = {"dp": WORLD, "seq_len": 64, "micro_batch": 2}
+    real = on_live_ranks(LLAMA["tiny"], **args)
+    assert real.kernels == "cuda"
+    fake, cpu = (simulate(LLAMA["tiny"], depths=None, kernels=kernels, **args) for kernels in ("cuda", "cpu"))
+    assert real.traffic == fake.traffic
+    assert real.memory["activations"] == fake.memory["activations"] < cpu.memory["activations"], \
+        (real.memory, fake.memory, cpu.memory)
