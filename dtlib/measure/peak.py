@@ -7,7 +7,9 @@ read as it happens. At each new peak the tracker notes each live storage's categ
 - ``weights``: the parameters as the model holds them between steps (FSDP's shards), there when it starts;
 - ``activations``: what autograd saved for backward (``saved_tensors_hooks``), parameters left out;
 - ``optimizer``: what the optimizer's step created (Adam's moments);
-- ``gradients``: what a parameter's ``.grad`` holds once backward is done (read back at the end);
+- ``gradients``: what a parameter's ``.grad`` holds once backward is done (read back at the end), and, between
+  the micro-batches of a step that reduces only in the last one (``set_requires_gradient_sync(False)``: a
+  pipeline, gradient accumulation), FSDP2's unsharded gradients accumulated so far, read at each new peak;
 - ``gathered and temporary``: the rest: FSDP's all-gathered weights and communication buffers, the outputs
   and intermediates of ops not saved for backward.
 
@@ -78,6 +80,7 @@ class PeakTracker(TorchDispatchMode):
         self._stepping = False
         self._hooks: list[Any] = []
         self._gradients: set[int] = set()
+        self._fsdp_params: list[Any] = []  # FSDP2's per-parameter states, whose accumulated gradients are read
 
     # -- following storages -------------------------------------------------------------------------------
 
@@ -103,8 +106,18 @@ class PeakTracker(TorchDispatchMode):
         total = self.live()
         if total > self.peak:
             self.peak = total
-            self._at_peak = [(ref, category, ref().nbytes()) for ref, category in list(self._refs.values())
-                             if ref() is not None]
+            accumulated = self._accumulated_gradients()
+            self._at_peak = [(ref, "gradients" if id(ref()) in accumulated else category, ref().nbytes())
+                             for ref, category in list(self._refs.values()) if ref() is not None]
+
+    def _accumulated_gradients(self) -> set[int]:
+        """Ids of the storages that hold FSDP2's unsharded gradients accumulated over the micro-batches of a step
+        that reduce-scatters only in its last (in the reduce dtype). A block's gradient just computed, on its way
+        to its reduce-scatter, stays a temporary, as the gathered weights do."""
+        ids: set[int] = set()
+        for fsdp_param in self._fsdp_params:
+            ids.update(id(storage) for storage in _storages(getattr(fsdp_param, "unsharded_accumulated_grad", None)))
+        return ids
 
     # -- the dispatch mode and the hooks ---------------------------------------------------------------------
 
@@ -152,6 +165,10 @@ class PeakTracker(TorchDispatchMode):
         return tensor
 
     def __enter__(self) -> PeakTracker:
+        for module in self.model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None)
+            self._fsdp_params += list(getattr(group, "fsdp_params", None) or [])
         for parameter in self.model.parameters():
             for storage in _storages(parameter):
                 self._follow(storage, "weights")

@@ -272,3 +272,14 @@ def test_a_gpus_kernels_keep_12_bytes_per_token_and_width_less_in_each_block():
     assert (cpu.kernels, cuda.kernels, simulate(LLAMA["tiny"], **args).kernels) == ("cpu", "cuda", "cuda")
     with pytest.raises(ValueError, match="kernels must be one of"):
         simulate(LLAMA["tiny"], kernels="gpu", **args)
+
+
+@pytest.mark.timeout(120)
+def test_a_pipelines_gradients_accumulated_unsharded_are_gradients():
+    """Between the micro-batches of a pipeline step FSDP2 accumulates each stage's gradients unsharded, in fp32,
+    until the last one reduce-scatters them: at the peak they are gradients, the stage's whole parameters' worth
+    whatever dp shards (4 bytes each, what the fp32 weights take at dp=1 and twice their shard at dp=2)."""
+    shape = Shape(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256)
+    alone, sharded = (simulate(shape, pp=2, dp=dp, seq_len=16, micro_batches=3, depths=None) for dp in (1, 2))
+    assert alone.memory["gradients"] == alone.memory["weights"] > 0
+    assert sharded.memory["gradients"] == 2 * sharded.memory["weights"] == alone.memory["gradients"]
