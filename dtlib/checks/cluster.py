@@ -36,10 +36,11 @@ def largest_micro_batch(answer: Any, shape: str = "7B", dp: int = 64, seq_len: i
         return step(size).peak / 2**30
 
     def why() -> str:
-        first = step(1)
-        return (f"Activations take {first.memory['activations'] / 2**30:.1f} GiB per sample on every rank, and no "
-                "number of FSDP ranks shards them: sharding divides the model state only (here "
-                f"{first.model_state() / 2**30:.1f} GiB of weights, gradients and optimizer state at the peak).")
+        first, added = step(1), peak_gib(2) - peak_gib(1)
+        return (f"Each sample adds {added:.1f} GiB on every rank ({first.memory['activations'] / 2**30:.1f} of "
+                "activations, the rest its logits and their gradient), and no number of FSDP ranks shards that: "
+                f"sharding divides the model state only (here {first.model_state() / 2**30:.1f} GiB of weights, "
+                "gradients and optimizer state at the peak).")
 
     # One sample more never lowers the peak, so the answer is right when the next size is over the GPU.
     return judge_extreme(answer, Extreme(
