@@ -106,7 +106,7 @@ _RANK_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
 def _private_temp() -> Iterator[dict[str, str]]:
     """A temporary folder private to one job, removed with it, and the environment that sends the job's litter
     there: torchrun's logs (``PET_LOG_DIR``, which its parser reads for ``--log-dir``; left to itself, each
-    torchrun leaves a ``torchelastic_*`` folder, 20 of them per Run All of notebooks 07 and 16) and the ranks'
+    torchrun leaves a ``torchelastic_*`` folder, 22 of them per Run All of notebooks 07 and 16) and the ranks'
     own temporary files (``TMPDIR``: a DataLoader's workers leave multiprocessing's ``pymp-*`` folders when
     their rank ends). The command shown stays the one a learner would type. A ``--log-dir`` in the options, or
     a ``PET_LOG_DIR`` already set, wins, and what is there stays; ``TMPDIR`` is left alone where the folder's
