@@ -107,10 +107,11 @@ def test_run_under_torchrun_names_bad_args(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_hello_under_torchrun():
-    """torchrun --standalone --nproc_per_node=2 -m dtlib.examples.hello prints both ranks' all-reduced sum."""
+def test_hello_under_torchrun(tmp_path):
+    """torchrun --standalone --nproc_per_node=2 -m dtlib.examples.hello prints both ranks' all-reduced sum (its
+    logs in the test's folder: left to itself, torchrun leaves a torchelastic_* folder in /tmp)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "dtlib.examples.hello"]
+               f"--log-dir={tmp_path}", "-m", "dtlib.examples.hello"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
