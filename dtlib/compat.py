@@ -267,3 +267,19 @@ def gloo_has_avg() -> bool:
         if "AVG" not in str(err):
             raise
         return False
+
+
+def fsdp_params(model: Any) -> list[Any]:
+    """FSDP2's per-parameter states (``FSDPParam``) in every unit of ``model``; none where nothing is sharded.
+
+    FSDP2 has no public view of the unsharded gradients it keeps between micro-batches while
+    ``set_requires_gradient_sync(False)`` holds back the reduce-scatter, so :mod:`dtlib.measure` reads them here:
+    each state's ``_unsharded_param.grad``, or ``unsharded_accumulated_grad`` when a ``reduce_dtype`` differs
+    (torch 2.6 to 2.13).
+    """
+    found: list[Any] = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        found += list(getattr(group, "fsdp_params", None) or [])
+    return found

@@ -106,5 +106,3 @@ def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int
                                   f"GiB of {gpu_gib:g}): look for the fewest stages, since each one more adds a step "
                                   "to fill and drain the pipeline (its bubble)."),
         right=right))
-
-

@@ -183,18 +183,20 @@ def _magnitude(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.T
     return (F.gelu(x @ up.T).abs() + x.abs() @ up.abs().T) @ down.abs().T
 
 
+def _bound() -> torch.Tensor:
+    """How far each output slot of this check's inputs may be from the float64 output: float32's rounding."""
+    return FLOAT32_UNITS * torch.finfo(torch.float32).eps * _magnitude(*mlp_inputs("cpu"))
+
+
 def _exact(value: torch.Tensor, expected: torch.Tensor) -> bool:
     """The verdict: ``value`` is the MLP's output at float32's precision, slot by slot, against the float64
     output of this check's inputs; a shortcut that rounds, or a step in 16 bits, is refused."""
-    if value.shape != expected.shape:
-        return False
-    bound = FLOAT32_UNITS * torch.finfo(torch.float32).eps * _magnitude(*mlp_inputs("cpu"))
-    return bool(((value - expected).abs() <= bound).all())
+    return value.shape == expected.shape and bool(((value - expected).abs() <= _bound()).all())
 
 
 def _first_off(value: torch.Tensor, expected: torch.Tensor) -> str:
     """The slot that is furthest off, beyond float32's rounding, with both numbers."""
-    bound = FLOAT32_UNITS * torch.finfo(torch.float32).eps * _magnitude(*mlp_inputs("cpu"))
+    bound = _bound()
     over = (value - expected).abs() / bound
     row, column = divmod(int(over.argmax()), FEATURES)
     return (f"at [{row}, {column}] it is {value[row, column].item():.9g}, where the output is "

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtlib import compat
 from dtlib.measure import memory
 
 
@@ -85,20 +86,16 @@ def parameter_peak(model: nn.Module) -> Iterator[Measured]:
 def gradient_bytes(model: nn.Module) -> int:
     """Bytes of gradient this rank holds for ``model`` now: each parameter's ``.grad`` (a DTensor's local
     shard) plus the whole, unsharded gradients FSDP2 keeps between micro-batches while
-    ``set_requires_gradient_sync(False)`` holds back the reduce-scatter. FSDP2 has no public view of the
-    latter, so they are read from its state: the unsharded parameter's ``.grad``, or
-    ``unsharded_accumulated_grad`` when a ``reduce_dtype`` differs (``FSDPParam``, torch 2.6 to 2.13).
+    ``set_requires_gradient_sync(False)`` holds back the reduce-scatter (read from its state:
+    :func:`dtlib.compat.fsdp_params`).
     Example (inside a rank, fp32, P parameters on N ranks): ``4 * P / N`` after a synced step, ``4 * P``
     after a micro-batch without sync."""
     held = [p.grad for p in model.parameters() if p.grad is not None]
-    for module in model.modules():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-        group = getattr(state, "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
-                if grad is not None:
-                    held.append(grad)
+    for fsdp_param in compat.fsdp_params(model):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+            if grad is not None:
+                held.append(grad)
     return memory.nbytes(held)
 
 

@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
+from dtlib import compat
+
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "gathered and temporary")
 
 
@@ -165,10 +167,7 @@ class PeakTracker(TorchDispatchMode):
         return tensor
 
     def __enter__(self) -> PeakTracker:
-        for module in self.model.modules():
-            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-            group = getattr(state, "_fsdp_param_group", None)
-            self._fsdp_params += list(getattr(group, "fsdp_params", None) or [])
+        self._fsdp_params = compat.fsdp_params(self.model)
         for parameter in self.model.parameters():
             for storage in _storages(parameter):
                 self._follow(storage, "weights")
