@@ -25,7 +25,17 @@ from dtlib.launch.spawn import spawn
 from dtlib.measure.peak import PeakTracker
 from dtlib.measure.traffic import Row, traffic
 from dtlib.sim.llama import Llama, Shape
-from dtlib.sim.step import Layout, Simulated, check_layout, groups_of, mesh_of, parallelize, run_step, tokens_for
+from dtlib.sim.step import (
+    Layout,
+    Simulated,
+    check_layout,
+    groups_of,
+    lay_out,
+    mesh_of,
+    parallelize,
+    run_step,
+    tokens_for,
+)
 
 
 def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointing: bool,
@@ -35,7 +45,7 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
     mesh = mesh_of(layout, device.type)
     with torch.device("meta"):
         model = Llama(shape, stage=mesh["pp"].get_local_rank(), stages=layout.pp)
-    model = parallelize(model, mesh, checkpointing)
+    model = lay_out(parallelize, model, mesh, layout, checkpointing)
     model.to_empty(device=device)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -50,12 +60,12 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
 
 
 def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, micro_batch: int = 1,
-                  checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1,
+                  checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1, sequence_parallel: bool = False,
                   parallelize: Callable[..., nn.Module] = parallelize, step: Callable[..., Any] | None = None,
                   timeout: float = 120.0) -> Simulated:
     """Rank 0's step on pp x dp x tp live ranks, as :func:`dtlib.sim.step.simulate` reports it (every layer run),
     with torch's own kernels: the result's ``kernels`` names the device's."""
-    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches)
+    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel)
     started = time.perf_counter()
     results = spawn(_rank, layout.world_size, args=(shape, layout, checkpointing, parallelize, step),
                     timeout=timeout, output="none")

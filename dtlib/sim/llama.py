@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from dtlib.measure.memory import llama_block_params
@@ -119,12 +121,17 @@ def rms_norm(norm: nn.RMSNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
 
 class Block(nn.Module):
     """One Llama block. Under tensor parallelism each rank holds ``heads / tp`` heads: the reshapes below
-    read the local width, so the same code runs whole and sharded. ``fused_norm``: see :func:`rms_norm`."""
+    read the local width, so the same code runs whole and sharded. ``fused_norm``: see :func:`rms_norm`.
+
+    ``sequence_mesh`` (set by sequence parallelism, :func:`dtlib.sim.step.parallelize`): the block's input and
+    output are this rank's share of the sequence, and so is what its norms keep; each norm's output is gathered
+    whole once, for the projections after it, and ``o`` and ``down`` reduce-scatter their sums back to a share."""
 
     def __init__(self, shape: Shape, fused_norm: bool = False) -> None:
         super().__init__()
         kv = shape.kv_heads * shape.head_dim
         self.head_dim, self.checkpointing, self.fused_norm = shape.head_dim, False, fused_norm
+        self.sequence_mesh: DeviceMesh | None = None
         self.attention_norm, self.mlp_norm = nn.RMSNorm(shape.hidden), nn.RMSNorm(shape.hidden)
         self.q, self.k, self.v = (nn.Linear(shape.hidden, shape.hidden, bias=False),
                                   nn.Linear(shape.hidden, kv, bias=False), nn.Linear(shape.hidden, kv, bias=False))
@@ -133,13 +140,22 @@ class Block(nn.Module):
         self.up = nn.Linear(shape.hidden, shape.ffn, bias=False)
         self.down = nn.Linear(shape.ffn, shape.hidden, bias=False)
 
+    def _norm(self, norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)`` over the whole sequence, for the projections after it. Under sequence parallelism: the norm
+        of this rank's share, gathered (one all-gather; in backward, one reduce-scatter of the gradient, to which
+        each projection adds its part)."""
+        if self.sequence_mesh is None:
+            return rms_norm(norm, x, self.fused_norm)
+        share = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
+        return rms_norm(norm, share, self.fused_norm).redistribute(placements=[Replicate()])
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        y = rms_norm(self.attention_norm, x, self.fused_norm)
+        y = self._norm(self.attention_norm, x)
+        batch, seq, _ = y.shape
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (self.q(y), self.k(y), self.v(y)))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
-        y = rms_norm(self.mlp_norm, x, self.fused_norm)
+        y = self._norm(self.mlp_norm, x)
         return x + self.down(F.silu(self.gate(y)) * self.up(y))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +171,8 @@ class Llama(nn.Module):
     of them), the embedding only on the first stage and the norm and head only on the last: a middle stage maps
     (B, T, hidden) activations to activations. ``fused_norm``: every RMSNorm keeps what CUDA's fused kernel
     keeps, on any device (:class:`FusedRMSNorm`); otherwise torch's own runs, the kernel of the device.
+    ``sequence_mesh`` (sequence parallelism): between blocks, and between stages, each rank holds its share of the
+    sequence; the first stage splits the embedding's output, the last gathers the whole before its norm.
     """
 
     def __init__(self, shape: Shape, stage: int = 0, stages: int = 1, fused_norm: bool = False) -> None:
@@ -164,18 +182,30 @@ class Llama(nn.Module):
         share = shape.layers // stages
         self.hidden, self.first, self.last = shape.hidden, stage == 0, stage == stages - 1
         self.fused_norm = fused_norm
+        self.sequence_mesh: DeviceMesh | None = None
         self.embedding = nn.Embedding(shape.vocab, shape.hidden) if self.first else None
         self.blocks = nn.ModuleList(Block(shape, fused_norm) for _ in range(share))
         self.norm = nn.RMSNorm(shape.hidden) if self.last else None
         self.head = nn.Linear(shape.hidden, shape.vocab, bias=False) if self.last else None
 
+    def positions_held(self, seq_len: int) -> int:
+        """How many of a sequence's ``seq_len`` positions the activations between blocks hold on this rank."""
+        return seq_len if self.sequence_mesh is None else seq_len // self.sequence_mesh.size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.sequence_mesh
         if self.embedding is not None:  # tokens in; a later stage takes the previous stage's activations
             x = self.embedding(x)
+            if mesh is not None:  # this rank's share of the sequence; in backward, the whole gradient gathered
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+                x = x.to_local()  # (every tp rank's embedding then gets the same gradient, as without the split)
         for block in self.blocks:
             x = block(x)
         if self.head is None or self.norm is None:
             return x
+        if mesh is not None:
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+            x = x.to_local()  # the whole sequence, for the head every rank runs whole
         return self.head(rms_norm(self.norm, x, self.fused_norm))
 
 

@@ -77,7 +77,7 @@ def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: to
             batch = tokens[len(inputs) + done]
             x = batch
             if before is not None:  # the previous stage's activations, which this stage differentiates
-                shape = (micro_batch, seq_len, model.hidden)
+                shape = (micro_batch, model.positions_held(seq_len), model.hidden)  # a share, under SP
                 x = transfers.receive(torch.empty(shape, dtype=dtype, device=tokens.device), before)
                 x.requires_grad_()
             y = model(x)

@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtlib.arguments import whole
@@ -39,18 +40,46 @@ from dtlib.sim.world import fake_world
 #: Notebook 09's plan for a Llama block: q, k, v, gate and up split by columns, o and down by rows.
 TP_PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
            "gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+#: The same with sequence parallelism (notebook 11): ``o`` and ``down`` reduce-scatter their sums along the
+#: sequence instead of all-reducing them, so that the norms and the residual stream hold a share of the sequence.
+SP_PLAN = {**TP_PLAN, "o": RowwiseParallel(output_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, checkpointing: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, checkpointing: bool = False,
+                sequence_parallel: bool = False) -> nn.Module:
     """Tensor parallelism inside each block over ``mesh["tp"]``, then each block and the root sharded with
-    FSDP2 over ``mesh["dp"]``, in bf16 with fp32 gradient reduction; ``checkpointing`` recomputes each block."""
+    FSDP2 over ``mesh["dp"]``, in bf16 with fp32 gradient reduction; ``checkpointing`` recomputes each block.
+    ``sequence_parallel``: the blocks' norms and the activations between blocks hold each tp rank's share of the
+    sequence (:class:`dtlib.sim.llama.Block`); each norm's weight is one on every tp rank, its gradient all-reduced."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tp = mesh["tp"]
     for block in model.blocks:
         block.checkpointing = checkpointing
-        if mesh["tp"].size() > 1:
-            parallelize_module(block, mesh["tp"], TP_PLAN)
+        if tp.size() > 1:
+            parallelize_module(block, tp, SP_PLAN if sequence_parallel else TP_PLAN)
+        if tp.size() > 1 and sequence_parallel:
+            for norm in (block.attention_norm, block.mlp_norm):  # used on a share: its gradient is a partial sum
+                norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp, [Replicate()]))
+            block.sequence_mesh = tp
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    if tp.size() > 1 and sequence_parallel:
+        model.sequence_mesh = tp
     return fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+
+
+def lay_out(parallelize: Callable[..., nn.Module], model: nn.Module, mesh: DeviceMesh, layout: Layout,
+            checkpointing: bool) -> nn.Module:
+    """``parallelize(model, mesh, checkpointing)``, with ``sequence_parallel=True`` where the layout asks for it
+    (a layout of one's own that has no such argument is told so)."""
+    if not layout.sequence_parallel:
+        return parallelize(model, mesh, checkpointing)
+    try:
+        return parallelize(model, mesh, checkpointing, sequence_parallel=True)
+    except TypeError as err:
+        if "sequence_parallel" not in str(err):
+            raise
+        raise TypeError(f"sequence_parallel=True needs a parallelize that takes sequence_parallel=..., as "
+                        f"dtlib.sim.step.parallelize does: {err}") from None
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
@@ -64,7 +93,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
 @dataclass(frozen=True)
 class Layout:
     """How the ranks are laid out and what one step computes: pp x dp x tp ranks, each step ``micro_batches``
-    micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel rank."""
+    micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel rank;
+    ``sequence_parallel``: with tensor parallelism, the activations between blocks split along the sequence."""
 
     dp: int = 1
     tp: int = 1
@@ -72,6 +102,7 @@ class Layout:
     seq_len: int = 4096
     micro_batch: int = 1
     micro_batches: int = 1
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -109,10 +140,16 @@ class Simulated:
 
 
 def check_layout(shape: Shape, dp: int, tp: int, seq_len: int, micro_batch: int, pp: int = 1,
-                 micro_batches: int = 1) -> Layout:
-    """The layout, every number checked: whole and positive, tp dividing the heads and the MLP, pp the layers."""
+                 micro_batches: int = 1, sequence_parallel: bool = False) -> Layout:
+    """The layout, every number checked: whole and positive, tp dividing the heads and the MLP, pp the layers,
+    and, with sequence parallelism, the sequence."""
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     layout = Layout(whole("dp", dp), whole("tp", tp), whole("pp", pp), whole("seq_len", seq_len),
-                    whole("micro_batch", micro_batch), whole("micro_batches", micro_batches))
+                    whole("micro_batch", micro_batch), whole("micro_batches", micro_batches), sequence_parallel)
+    if sequence_parallel and layout.seq_len % layout.tp:
+        raise ValueError(f"sequence parallelism splits the {seq_len} positions of a sequence over tp={tp} ranks: "
+                         "tp must divide seq_len")
     if shape.heads % layout.tp or shape.kv_heads % layout.tp or shape.ffn % layout.tp:
         raise ValueError(f"tp={tp} must divide the heads ({shape.heads}), the key/value heads ({shape.kv_heads}) "
                          f"and the MLP width ({shape.ffn}): each rank holds whole heads")
@@ -164,7 +201,7 @@ def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False
         mesh = mesh_of(layout, "cpu")  # fails inside FakeTensorMode
         with torch.device("meta"):
             model = Llama(shape, stage=0, stages=layout.pp, fused_norm=kernels == "cuda")
-        model = parallelize(model, mesh, checkpointing)
+        model = lay_out(parallelize, model, mesh, layout, checkpointing)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -181,7 +218,7 @@ def _extend(low: float, high: float, low_depth: int, high_depth: int, depth: int
 
 
 def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_batch: int = 1,
-             checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1,
+             checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1, sequence_parallel: bool = False,
              depths: tuple[int, int] | None = (3, 4), parallelize: Callable[..., Any] = parallelize,
              step: Callable[..., Any] | None = None, kernels: str = "cuda") -> Simulated:
     """Rank 0's memory and traffic for one training step of ``shape`` on pp x dp x tp ranks (rank 0 is the
@@ -195,9 +232,11 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     caller gets a copy of its own: converting one's result in place (to GiB, say) changes no other caller's.
     ``kernels``: what the model keeps for backward, as a GPU's kernels keep it ("cuda", a cluster's question) or
     as this CPU's do ("cpu", what live ranks here measure); :data:`dtlib.sim.llama.KERNELS`.
+    ``sequence_parallel``: with ``tp`` over 1, the norms and the activations between blocks hold a share of the
+    sequence (:func:`parallelize`).
     """
     started = time.perf_counter()
-    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches)
+    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel)
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     key = (shape, layout, checkpointing, depths, kernels)

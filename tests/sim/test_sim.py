@@ -283,3 +283,84 @@ def test_a_pipelines_gradients_accumulated_unsharded_are_gradients():
     alone, sharded = (simulate(shape, pp=2, dp=dp, seq_len=16, micro_batches=3, depths=None) for dp in (1, 2))
     assert alone.memory["gradients"] == alone.memory["weights"] > 0
     assert sharded.memory["gradients"] == 2 * sharded.memory["weights"] == alone.memory["gradients"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "shape"), [
+    ({"dp": 2, "tp": 2, "seq_len": 64, "micro_batch": 2}, LLAMA["tiny"]),
+    ({"dp": 1, "tp": 2, "seq_len": 64, "checkpointing": True}, LLAMA["tiny"]),
+    ({"pp": 2, "dp": 1, "tp": 2, "seq_len": 16, "micro_batches": 3},
+     Shape(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256)),
+], ids=["fsdp-tp", "checkpointed", "pipeline"])
+def test_sequence_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
+    """With sequence parallelism too, rank 0 of live gloo ranks and of fake ones: the same all-gathers and
+    reduce-scatters with the same bytes, the same peak by category (a pipeline's stages pass shares)."""
+    real = on_live_ranks(shape, sequence_parallel=True, **layout)
+    fake = simulate(shape, depths=None, kernels=real.kernels, sequence_parallel=True, **layout)
+    assert fake.traffic == real.traffic
+    assert fake.memory == real.memory
+    calls = {row.call for row in real.traffic if row.group == "tp"}
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= calls
+
+
+def _loss_and_gradients(rank: int, world_size: int, sequence_parallel: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward of a tiny Llama on tp=2 ranks, every rank starting from the same weights."""
+    import torch.nn.functional as F
+
+    from dtlib.sim.step import check_layout, lay_out, mesh_of, parallelize, tokens_for
+
+    shape = LLAMA["tiny"]
+    layout = check_layout(shape, dp=1, tp=2, seq_len=64, micro_batch=2, sequence_parallel=sequence_parallel)
+    mesh = mesh_of(layout, "cpu")
+    torch.manual_seed(0)
+    model = lay_out(parallelize, Llama(shape), mesh, layout, checkpointing=False)
+    tokens = tokens_for(shape, layout, torch.Generator().manual_seed(0))
+    loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+    loss.backward()
+    return loss.item(), {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallelism_computes_the_loss_and_gradients_tensor_parallelism_alone_does():
+    """The oracle for the layout itself: the same weights and tokens give the same loss and every gradient
+    (bf16 compute: to its rounding), including the norms' weights, whose partial sums over the shares of the
+    sequence are all-reduced. A missing or doubled reduction is off by a factor of tp."""
+    from dtlib.launch.spawn import spawn
+
+    (alone, grads_alone), _ = spawn(_loss_and_gradients, 2, args=(False,), backend="gloo", timeout=90)
+    (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=(True,), backend="gloo", timeout=90)
+    assert split == pytest.approx(alone, rel=1e-3)
+    assert grads_split.keys() == grads_alone.keys()
+    for name, grad in grads_alone.items():
+        assert torch.allclose(grads_split[name], grad, rtol=0.05, atol=0.02 * grad.abs().max().item()), name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sequence_parallelism_keeps_a_share_of_what_the_norms_keep_and_nothing_else_changes(checkpointing):
+    """7B on tp=4: each block's two norms keep their bf16 input and an fp32 rstd per token (a GPU's kernels) for a
+    quarter of the sequence; checkpointed, each block keeps a quarter of its input. Model state is unchanged, and
+    the tp traffic is all-gathers and reduce-scatters, no larger than the all-reduces they replace."""
+    shape, tokens, tp = LLAMA["7B"], 4096, 4
+    whole, split = (simulate(shape, dp=8, tp=tp, seq_len=tokens, checkpointing=checkpointing, sequence_parallel=sp)
+                    for sp in (False, True))
+    kept = tokens * 2 * shape.hidden if checkpointing else 2 * tokens * (2 * shape.hidden + 4)
+    assert whole.memory["activations"] - split.memory["activations"] == shape.layers * kept * (tp - 1) // tp
+    assert whole.model_state() == split.model_state()
+    assert split.sent()["tp"] <= whole.sent()["tp"] and split.sent()["dp"] == whole.sent()["dp"]
+    assert {row.call for row in whole.traffic if row.group == "tp"} == {"all_reduce"}
+
+
+def test_sequence_parallelism_refuses_what_it_cannot_split_and_a_layout_that_cannot_ask():
+    with pytest.raises(ValueError, match="tp must divide seq_len"):
+        simulate(LLAMA["tiny"], tp=2, seq_len=63, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
+        simulate(LLAMA["tiny"], tp=2, seq_len=64, sequence_parallel="yes")
+
+    def mine(model, mesh, checkpointing):
+        return model
+
+    with pytest.raises(TypeError, match="needs a parallelize that takes sequence_parallel"):
+        simulate(LLAMA["tiny"], tp=2, seq_len=64, depths=None, sequence_parallel=True, parallelize=mine)
+    alone = simulate(LLAMA["tiny"], seq_len=64, depths=None)
+    assert simulate(LLAMA["tiny"], seq_len=64, depths=None, sequence_parallel=True).memory == alone.memory
