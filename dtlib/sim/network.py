@@ -25,10 +25,21 @@ class Link:
     alpha_s: float
     bytes_per_s: float
 
+    def shared(self, gpus: int) -> Link:
+        """This link as each of ``gpus`` GPUs sees it when they all send across it at once (one NIC for a node's
+        GPUs, as FSDP across nodes makes every GPU of a node send together): the same alpha, a share of the bytes.
+
+        Example: ``LINKS["100G Ethernet"].shared(8).bytes_per_s`` is 1.5625e9, one 100 Gbit/s NIC for 8 GPUs.
+        """
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus must be a whole number >= 1, the GPUs that share the link, got {gpus!r}")
+        return Link(self.alpha_s, self.bytes_per_s / gpus)
+
 
 #: Nominal links per GPU. NVLink 4 (H100 SXM): 900 GB/s both ways, 450 GB/s each way; InfiniBand NDR: one
-#: 400 Gbit/s NIC per GPU, 50 GB/s; 100 Gbit/s Ethernet, 12.5 GB/s. Alphas are typical per-step latencies
-#: of the order NCCL reports (microseconds inside a node, several across nodes).
+#: 400 Gbit/s NIC per GPU, 50 GB/s; 100 Gbit/s Ethernet, 12.5 GB/s: a NIC per GPU (``.shared(8)`` for one
+#: NIC per node of 8 GPUs, as many Ethernet clusters have). Alphas are typical per-step latencies of the order
+#: NCCL reports (microseconds inside a node, several across nodes).
 LINKS = {"NVLink 4": Link(2e-6, 450e9), "InfiniBand NDR": Link(5e-6, 50e9), "100G Ethernet": Link(10e-6, 12.5e9)}
 
 

@@ -364,3 +364,21 @@ def test_sequence_parallelism_refuses_what_it_cannot_split_and_a_layout_that_can
         simulate(LLAMA["tiny"], tp=2, seq_len=64, depths=None, sequence_parallel=True, parallelize=mine)
     alone = simulate(LLAMA["tiny"], seq_len=64, depths=None)
     assert simulate(LLAMA["tiny"], seq_len=64, depths=None, sequence_parallel=True).memory == alone.memory
+
+
+def test_a_link_shared_by_a_nodes_gpus_gives_each_its_share_and_costs_them_that_much_longer():
+    """One 100 Gbit/s NIC for a node of 8 GPUs: each GPU gets 1.5625 GB/s and the same alpha; a dp dimension
+    across such nodes spends 8 times the bandwidth seconds of a NIC per GPU, and the same latency."""
+    from dtlib.sim.network import LINKS, network_seconds
+
+    ethernet = LINKS["100G Ethernet"]
+    node = ethernet.shared(8)
+    assert (node.alpha_s, node.bytes_per_s) == (ethernet.alpha_s, 12.5e9 / 8)
+    assert ethernet.shared(1) == ethernet
+    result = simulate(LLAMA["tiny"], dp=4, seq_len=64, depths=None)
+    apart, together = (network_seconds(result, {"dp": link, "tp": link})["dp"] for link in (ethernet, node))
+    sent = sum(row.sent for row in result.traffic if row.group == "dp")
+    assert together - apart == pytest.approx(sent / node.bytes_per_s - sent / ethernet.bytes_per_s)
+    for wrong in (0, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="gpus must be a whole number"):
+            ethernet.shared(wrong)
