@@ -430,6 +430,25 @@ def _all_reach(store: Any, stage: int, world_size: int) -> None:
         time.sleep(0.005)
 
 
+def destroyed_while_needed(err: WorkerError) -> str | None:
+    """What to say when a rank raised because the default process group was gone: dtlib created it before the
+    answer ran, so the answer (or a hook or module of its) destroyed it, and the checker's next use of it failed."""
+    cause = next((failure for failure in err.failures if failure.exc_type is not None
+                  and any(words in failure.message for words in _GROUP_GONE)), None)
+    if cause is None:
+        return None
+    said = cause.message.splitlines()[0][:120].rstrip(".")
+    return (f"Your code destroyed the process group (dist.destroy_process_group) while the job still needed it: "
+            f"what ran next on it (DDP's next all-reduce, a layer's collective, the check's own) raised on rank "
+            f"{cause.rank}: \"{said}\". Whoever started the group ends it, once, at the very end (here dtlib does): "
+            f"remove the call.")
+
+
+#: torch's words for a process group that no longer exists: the default one (c10d) and one looked up by name
+#: (the functional collectives under DTensor).
+_GROUP_GONE = ("Default process group has not been initialized", "Could not resolve the process group registered")
+
+
 def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any) -> list[str]:
     """In a rank, once the answer returned and every rank has (a barrier through ``store``): what the answer left
     the job (a destroyed or an added process group, work never waited for, keys written to the store, a channel
@@ -513,7 +532,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
             err = _returned(err)
             return Feedback(False, transfers_hang(err) or exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
-            return Feedback(False, exercise.failure(err))
+            return Feedback(False, destroyed_while_needed(err) or exercise.failure(err))
         except CannotSend as err:  # dtlib.spawn's refusal to send the answer, before any rank started
             return Feedback(False, f"Your function cannot be sent to the ranks: {err.reason}")
         if exercise.calls_in is not None:
