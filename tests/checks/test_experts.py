@@ -194,6 +194,37 @@ def test_each_wrong_layer_is_named(mistake, said):
     assert said in feedback.message, feedback.message
 
 
+def rounded(x, router, experts, top_k, group):
+    """Right, then each output rounded to 5 decimals (its gradients kept right: the rounding is not in the graph)."""
+    y = moe(x, router, experts, top_k, group)
+    return y + ((y * 1e5).round() / 1e5 - y).detach()
+
+
+def in_bfloat16_there_and_back(x, router, experts, top_k, group):
+    """The tokens sent and their outputs brought back in bf16: half the bytes, a quarter of float32's digits."""
+    return moe(x.bfloat16().float(), router, experts, top_k, group).bfloat16().float()
+
+
+def experts_through_half(x, router, experts, top_k, group):
+    """Each expert's input and output passed through fp16: the outputs a little off, and every gradient with them."""
+    halved = {e: functools.partial(_through_half, module) for e, module in experts.items()}
+    return moe(x, router, halved, top_k, group)
+
+
+def _through_half(module, rows):
+    return module(rows.half().float()).half().float()
+
+
+@pytest.mark.parametrize("answer", [rounded, in_bfloat16_there_and_back, experts_through_half])
+def test_an_answer_right_only_to_16_bits_is_refused_and_told_why(answer):
+    """Judged at float32's precision against one process: outputs rounded to 5 decimals passed the earlier
+    tolerance (1e-5 absolute, 1e-4 relative) and are refused now; a bf16 round trip and fp16 experts too, each told
+    which of its results went short, and by how much."""
+    feedback = _feedback(answer)
+    assert not feedback.ok
+    assert "to a 16-bit float's precision, not to float32's" in feedback.message, feedback.message
+
+
 def seeks_the_checks_seed(x, router, experts, top_k, group):
     import sys
 
