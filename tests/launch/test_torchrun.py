@@ -538,6 +538,62 @@ def test_notebook_16s_rank_lost_at_a_checkpoint_step_resumes_from_the_checkpoint
     assert (tmp_path / "ckpt" / "latest").read_text() == "12"
 
 
+#: A fault of the test's own, beside notebook 16's: rank 1 killed (SIGKILL) inside DCP's write of its part, after
+#: two of its tensors reached the file and before the rest did.
+_KILLED_MID_SAVE = """
+
+def _die_mid_save():
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    real, written = filesystem._write_item, []
+
+    def write_item(transforms, stream, *args, **kwargs):
+        result = real(transforms, stream, *args, **kwargs)
+        written.append(result)
+        if len(written) == 2:
+            stream.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    filesystem._write_item = write_item
+
+
+_notebooks_after_step = after_step
+
+
+def after_step(fault, step, attempt, rank):
+    kind, _, at = fault.partition(":")
+    if kind == "killsave" and attempt == 0 and rank == 1 and step == int(at):
+        _die_mid_save()
+    else:
+        _notebooks_after_step(fault, step, attempt, rank)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_notebook_16s_rank_killed_inside_its_checkpoint_write_leaves_a_folder_no_resume_reads(tmp_path):
+    """Rank 1 dies inside dcp.save at step 8, its file cut short: the step-8 folder has parts and no .metadata,
+    the marker still names step 4, and a new job resumes from step 4 to every loss of an uninterrupted run."""
+    script = _notebook_16_scripts(tmp_path)
+    with open(tmp_path / "faults.py", "a") as faults:
+        faults.write(_KILLED_MID_SAVE)
+    folder = tmp_path / "ckpt"
+    whole = torchrun.single_node([script, "--folder", str(tmp_path / "whole")], timeout=90)
+    reference = {(r["rank"], r["step"]): r["loss"] for r in torchrun.json_records(whole)}
+    cut = torchrun.single_node([script, "--folder", str(folder), "--fault", "killsave:8"],
+                               options=["--max_restarts=0"], timeout=90)
+    assert cut.returncode == 1 and torchrun.exit_codes(cut).get(1) == -9, cut.output[-3000:]
+    parts = {path.name: path.stat().st_size for path in (folder / "step-8").iterdir()}
+    assert ".metadata" not in parts and parts.get("__1_0.distcp", 0) > 0, parts
+    assert parts["__1_0.distcp"] < (folder / "step-4" / "__1_0.distcp").stat().st_size  # cut short
+    assert (folder / "latest").read_text() == "4"
+    again = torchrun.single_node([script, "--folder", str(folder)], timeout=90)
+    assert again.returncode == 0, again.output[-3000:]
+    resumed = {(r["rank"], r["step"]): r["loss"] for r in torchrun.json_records(again)}
+    assert min(step for _, step in resumed) == 5 and all(reference[key] == loss for key, loss in resumed.items())
+    assert (folder / "latest").read_text() == "12" and (folder / "step-8" / ".metadata").exists()
+
+
 @pytest.mark.timeout(90)
 def test_a_node_that_never_comes_ends_the_rendezvous_at_its_join_timeout_with_torchs_own_error():
     finished = torchrun.simulate_nodes(["--no-python", "true"], 2, absent=1, timeout=60,
