@@ -26,22 +26,34 @@ import torch.distributed as dist
 
 from dtlib import compat
 from dtlib.measure.counting import CALL_NAMES, watching
+from dtlib.ring.cost import ring_terms
 
-#: Share of the payload one rank sends, by the call's kind, for a group of n ranks (ring algorithms).
-_SHARE = {"gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-          "all_reduce": lambda n: 2 * (n - 1) / n, "whole": lambda n: 1.0, "none": lambda n: 0.0}
-#: c10d op -> (kind, which argument holds the payload): 0 the first, 1 the second.
-_C10D = {"allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "broadcast_": ("whole", 0),
+#: c10d op -> (kind, which argument holds the payload): 0 the first, 1 the second. The kind names the ring
+#: algorithm whose share of the payload a rank sends (:data:`dtlib.ring.cost.RING_OF`); a rooted gather, reduce
+#: or scatter counts as one send of the buffer.
+_C10D = {"allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "broadcast_": ("broadcast", 0),
          "allgather_": ("gather", 0), "_allgather_base_": ("gather", 0), "allgather_coalesced_": ("gather", 0),
          "allgather_into_tensor_coalesced_": ("gather", 0), "reduce_scatter_": ("scatter", 1),
          "_reduce_scatter_base_": ("scatter", 1), "reduce_scatter_tensor_coalesced_": ("scatter", 1),
-         "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1), "send": ("whole", 0),
-         "recv_": ("none", 0), "recv_any_source_": ("none", 0), "reduce_": ("whole", 0), "gather_": ("whole", 1),
-         "scatter_": ("whole", 1)}
+         "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1), "send": ("send", 0),
+         "recv_": ("none", 0), "recv_any_source_": ("none", 0), "reduce_": ("send", 0), "gather_": ("send", 1),
+         "scatter_": ("send", 1)}
 #: Functional op -> kind; its payload is its input (times the group for an all-gather).
 _FUNCTIONAL = {"all_gather_into_tensor": "gather", "all_gather_into_tensor_coalesced": "gather",
                "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_to_all_single": "all_to_all",
-               "broadcast": "whole", "reduce_scatter_tensor": "scatter", "reduce_scatter_tensor_coalesced": "scatter"}
+               "broadcast": "broadcast", "reduce_scatter_tensor": "scatter",
+               "reduce_scatter_tensor_coalesced": "scatter"}
+
+
+def call_kind(call: str) -> str:
+    """The kind of a call as a table names it (its ring algorithm, :data:`dtlib.ring.cost.RING_OF`), for the
+    seconds that :mod:`dtlib.sim.network` gives each row. Example: ``call_kind("all_gather_single")`` is "gather"."""
+    for name, (kind, _) in _C10D.items():
+        if compat.current_name(CALL_NAMES.get(name, name)) == call:
+            return kind
+    if call in _FUNCTIONAL:
+        return _FUNCTIONAL[call]
+    raise ValueError(f"no traffic table names a call {call!r}")
 
 
 @dataclass(frozen=True)
@@ -133,7 +145,7 @@ def traffic(groups: dict[str, Any]) -> Iterator[Traffic]:
             payload = _nbytes(args[0]) * (size if kind == "gather" else 1)
         else:
             return
-        seen.add(label, call, payload, payload * _SHARE[kind](size))
+        seen.add(label, call, payload, payload * ring_terms(kind, size)[1])
 
     with watching(see):
         yield seen

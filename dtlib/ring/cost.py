@@ -20,10 +20,16 @@ from dtlib.ring.simulator import largest_power_of_two
 
 #: For each algorithm: (messages in sequence, bytes in sequence per byte of S) as functions of N.
 #: Time = messages * alpha + bytes_factor * S / bandwidth. Ring: 2(N-1) steps of S/N bytes each.
+#: The one home of these terms: the traffic tables (``dtlib.measure.traffic``) and the simulated cluster's
+#: seconds (``dtlib.sim.network``) read them through :data:`RING_OF`.
 COST_TERMS = {
     "ring all-reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
     "ring reduce-scatter": lambda n: (n - 1, (n - 1) / n),
     "ring all-gather": lambda n: (n - 1, (n - 1) / n),
+    # Each rank sends its N-1 other pieces, one per peer, through its link: (N-1)/N of its buffer.
+    "pairwise all-to-all": lambda n: (n - 1, (n - 1) / n),
+    # One message, the whole buffer, to one peer.
+    "send": lambda n: (1, 1.0),
     # A rank sends its N-1 messages one after another through one link.
     "naive all-reduce": lambda n: (n - 1, n - 1),
     "reduce + broadcast": lambda n: (2 * (n - 1), 2 * (n - 1)),
@@ -32,6 +38,27 @@ COST_TERMS = {
     # Cut into many small pieces and passed down a chain: S once, after N-1 start-up hops.
     "pipelined broadcast": lambda n: (n - 1, 1.0),
 }
+
+
+#: The algorithm that carries each kind of call in the traffic tables, where a rank's bytes are counted: "gather"
+#: (all-gathers), "scatter" (reduce-scatters), "all_reduce", "all_to_all", "send" (a send; a broadcast's root
+#: sends its buffer once down the pipeline), "none" (a receive, which sends nothing).
+RING_OF = {"gather": "ring all-gather", "scatter": "ring reduce-scatter", "all_reduce": "ring all-reduce",
+           "all_to_all": "pairwise all-to-all", "send": "send", "broadcast": "pipelined broadcast", "none": None}
+
+
+def ring_terms(kind: str, n: int) -> tuple[int, float]:
+    """(messages in sequence, bytes sent per byte of the payload) for one call of ``kind`` (:data:`RING_OF`) on a
+    group of ``n`` ranks; ``(0, 0.0)`` for a receive, or a group of one, which sends nothing.
+
+    Example: ``ring_terms("all_reduce", 4)`` is ``(6, 1.5)``.
+    """
+    if kind not in RING_OF:
+        raise ValueError(f"unknown kind {kind!r}; known: {sorted(RING_OF)}")
+    algorithm = RING_OF[kind]
+    if algorithm is None or n <= 1:
+        return 0, 0.0
+    return COST_TERMS[algorithm](n)
 
 
 #: busbw / algbw for each collective: the share of a buffer of S bytes that crosses the busiest link, n ranks
@@ -72,6 +99,16 @@ class AlphaBeta:
 
     alpha_s: float
     bandwidth_bytes_per_s: float
+
+    def shared(self, gpus: int) -> AlphaBeta:
+        """This link as each of ``gpus`` GPUs sees it when they all send across it at once (one NIC for a node's
+        GPUs, as FSDP across nodes makes every GPU of a node send together): the same alpha, a share of the bytes.
+
+        Example: ``AlphaBeta(1e-5, 12.5e9).shared(8).bandwidth_bytes_per_s`` is 1.5625e9.
+        """
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus must be a whole number >= 1, the GPUs that share the link, got {gpus!r}")
+        return AlphaBeta(self.alpha_s, self.bandwidth_bytes_per_s / gpus)
 
     def time(self, algorithm: str, world_size: int, nbytes: float) -> float:
         """Predicted seconds for ``algorithm`` on ``world_size`` ranks with S = ``nbytes`` per rank.

@@ -231,7 +231,8 @@ def test_a_pipelines_transfers_get_seconds_of_their_own():
     link = LINKS["InfiniBand NDR"]
     seconds = network_seconds(piped, {"pp": link, "dp": link, "tp": LINKS["NVLink 4"]})
     sends = next(row for row in piped.traffic if (row.group, row.call) == ("pp", "send"))
-    assert set(seconds) == {"pp", "dp", "tp"} and seconds["pp"] > sends.sent / link.bytes_per_s
+    assert set(seconds) == {"pp", "dp", "tp"}
+    assert seconds["pp"] == pytest.approx(sends.calls * link.alpha_s + sends.sent / link.bandwidth_bytes_per_s)
     with pytest.raises(ValueError, match="no link given for the 'pp' dimension"):
         network_seconds(piped, {"dp": link, "tp": link})
 
@@ -373,12 +374,36 @@ def test_a_link_shared_by_a_nodes_gpus_gives_each_its_share_and_costs_them_that_
 
     ethernet = LINKS["100G Ethernet"]
     node = ethernet.shared(8)
-    assert (node.alpha_s, node.bytes_per_s) == (ethernet.alpha_s, 12.5e9 / 8)
+    assert (node.alpha_s, node.bandwidth_bytes_per_s) == (ethernet.alpha_s, 12.5e9 / 8)
     assert ethernet.shared(1) == ethernet
     result = simulate(LLAMA["tiny"], dp=4, seq_len=64, depths=None)
     apart, together = (network_seconds(result, {"dp": link, "tp": link})["dp"] for link in (ethernet, node))
     sent = sum(row.sent for row in result.traffic if row.group == "dp")
-    assert together - apart == pytest.approx(sent / node.bytes_per_s - sent / ethernet.bytes_per_s)
+    assert together - apart == pytest.approx(sent / node.bandwidth_bytes_per_s - sent / ethernet.bandwidth_bytes_per_s)
     for wrong in (0, 2.5, True, "8"):
         with pytest.raises(ValueError, match="gpus must be a whole number"):
             ethernet.shared(wrong)
+
+
+def test_the_seconds_of_a_table_are_the_ring_models_own_and_a_fitted_link_is_a_link():
+    """dtlib.ring.cost is the one home of the ring's terms: each row of a simulated table costs its calls times
+    the ring's messages times alpha plus its bytes over the bandwidth, the bytes themselves counted with the
+    ring's shares; and the AlphaBeta that notebook 03 fits on this machine is a link as it is."""
+    from dtlib.measure.traffic import call_kind
+    from dtlib.ring import AlphaBeta, ring_terms
+    from dtlib.sim.network import network_seconds
+
+    result = simulate(LLAMA["tiny"], dp=4, tp=2, seq_len=64, depths=None)
+    link = AlphaBeta(1e-4, 2e9)
+    expected = dict.fromkeys(("dp", "tp"), 0.0)
+    for row in result.traffic:
+        size = {"dp": 4, "tp": 2}[row.group]
+        messages, share = ring_terms(call_kind(row.call), size)
+        assert row.sent == pytest.approx(row.payload * share)
+        expected[row.group] += row.calls * messages * 1e-4 + row.sent / 2e9
+    assert network_seconds(result, {"dp": link, "tp": link}) == pytest.approx(expected)
+    assert ring_terms("all_reduce", 4) == (6, 1.5) and ring_terms("gather", 4) == (3, 0.75)
+    assert ring_terms("none", 4) == (0, 0.0) and ring_terms("send", 2) == (1, 1.0)
+    assert ring_terms("gather", 1) == (0, 0.0)
+    with pytest.raises(ValueError, match="unknown kind"):
+        ring_terms("allreduce", 4)
