@@ -11,6 +11,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 COLORS = {"cpu": "#4C72B0", "gpu": "#55A868", "off": "#BBBBBB", "store": "#DD8452", "rank": "#8172B3"}
+#: One colour per rank, rank r taking RANK_COLORS[r % 8], in every figure that colours ranks.
+RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
 def tick_names(names: Sequence[str], width: int = 14) -> list[str]:

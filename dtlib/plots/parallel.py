@@ -10,8 +10,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from dtlib.plots._style import COLORS
-from dtlib.plots.sharding import RANK_COLORS
+from dtlib.plots._style import COLORS, RANK_COLORS
 
 
 def _dims(shape: Sequence[int]) -> tuple[int, int]:

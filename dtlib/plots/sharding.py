@@ -16,12 +16,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from dtlib.measure import memory
-from dtlib.plots._style import tick_names
+from dtlib.plots._style import RANK_COLORS, tick_names
 from dtlib.sim.llama import LLAMA, llama_like
 from dtlib.train.guide import CHECKPOINTING, CHOICES, recommend
 
 PART_COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DD8452", "gathered": "#BBBBBB"}
-RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
 def shard(full_shape: Sequence[int], world_size: int, name: str = "a parameter") -> Figure:

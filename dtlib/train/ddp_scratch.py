@@ -31,7 +31,7 @@ def _trainable(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-class _Replicated(nn.Module):
+class Replicated(nn.Module):
     """What both versions share: rank 0's weights everywhere, forward, and ``no_sync``."""
 
     def __init__(self, module: nn.Module):
@@ -59,7 +59,7 @@ class _Replicated(nn.Module):
         """Nothing is left in flight after this returns."""
 
 
-class NaiveDDP(_Replicated):
+class NaiveDDP(Replicated):
     """(a) One blocking all-reduce per parameter, from a hook that fires once its gradient is in ``.grad``.
 
     ``register_post_accumulate_grad_hook``, not ``register_hook``: after backward passes under
@@ -78,7 +78,7 @@ class NaiveDDP(_Replicated):
         dist.all_reduce(param.grad)  # SUM over ranks, in place: the average
 
 
-class BucketedDDP(_Replicated):
+class BucketedDDP(Replicated):
     """(b) Gradients packed into flat buckets in reverse parameter order (the order backward
     produces them); a full bucket is all-reduced asynchronously while backward goes on.
 
