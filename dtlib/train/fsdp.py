@@ -32,13 +32,13 @@ from dtlib.launch import entry
 from dtlib.launch.entry import rank_device
 from dtlib.measure import memory
 from dtlib.measure.commlog import SIZED_BY, CommLog
-from dtlib.measure.held import instrument_blocks, parameter_peak, saved_for_backward, shard_example
+from dtlib.measure.held import instrument_blocks, saved_for_backward, shard_example
 from dtlib.train import data, fsdp_checkpoint, models
 from dtlib.train.common import validate_checkpointing, validate_counts
 from dtlib.train.config import FSDPConfig
 from dtlib.train.fsdp_wrap import HYBRID, build
 
-__all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "parameter_peak", "run", "run_many",
+__all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "run", "run_many",
            "saved_for_backward", "train", "validate"]
 
 APIS = ("fsdp2", "fsdp1", "ddp")

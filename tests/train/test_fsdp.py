@@ -16,6 +16,7 @@ import torch
 import dtlib
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory
+from dtlib.measure.held import parameter_peak
 from dtlib.train import data, fsdp, fsdp_compare, models
 from dtlib.train.fsdp import FSDPConfig
 from dtlib.train.fsdp_compare import bytes_sent_per_rank
@@ -683,7 +684,7 @@ def test_saved_for_backward_counts_activations_once_and_no_parameter():
 
 def test_parameter_peak_of_an_unsharded_model_is_all_of_it():
     model = models.build("transformer")
-    with fsdp.parameter_peak(model) as peak:
+    with parameter_peak(model) as peak:
         model(torch.zeros(2, 16, dtype=torch.long))
     assert peak.nbytes == S
     assert all(not module._forward_hooks for module in model.modules())  # the hooks are gone afterwards
