@@ -133,8 +133,8 @@ def test_the_simulators_gpu_kernels_are_what_a_gpu_keeps():
     """Notebook 14's default count (``kernels="cuda"``: CUDA's fused RMSNorm, SDPA's flash kernel) against the
     same step on this GPU, torch's own kernels, rank 0 measured by the same tracker. GPU run must confirm: the
     activations equal, byte for byte, as the CPU's kernels equal the CPU's live ranks (tests/sim)."""
-    from dtlib.sim.live import on_live_ranks
     from dtlib.sim.llama import LLAMA
+    from dtlib.sim.proof import on_live_ranks
     from dtlib.sim.step import simulate
 
     args = {"dp": WORLD, "seq_len": 64, "micro_batch": 2}

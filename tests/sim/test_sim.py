@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from dtlib.sim.live import on_live_ranks
 from dtlib.sim.llama import LLAMA, Llama, Shape
+from dtlib.sim.proof import on_live_ranks
 from dtlib.sim.step import Simulated, simulate
 from dtlib.sim.world import fake_world
 
