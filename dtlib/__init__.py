@@ -21,7 +21,8 @@ from typing import Any
 from dtlib import compat
 from dtlib._lazy import submodule
 from dtlib.errors import ChangedFile, RankFailure, WorkerError, WorkerTimeout
-from dtlib.launch.entry import rank_device, run, under_torchrun
+from dtlib.launch.device import rank_device
+from dtlib.launch.entry import run, under_torchrun
 from dtlib.launch.spawn import spawn
 from dtlib.live.ranks import LiveRanks
 

@@ -26,7 +26,7 @@ from dtlib import compat, ring
 from dtlib.bench._table import Column
 from dtlib.bench._table import as_records as as_records
 from dtlib.bench._table import format_table as _format_table
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.timing import slowest_median
 from dtlib.ring import send_recv

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtlib.bench import _table
 from dtlib.bench._table import Column
-from dtlib.launch.entry import device_ids, rank_device
+from dtlib.launch.device import device_ids, rank_device
 from dtlib.launch.spawn import spawn
 
 KINDS = ("blocking", "async")

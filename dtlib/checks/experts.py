@@ -35,7 +35,7 @@ from torch import nn
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import UNREADABLE, Answer, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.measure.counting import watching
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 8, 16, 8, 2, 12

@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 from dtlib import compat
 from dtlib.checks import stepping
 from dtlib.launch import torchrun
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import count_collectives, watching
 from dtlib.measure.stages import StageClock, in_flight_peak

@@ -48,7 +48,7 @@ from dtlib.arguments import seconds, whole
 from dtlib.checks.feedback import Feedback
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.launch import nccl_order, strict
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.pickling import CannotSend
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import (

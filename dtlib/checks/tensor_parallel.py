@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import CALL_NAMES, watching
 

@@ -27,7 +27,7 @@ from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import nccl_order
-from dtlib.launch.entry import device_ids, rank_device
+from dtlib.launch.device import device_ids, rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
 from dtlib.measure.counting import CALL_NAMES, count_collectives, rank_without_communication, watching

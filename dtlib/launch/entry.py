@@ -1,4 +1,4 @@
-"""``dtlib.run`` and ``dtlib.rank_device``: one entry point that works in a notebook and under torchrun.
+"""``dtlib.run``: one entry point that works in a notebook and under torchrun.
 
 The module is ``dtlib.launch.entry``; ``dtlib.run`` is the function, so that the name means one thing.
 
@@ -25,28 +25,6 @@ import torch.distributed as dist
 from dtlib import compat
 from dtlib.launch.spawn import resolve_backend, spawn, valid_call_arguments
 from dtlib.launch.worker import dumps_result
-
-
-def rank_device() -> torch.device:
-    """The device this rank computes on: its own GPU (``cuda:LOCAL_RANK``, set by the launcher) under
-    NCCL, else the CPU; the CPU too outside a process group (a one-process reference run).
-
-    Example: ``model.to(dtlib.rank_device())`` inside a rank.
-    """
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def device_ids(device: torch.device) -> list[int] | None:
-    """What ``DistributedDataParallel(model, device_ids=...)`` wants for a module on ``device``: the one GPU
-    it lives on, or None on the CPU (where a list is refused). Example (inside a rank)::
-
-        device = rank_device()
-        DistributedDataParallel(model.to(device), device_ids=device_ids(device))
-    """
-    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" \
-        else None
 
 
 def under_torchrun() -> bool:

@@ -41,7 +41,7 @@ from torch import nn
 
 from dtlib.errors import collective_mismatch
 from dtlib.launch import pickling
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.worker import channels, describe, dumps_result
 from dtlib.live.doctor import last_collectives
 from dtlib.live.notes import CallNotes

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure.peak import PeakTracker
 from dtlib.measure.traffic import Row, traffic

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dtlib import compat
 from dtlib.arguments import finite
 from dtlib.launch import entry
-from dtlib.launch.entry import device_ids, rank_device
+from dtlib.launch.device import device_ids, rank_device
 from dtlib.measure.commlog import CommLog, hidden_share
 from dtlib.train import data, models
 from dtlib.train.checkpoint import load_file, save_file

@@ -29,7 +29,7 @@ from torch import nn
 
 from dtlib import compat
 from dtlib.launch import entry
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.measure import memory
 from dtlib.measure.commlog import SIZED_BY, CommLog
 from dtlib.measure.held import instrument_blocks, saved_for_backward, shard_example

@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.train.checkpoint import DIGESTS, load_file, private_folder, verify_digests, write_atomically, write_digests
 
 FULL_FILE = "full.pt"

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from dtlib.launch.entry import device_ids
+from dtlib.launch.device import device_ids
 from dtlib.train import models
 from dtlib.train.config import FSDPConfig
 

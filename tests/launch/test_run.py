@@ -153,7 +153,7 @@ def test_ranks_of_spawn_are_not_under_torchrun_even_if_parent_is(monkeypatch):
 def _devices_of_ddp(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlib.launch.entry import device_ids
+    from dtlib.launch.device import device_ids
 
     device = dtlib.rank_device()
     model = DistributedDataParallel(torch.nn.Linear(2, 2).to(device), device_ids=device_ids(device))
@@ -163,7 +163,7 @@ def _devices_of_ddp(rank, world_size):
 @pytest.mark.timeout(60)
 def test_device_ids_is_what_ddp_accepts_on_the_ranks_device(monkeypatch):
     """Oracle: torch's DDP takes it (a list on a GPU, None on the CPU) and keeps the device it names."""
-    from dtlib.launch.entry import device_ids
+    from dtlib.launch.device import device_ids
 
     assert device_ids(torch.device("cpu")) is None
     assert device_ids(torch.device("cuda", 1)) == [1]

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from dtlib.launch.entry import rank_device
+from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import dtensor_ops
 from dtlib.measure.counting import count_collectives
