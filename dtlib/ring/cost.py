@@ -41,8 +41,8 @@ COST_TERMS = {
 
 
 #: The algorithm that carries each kind of call in the traffic tables, where a rank's bytes are counted: "gather"
-#: (all-gathers), "scatter" (reduce-scatters), "all_reduce", "all_to_all", "send" (a send; a broadcast's root
-#: sends its buffer once down the pipeline), "none" (a receive, which sends nothing).
+#: (all-gathers), "scatter" (reduce-scatters), "all_reduce", "all_to_all", "send" (a send, or a rooted gather,
+#: reduce or scatter: the buffer once), "broadcast" (pipelined down the ranks), "none" (a receive: nothing sent).
 RING_OF = {"gather": "ring all-gather", "scatter": "ring reduce-scatter", "all_reduce": "ring all-reduce",
            "all_to_all": "pairwise all-to-all", "send": "send", "broadcast": "pipelined broadcast", "none": None}
 

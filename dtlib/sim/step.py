@@ -40,8 +40,9 @@ from dtlib.sim.world import fake_world
 #: Notebook 09's plan for a Llama block: q, k, v, gate and up split by columns, o and down by rows.
 TP_PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
            "gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
-#: The same with sequence parallelism (notebook 11): ``o`` and ``down`` reduce-scatter their sums along the
-#: sequence instead of all-reducing them, so that the norms and the residual stream hold a share of the sequence.
+#: The same with sequence parallelism (notebook 09's ``SequenceParallel``, done by hand in the blocks): ``o`` and
+#: ``down`` reduce-scatter their sums along the sequence instead of all-reducing them, so that the norms and the
+#: residual stream hold a share of the sequence.
 SP_PLAN = {**TP_PLAN, "o": RowwiseParallel(output_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
 
 
