@@ -327,6 +327,20 @@ def _near_miss(a: Answer) -> str | None:
     return None
 
 
+def _router_scored_others(a: Answer) -> bool:
+    """Right outputs, a router gradient that is not this rank's own, and yet the ranks' router gradients sum to the
+    whole job's: the gates of every token were computed on every rank, each rank's for its own experts (a gather
+    of the tokens, whose bytes can stay within the bound when nearly every assignment goes elsewhere)."""
+    if a.value is UNREADABLE or not _same_output(a.value, a.expected):
+        return False
+    got, want = a.value["router_grad"], a.expected[a.rank]["router_grad"]
+    grads = [value["router_grad"] if value is not UNREADABLE else None for value in a.values]
+    if got is None or _close(got, want) or any(grad is None or grad.shape != want.shape for grad in grads):
+        return False
+    total, expected = sum(grads), sum(e["router_grad"] for e in a.expected)
+    return bool(torch.allclose(total, expected, rtol=0, atol=1e-4 * expected.abs().max().item()))
+
+
 HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
     (lambda a: a.value is UNREADABLE,
      lambda a: f"Rank {a.rank} returned {_returned(a)}: return the outputs of this rank's own tokens, a float tensor "
@@ -348,6 +362,12 @@ HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
      lambda a: f"Rank {a.rank}'s outputs are right, but its experts' gradients are not "
                f"({_expert_grads_said(a)}): the way back must carry gradients to the experts. Bring the outputs "
                "home with all_to_all_single_autograd, not dist.all_to_all_single, and do not detach them."),
+    (_router_scored_others,
+     lambda a: f"Rank {a.rank}'s outputs are right, but its router's gradient is not its own tokens', although the "
+               "ranks' router gradients add up to the whole job's: its router scored other ranks' tokens, for its own "
+               "experts, as after an all-gather of the tokens. Expert parallelism scores each token once, on the rank "
+               "that holds it, and sends it to its experts' ranks with an all-to-all: sending every token to every "
+               "rank is an all-gather, whatever the call is named."),
     (lambda a: _same_output(a.value, a.expected)
      and not _close(a.value["router_grad"], a.expected[a.rank]["router_grad"]),
      lambda a: f"Rank {a.rank}'s outputs and its experts' gradients are right, but the router's gradient is not: "
