@@ -200,9 +200,10 @@ def rounded(x, router, experts, top_k, group):
     return y + ((y * 1e5).round() / 1e5 - y).detach()
 
 
-def in_bfloat16_there_and_back(x, router, experts, top_k, group):
-    """The tokens sent and their outputs brought back in bf16: half the bytes, a quarter of float32's digits."""
-    return moe(x.bfloat16().float(), router, experts, top_k, group).bfloat16().float()
+def outputs_in_bfloat16(x, router, experts, top_k, group):
+    """The outputs brought home in bf16 (half the bytes, a third of float32's digits); the routing stays float32's:
+    tokens rounded before the router could choose other experts, a different wrong answer."""
+    return moe(x, router, experts, top_k, group).bfloat16().float()
 
 
 def experts_through_half(x, router, experts, top_k, group):
@@ -215,10 +216,10 @@ def _through_half(module, rows):
     return module(rows.half().float()).half().float()
 
 
-@pytest.mark.parametrize("answer", [rounded, in_bfloat16_there_and_back, experts_through_half])
+@pytest.mark.parametrize("answer", [rounded, outputs_in_bfloat16, experts_through_half])
 def test_an_answer_right_only_to_16_bits_is_refused_and_told_why(answer):
     """Judged at float32's precision against one process: outputs rounded to 5 decimals passed the earlier
-    tolerance (1e-5 absolute, 1e-4 relative) and are refused now; a bf16 round trip and fp16 experts too, each told
+    tolerance (1e-5 absolute, 1e-4 relative) and are refused now; outputs in bf16 and fp16 experts too, each told
     which of its results went short, and by how much."""
     feedback = _feedback(answer)
     assert not feedback.ok
