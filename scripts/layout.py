@@ -1,6 +1,6 @@
 """Print dtlib's layout, a package per concern in its layer's order, each line its module's own docstring.
 
-docs/testing.md holds this output between its two ``layout`` markers; a test keeps them equal. After
+docs/architecture.md holds this output between its two ``layout`` markers; a test keeps them equal. After
 moving or adding a module, run ``python scripts/layout.py --write``.
 """
 
@@ -61,7 +61,7 @@ def _replace(page: Path, begin: str, end: str, new: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        _replace(ROOT / "docs" / "testing.md", BEGIN, END, block())
+        _replace(ROOT / "docs" / "architecture.md", BEGIN, END, block())
         _replace(ROOT / "docs" / "architecture.md", LAYERS_BEGIN, LAYERS_END, layers_block())
     else:
         print(layout())

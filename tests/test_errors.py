@@ -1,13 +1,25 @@
-"""Unit tests of the exceptions dtlib.spawn raises: RankFailure, WorkerError, WorkerTimeout."""
+"""dtlib.errors: the exceptions dtlib.spawn raises (RankFailure, WorkerError, WorkerTimeout), and the reader of
+TORCH_DISTRIBUTED_DEBUG=DETAIL's mismatch errors (fingerprint_summary) against torch's own errors.
+
+The rank function defined here travels to the ranks by value, as a notebook cell's functions do."""
 
 from __future__ import annotations
 
+import os
+import sys
+
+import cloudpickle
 import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+import dtlib
 from dtlib import errors
-from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
+from dtlib.errors import RankFailure, WorkerError, WorkerTimeout, fingerprint_summary
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "cell.py", line 2, in fn\nValueError: bad shape\n'
 
@@ -135,3 +147,43 @@ def test_a_collective_check_error_names_this_ranks_call_and_only_that(message, s
 @pytest.mark.parametrize("message", ["Connection closed by peer", "Detected mismatch between collectives", ""])
 def test_other_errors_are_not_said_to_be_a_collective_mismatch(message):
     assert errors.collective_mismatch(message) is None
+
+
+# -- TORCH_DISTRIBUTED_DEBUG=DETAIL ---------------------------------------------------------------
+
+
+def _all_reduce_with_detail(rank: int, world_size: int, shapes: list[list[int]]) -> str:
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()  # the ranks' torch was imported before the variable was set
+    dist.init_process_group("gloo")
+    try:
+        dist.all_reduce(torch.ones(shapes[rank]))
+        return "no error"
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shapes, differ", [([[4], [8]], ("4vs 8", "8vs 4")),  # torch's spacing, by rank
+                                            ([[2, 4], [4, 2]], ("2 4vs 4 2", "4 2vs 2 4")), ([[3], [3]], None)])
+def test_detail_names_mismatched_collectives_even_with_equal_element_counts(shapes, differ):
+    """Notebook 08: under TORCH_DISTRIBUTED_DEBUG=DETAIL both ranks raise and name both shapes; equal shapes pass."""
+    said = dtlib.spawn(_all_reduce_with_detail, 2, args=(shapes,), init_process_group=False, timeout=45,
+                       output="none")
+    if differ is None:
+        assert said == ["no error", "no error"]
+        return
+    for rank, message in enumerate(said):
+        lines = fingerprint_summary(message).splitlines()
+        assert lines[0] == "Detected mismatch between collectives on ranks.", message
+        mine, theirs = (shapes[rank], shapes[1 - rank])
+        assert f"Rank {rank} is running collective" in lines[1] and f"TensorShape={mine}".replace(" ", "") in \
+            lines[1].replace(" ", "")
+        assert f"TensorShape={theirs}".replace(" ", "") in lines[2].replace(" ", "") and "TensorOptions" not in lines[2]
+        assert lines[3] == f"Collectives differ in the following aspects: Tensor Tensor shapes: {differ[rank]}"
+
+
+def test_fingerprint_summary_leaves_other_messages_readable():
+    assert fingerprint_summary("  some other\n error ") == "some other error"

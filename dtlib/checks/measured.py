@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DistributedSampler
 
 from dtlib import compat
-from dtlib.checks import stepping
+from dtlib.checks import collective_order
 from dtlib.launch import torchrun
 from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
@@ -77,7 +77,7 @@ def model_state_gib() -> float:
 
 
 def fsdp_all_gathers() -> float:
-    return sum(op == "all_gather" for op, _ in stepping.observed())  # notebook 15's trace, on 2 live ranks
+    return sum(op == "all_gather" for op, _ in collective_order.observed())  # notebook 15's trace, on 2 live ranks
 
 
 def hsdp_over_ddp() -> float:

@@ -38,8 +38,7 @@ from dtlib.train.common import validate_checkpointing, validate_counts
 from dtlib.train.config import FSDPConfig
 from dtlib.train.fsdp_wrap import HYBRID, build
 
-__all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "run", "run_many",
-           "saved_for_backward", "train", "validate"]
+__all__ = ["APIS", "STRATEGIES", "FSDPConfig", "FSDPResult", "run", "run_many", "train", "validate"]
 
 APIS = ("fsdp2", "fsdp1", "ddp")
 # FSDP1's ShardingStrategy names, lower case; "hybrid_shard_zero2" is its _HYBRID_SHARD_ZERO2.

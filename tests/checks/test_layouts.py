@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from verdicts import assert_verdict
 
 from dtlib import checks
 
@@ -85,3 +87,89 @@ def test_mesh_for_nodes_finds_a_tp_group_that_crosses_nodes():
     feedback = checks.mesh_for_nodes((4, 2), ("tp", "dp"), nodes=2, gpus_per_node=4, tp_size=4)
     assert not feedback.ok and "The tp group [0, 2, 4, 6] spans nodes [0, 1]" in feedback.message
     assert "put \"tp\" last" in feedback.message
+
+
+# -- notebook 11: a 2-D mesh laid onto nodes; any names init_device_mesh accepts, the structure judged ------------
+
+#: (shape, names, the name that carries tensor parallelism): right however the dimensions are named
+MESH_RIGHT = [
+    ((2, 4), ("dp", "tp"), "tp"),
+    ((2, 4), ("fsdp", "tp"), "tp"),
+    ([2, 4], ["dp_shard", "tp"], "tp"),  # lists, torchtitan's name
+    ((2, 4), ("data", "model"), "model"),
+    ((2, 4), ("replicate", "tensor"), "tensor"),
+    ((2, 4), ("DP", "TP"), "TP"),
+    ((2, 4), ("rows", "cols"), "cols"),  # names that say neither: the structure says which
+    ((2, 4), ("a", "b"), "b"),
+    ((2, 4), ("pp", "tp"), "tp"),
+    ((2, 4), ("fsdp", "x"), "x"),
+]
+
+#: (shape, names, what the message must say): one of each kind of wrong answer
+MESH_WRONG = [
+    ((4, 2), ("tp", "dp"), "The tp group [0, 2, 4, 6] spans nodes [0, 1]"),
+    ((4, 2), ("tp", "fsdp"), "put \"tp\" last"),
+    ((4, 2), ("rows", "cols"), "With \"rows\" for tensor parallelism"),  # the only dimension of 4 crosses nodes
+    ((2, 4), ("tp", "fsdp"), "\"tp\" has size 2, and \"fsdp\" 4"),
+    ((8, 1), ("dp", "tp"), "groups of 1 rank;"),
+    ((1, 8), ("fsdp", "tp"), "8 ranks cannot fit in a node of 4"),
+    ((8, 1), ("a", "b"), "Neither dimension of (8, 1) has 4 ranks"),
+    ((2, 4), ("tp", "tp"), "repeat one"),
+    ((2, 4), ("dp",), "one name per dimension"),
+    ((2, 4), ("dp", "fsdp"), "say data parallelism"),
+    ((2, 4), ("tensor", "mp"), "say tensor parallelism"),
+    ((2, 2, 2), ("dp", "tp", "pp"), "two dimensions"),
+    ((2, 2), ("dp", "tp"), "4 ranks; the job has 2 x 4 = 8"),
+    ((-2, -4), ("dp", "tp"), "positive"),
+    ((2.5, 4), ("dp", "tp"), "tuple of whole numbers"),
+    ((2, 4), {"dp", "tp"}, "tuple of strings"),  # a set has no order
+]
+
+
+@pytest.mark.parametrize("shape, names, tp_name", MESH_RIGHT)
+def test_mesh_for_nodes_accepts_any_names(shape, names, tp_name):
+    feedback = checks.mesh_for_nodes(shape, names, nodes=2, gpus_per_node=4, tp_size=4)
+    dp_name = next(name for name in names if name != tp_name)
+    assert_verdict(feedback, True, [f"{tp_name} group ([0, 1, 2, 3], ...) is inside one node",
+                                     f"{dp_name} group ([0, 4], ...) crosses nodes"])
+
+
+@pytest.mark.parametrize("shape, names, says", MESH_WRONG)
+def test_mesh_for_nodes_refuses_each_kind_of_wrong_mesh(shape, names, says):
+    assert_verdict(checks.mesh_for_nodes(shape, names, nodes=2, gpus_per_node=4, tp_size=4), False, [says])
+
+
+def test_mesh_for_nodes_banks_hold_many_kinds_and_namings():
+    assert len(MESH_RIGHT) >= 5 and len({names[0] for _, names, _ in MESH_RIGHT}) >= 5
+    assert len(MESH_WRONG) >= 8 and len({says for _, _, says in MESH_WRONG}) == len(MESH_WRONG)
+
+
+def test_mesh_for_nodes_with_unnamed_roles_picks_the_dimension_that_stays_in_a_node():
+    square = checks.mesh_for_nodes((2, 2), ("a", "b"), nodes=2, gpus_per_node=2, tp_size=2)
+    assert_verdict(square, True, ["With \"b\" for tensor parallelism", "b group ([0, 1], ...)"])
+
+
+def test_init_device_mesh_agrees_with_every_banked_mesh(monkeypatch):
+    """The oracle: torch's own init_device_mesh on a fake 8-rank group, once as each rank. It accepts every
+    right answer's names and puts each rank's group along the tensor-parallel name inside that rank's node;
+    it refuses the repeated and the missing names."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def groups(shape, names, name):
+        found = []
+        for rank in range(8):
+            dist.init_process_group("fake", rank=rank, world_size=8, store=fake_pg.FakeStore())
+            try:
+                found.append(init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))[name].mesh.tolist())
+            finally:
+                dist.destroy_process_group()
+        return found
+
+    for shape, names, tp_name in MESH_RIGHT:
+        assert all(len(group) == 4 and len({rank // 4 for rank in group}) == 1
+                   for group in groups(shape, names, tp_name)), names
+    assert any(len({rank // 4 for rank in group}) > 1 for group in groups((4, 2), ("tp", "dp"), "tp"))
+    for names in (("tp", "tp"), ("dp",)):
+        with pytest.raises(RuntimeError, match="unique|same length"):
+            groups((2, 4), names, names[0])

@@ -1,6 +1,6 @@
 """The skeleton's job principles hold in every rank-function checker, not only in ``sum_of_ranks``.
 
-``test_job_principles.py`` tests each principle through the simplest checker. Here each notebook's own model
+``test_skeleton.py`` tests each principle through the simplest checker. Here each notebook's own model
 answer (caught from its solution cell, as ``test_model_answers_at_more_sizes`` does) is broken in one of two ways
 that leave its values right: it destroys the default process group when it is done, or it creates a process
 group and leaves it. Every checker must refuse both, since the job goes on after the answer returns. A group left

@@ -16,7 +16,6 @@ import torch
 import dtlib
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory
-from dtlib.measure.held import parameter_peak
 from dtlib.train import data, fsdp, fsdp_compare, models
 from dtlib.train.fsdp import FSDPConfig
 from dtlib.train.fsdp_compare import bytes_sent_per_rank
@@ -668,26 +667,6 @@ def test_run_many_refuses_every_bad_config_before_any_process_starts(monkeypatch
     monkeypatch.setattr(sys.modules["dtlib.launch.entry"], "spawn", no_processes)
     with pytest.raises(ValueError, match=pattern):
         fsdp.run_many(configs, world_size)
-
-
-def test_saved_for_backward_counts_activations_once_and_no_parameter():
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(4, 8)
-    x = torch.randn(2, 4, requires_grad=True)  # (B, C_in) fp32: 32 bytes
-    with fsdp.saved_for_backward(layer) as saved:
-        torch.tanh(layer(x))  # the linear saves x (its weight is a parameter), tanh its (2, 8) output
-    assert saved.nbytes == 2 * 4 * 4 + 2 * 8 * 4
-    with fsdp.saved_for_backward(layer) as saved:
-        torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(layer(t)), x, use_reentrant=False)
-    assert saved.nbytes == 2 * 4 * 4  # a checkpointed function keeps only its input
-
-
-def test_parameter_peak_of_an_unsharded_model_is_all_of_it():
-    model = models.build("transformer")
-    with parameter_peak(model) as peak:
-        model(torch.zeros(2, 16, dtype=torch.long))
-    assert peak.nbytes == S
-    assert all(not module._forward_hooks for module in model.modules())  # the hooks are gone afterwards
 
 
 @pytest.mark.parametrize("strategy", ["hybrid_shard", "hybrid_shard_zero2"])

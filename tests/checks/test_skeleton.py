@@ -357,3 +357,38 @@ def test_a_world_size_no_collective_can_be_judged_on_is_a_clear_error(world_size
         checks.sum_of_ranks(sums_beside_a_count, world_size=world_size)
     with pytest.raises(ValueError, match="a collective needs two ranks"):
         checks.fixed_barrier(sums_beside_a_count, world_size=world_size)
+
+
+# --- the skeleton every rank-function exercise shares ----------------------------------------------------------
+
+
+def _world_size_everywhere(rank, world_size):
+    import torch.distributed as dist
+
+    size = torch.tensor(1.0)
+    dist.all_reduce(size)
+    return size.item()
+
+
+def _rank_only(rank, world_size):
+    return float(rank)
+
+
+@pytest.mark.timeout(120)
+def test_a_new_exercise_is_a_table_and_the_first_matching_hint_explains():
+    """A made-up exercise (return the world size, counted by a collective) on the skeleton: right, wrong
+    (its first hint that holds wins over a later one that holds too), and not a function."""
+    from dtlib.checks.skeleton import RankExercise, judge
+
+    exercise = RankExercise(
+        expected=float, read=float, same=lambda value, expected: value == expected,
+        hints=[(lambda a: a.value == a.rank, lambda a: f"first: rank {a.rank} of {a.size}"),
+               (lambda a: True, lambda a: "second")],
+        otherwise=lambda a: "otherwise", no_collective=lambda rank, expected, calls: f"silent {rank}",
+        right=lambda first, second, values: f"right with {first} and {second}",
+        hang=lambda err, name: "hung", failure=lambda err: "failed")
+    verdicts = [judge(fn, exercise, 2, 60) for fn in (_world_size_everywhere, _rank_only,
+                                                      lambda rank, world_size: float(world_size), 3)]
+    assert [(v.ok, v.message) for v in verdicts] == [
+        (True, "right with 2 and 3"), (False, "first: rank 0 of 2"), (False, "silent 0"),
+        (False, "Pass your function itself, not int.")]

@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, all_reduce
+from verdicts import assert_verdict
 
 from dtlib import checks
+from dtlib.checks import training
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -273,3 +275,170 @@ def test_a_hook_that_exits_by_itself_is_told_so_not_blamed_on_a_missing_all_redu
     feedback = checks.gradient_hook(namespace["average_gradient"])
     assert not feedback.ok and "A rank stopped inside your hook without raising (rank 1 exited with code 0" in \
         feedback.message, feedback.message
+
+
+# -- notebook 04: the gradient-averaging hook ------------------------------------------------------
+
+
+def test_the_hooks_oracle_is_the_mean_of_the_ranks_gradients():
+    """One process on every rank's samples: its gradient is the mean of the ranks' gradients (the loss is a mean)."""
+    from dtlib.train import data, models
+
+    world_size, per_rank = 3, training.SAMPLES_PER_RANK
+    x, y = data.regression(per_rank * world_size, seed=1).tensors
+    grads = []
+    for rank in range(world_size):
+        model = models.build("mlp", seed=0)
+        part = slice(rank * per_rank, (rank + 1) * per_rank)
+        models.loss_fn("mlp", model(x[part]), y[part]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert torch.allclose(training._one_process_gradient(world_size), torch.stack(grads).mean(0), atol=1e-6)
+
+
+
+# -- notebook 05: the wrap ------------------------------------------------------------------
+
+
+
+def _wrap_blocks_then_root(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap_by_type_and_keep_the_root_gathered(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlib.train.models import Block
+
+    for module in model.modules():  # right, written another way: units found by type
+        if isinstance(module, Block):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # backward needs the root's parameters first
+    return model
+
+
+def _wrap_blocks_with_a_policy(model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+    for index in reversed(range(len(model.blocks))):  # right: the order among blocks does not matter
+        fully_shard(model.blocks[index], **policy)
+    fully_shard(model, **policy)
+    return model
+
+
+def _wrap_root_only(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _wrap_blocks_only(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return model
+
+
+def _wrap_root_first(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return model
+
+
+def _wrap_one_block(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.blocks[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _wrap_blocks_as_one_group(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(list(model.blocks), mesh=mesh)  # one unit for both blocks
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap_every_linear(model, mesh):
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap_in_ddp(model, mesh):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def _wrap_without_the_mesh(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)  # the default mesh: the accelerator's type, unnamed, whatever the ranks compute on
+    return fully_shard(model)
+
+
+
+def _wrap_in_bfloat16(model, mesh):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _wrap_blocks_in_reverse(model, mesh):  # right: the order of the blocks does not matter, the root last does
+    from torch.distributed.fsdp import fully_shard
+
+    for block in reversed(list(model.blocks)):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+WRAPS = [
+    (_wrap_blocks_in_reverse, True, ["Each block is a unit and the root comes last, with 2 ranks and with 3"]),
+    (_wrap_in_bfloat16, False, ["your layers computed in bfloat16", "MixedPrecisionPolicy"]),
+    (_wrap_blocks_then_root, True, ["224,632 bytes of model state", "(16P/N = 224,512)"]),
+    (_wrap_by_type_and_keep_the_root_gathered, True, ["Each block is a unit and the root comes last"]),
+    (_wrap_blocks_with_a_policy, True, ["Each block is a unit and the root comes last"]),
+    (lambda model, mesh: model, False, ["Nothing was sharded"]),
+    (lambda model: model, False, ["my_wrap(model, mesh)"]),
+    (_wrap_without_the_mesh, False, ["not over the mesh you were given", "pass mesh=mesh to every fully_shard"]),
+    (_wrap_root_only, False, ["Only the root is a unit: forward gathers 112,256 bytes"]),
+    (_wrap_one_block, False, ["Only some blocks are units"]),
+    (_wrap_blocks_only, False, ["the root is not"]),
+    (_wrap_root_first, False, ["fully_shard(model) came before the blocks"]),
+    (_wrap_in_ddp, False, ["Return the model you were given"]),
+    ("fully_shard", False, ["Pass your function itself"]),
+    (_wrap_blocks_as_one_group, False, ["Your 2 blocks are 1 unit", "groups its modules into one unit"]),
+    (_wrap_every_linear, False, ["Your units are smaller than a block", "less than a unit per block would"]),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrap, ok, fragments", WRAPS)
+def test_fsdp_wrap(wrap, ok, fragments):
+    """A right wrap trains as DDP does past an update (2 steps: the second loss follows the first step's averaged
+    gradients); a wrong one is named from how it left the model and what forward computed in, seen in 1 step."""
+    assert_verdict(checks.fsdp_wrap(wrap, steps=2 if ok else 1), ok, fragments)
+
+
+def test_the_wrap_bank_holds_many_kinds():
+    assert sum(ok for _, ok, _ in WRAPS) >= 3 and sum(not ok for _, ok, _ in WRAPS) >= 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlib.checks import fsdp_collectives, stepping
+from dtlib.checks import collective_order, fsdp_collectives
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -12,7 +12,7 @@ RIGHT = ["AG0", "AG1", "AG2", "AG2", "AG1", "RS2", "AG0", "RS1", "RS0"]
 
 
 def test_the_truth_is_traced_not_held_and_each_block_is_named_by_its_size():
-    assert stepping.observed() == tuple(("all_gather" if item[:2] == "AG" else "reduce_scatter", int(item[2]))
+    assert collective_order.observed() == tuple(("all_gather" if item[:2] == "AG" else "reduce_scatter", int(item[2]))
                                         for item in RIGHT)
 
 
