@@ -9,7 +9,8 @@ next command (:class:`Pauses`, used by :mod:`dtlib.live.server`). Nothing is sen
 returns.
 
 Seen on the CPU (tests/live/test_stepping.py): ``torch.distributed``'s collectives and point-to-point calls,
-DDP's bucket all-reduces in backward, the functional collectives, DTensor's. GPU run must confirm: DDP's
+DDP's bucket all-reduces in backward, the functional collectives, DTensor's (those its op handlers run too, as
+an add of a row-sharded and a column-sharded tensor does). GPU run must confirm: DDP's
 reducer on CUDA runs its all-reduce from the autograd engine's device thread, which a dispatch mode reaches only
 if torch carries the mode's thread-local state there.
 """
@@ -198,6 +199,14 @@ def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: 
                 line, source, issuer, transfer, f"{func.namespace}.{func._opname}")
 
 
+def _dtensor_in(types: Any) -> bool:
+    """Whether a DTensor takes part in the op: DTensor's handler must run first (``NotImplemented``, as
+    ``CommDebugMode`` answers), so that the collectives it desugars the op into come back through the mode.
+    Without DTensor's module loaded there is no DTensor."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and tensor.DTensor in types
+
+
 def is_collective(func: Any) -> bool:
     """Whether the dispatcher's op ``func`` is a collective or a point-to-point transfer."""
     namespace = getattr(func, "namespace", "")
@@ -217,6 +226,8 @@ class PauseBeforeCollectives(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _dtensor_in(types):  # a DTensor op: its redistributions come back here as collectives of their own
+            return NotImplemented
         kwargs = kwargs or {}
         if is_collective(func):
             self.count += 1
@@ -230,6 +241,8 @@ class RefuseCollectives(TorchDispatchMode):
     paused rank would wait for peers that are paused, or run a call the learner has not stepped to)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _dtensor_in(types):
+            return NotImplemented
         if is_collective(func):
             raise RuntimeError(f"peek only looks: {describe(func, args, kwargs or {}, 0, None).op} is a collective, "
                                "and a paused rank sends nothing. Step to it, or run it in a cell")

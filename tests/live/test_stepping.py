@@ -329,6 +329,21 @@ def test_what_is_right_is_not_called_a_disagreement(ranks):
     assert ranks.resume() == ranks.run(names)
 
 
+def test_a_dtensor_op_that_redistributes_inside_its_handler_is_paused_before_and_peek_refuses_it(ranks):
+    """Adding a row-sharded DTensor to a column-sharded one redistributes inside DTensor's op handler, below the
+    cell's line; the stepper must see that collective as it sees a ``full_tensor()``, and peek must not run it."""
+    ranks.run("from torch.distributed.tensor import init_device_mesh, distribute_tensor, Shard\n"
+              "mesh = init_device_mesh('cpu', (2,))\n"
+              "rows = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])\n"
+              "cols = distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)])")
+    view = ranks.run("total = rows + cols\ntotal.full_tensor().sum().item()", step=True)
+    assert view.rows[0].call.source == "total = rows + cols", view
+    assert view.states()[0].startswith("paused before all_"), view.states()
+    with pytest.raises(WorkerError, match="peek only looks"):
+        ranks.peek("(rows + cols).to_local()")
+    assert ranks.resume() == [32.0, 32.0]
+
+
 def test_peek_sends_nothing_and_where_marks_a_paused_rank(ranks):
     ranks.run(TWO_CALLS, step=True)
     with pytest.raises(WorkerError, match="peek only looks: all_reduce is a collective"):
