@@ -32,15 +32,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-#: The dispatcher's c10d op -> the torch.distributed call a learner knows it by.
-C10D_CALLS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "allgather_": "all_gather",
-              "_allgather_base_": "all_gather_into_tensor", "allgather_coalesced_": "all_gather_coalesced",
-              "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
-              "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_tensor",
-              "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced", "reduce_": "reduce",
-              "broadcast_": "broadcast", "gather_": "gather", "scatter_": "scatter", "alltoall_": "all_to_all",
-              "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
-              "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+from dtlib import calls
+
+#: The dispatcher's c10d op -> the torch.distributed call a learner knows it by, as every observer names it
+#: (:data:`dtlib.calls.C10D`).
+C10D_CALLS = {name: op.call for name, op in calls.C10D.items()}
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # _c10d_functional ops that move nothing
 _ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst", "send": "dst", "recv": "src"}
 _ROOT_ARGUMENTS = ("root_rank", "dstRank", "srcRank", "src", "dst")

@@ -1,34 +1,39 @@
-"""Which collectives a rank's code calls, counted as torch dispatches them (no patching).
+"""Which collectives a rank's code calls, seen as torch dispatches them (no function is replaced): the one
+observer of collectives that the counters, the traffic tables, the simulator and the checkers share.
 
-The checkers use it to refuse answers that compute the right number without communicating.
+:func:`observing` hands each call to a function as a :class:`Collective` (its call, named by :mod:`dtlib.calls`,
+its group, the payload and the bytes this rank sends); :func:`recording` keeps them in a list. Every view is
+that list, folded: :func:`count_collectives` by call, :func:`count_by_group` by group and call,
+:func:`dtlib.measure.traffic.traffic` into bytes by group. Two observers stay apart, for what they add: the
+runners' :class:`dtlib.measure.commlog.CommLog` times each call it wraps (launched, done), and the live ranks'
+stepper (:mod:`dtlib.live.stepper`) pauses before each with its line, naming calls by :mod:`dtlib.calls` too.
+
+Example (inside a rank)::
+
+    with recording() as seen:
+        dist.all_reduce(torch.ones(4))
+    seen   # [Collective(call='all_reduce', group='0', size=2, kind='all_reduce', payload=16, sent=16.0)]
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtlib import compat
-from dtlib.launch import strict
+from dtlib import calls
 from dtlib.launch.spawn import spawn
+from dtlib.ring.cost import ring_terms
 
-#: c10d operator (``torch.ops.c10d.<name>``) -> the ``torch.distributed`` call that a learner writes.
-CALL_NAMES = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather_into_tensor",
-    "allgather_coalesced_": "all_gather_coalesced", "allgather_into_tensor_coalesced_": "all_gather_into_tensor",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor", "reduce_": "reduce", "gather_": "gather",
-    "scatter_": "scatter", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single",
-    "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
-}
+#: c10d operator (``torch.ops.c10d.<name>``) -> the ``torch.distributed`` call that a learner writes
+#: (:data:`dtlib.calls.C10D`'s names, as every observer here gives them).
+CALL_NAMES = {name: op.call for name, op in calls.C10D.items()}
 
 
 def watching(see: Callable[[str, str, tuple], None]) -> contextlib.AbstractContextManager[Any]:
@@ -62,8 +67,80 @@ def watching(see: Callable[[str, str, tuple], None]) -> contextlib.AbstractConte
 
 #: Functional collectives (``torch.ops._c10d_functional.<name>``, what DTensor and ``_functional_collectives``
 #: call), counted under their own name; their ``wait_tensor`` is not a transfer.
-FUNCTIONAL_CALLS = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce", "all_reduce_coalesced",
-                    "all_to_all_single", "broadcast", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
+FUNCTIONAL_CALLS = tuple(name for name in calls.FUNCTIONAL if name != "shard_dim_alltoall")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One call that moves data between ranks (or waits for them: a barrier), as this rank dispatched it."""
+
+    call: str  # as the course names it (dtlib.calls): "all_gather_single", "all_gather_into_tensor" if functional
+    group: str  # its process group's name (``group.group_name``)
+    size: int  # the ranks in that group (1 where this torch cannot say)
+    kind: str  # its ring algorithm (dtlib.calls.Op.kind): gather, scatter, all_reduce, all_to_all, send, ...
+    payload: int  # bytes of the buffer the call is about: an all-gather's output, an all-reduce's input
+    sent: float  # bytes this rank sends with the ring algorithms of notebook 03 (a receive sends none)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(item) for item in value)
+    return 0
+
+
+def _group_of(args: tuple) -> Any:
+    """The process group a c10d op runs on (the dispatcher passes it boxed), or None."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            with contextlib.suppress(RuntimeError):  # another boxed object (a ReduceOp)
+                return dist.ProcessGroup.unbox(arg)
+    return None
+
+
+def _size_of(group_name: str) -> int:
+    """The size of a group known only by name (a functional op's); 1 where this torch cannot say."""
+    resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)  # private: present in 2.11 to 2.15
+    with contextlib.suppress(Exception):
+        return resolve(group_name).size() if resolve is not None else 1
+    return 1
+
+
+def observing(see: Callable[[Collective], None]) -> contextlib.AbstractContextManager[Any]:
+    """A dispatch mode that calls ``see(collective)`` for each collective, transfer and barrier torch dispatches
+    in its block, before it runs: c10d calls (a learner's, FSDP2's, DDP's reducer, a pipeline's sends and
+    receives), functional ones (DTensor's, tensor parallelism's), on this thread and in the backward it starts.
+
+    Not seen: a collective a thread of its own starts (a communication hook may); the ``*_object`` calls are seen
+    as the collectives they run.
+    """
+    sizes: dict[str, int] = {}
+
+    def see_op(namespace: str, name: str, args: tuple) -> None:
+        op = calls.op_of(namespace, name)
+        if op is None:
+            return
+        if namespace == "c10d":
+            group = _group_of(args)
+            group_name, size = (group.group_name, group.size()) if group is not None else ("", 1)
+            payload = _nbytes(args[op.payload]) if op.kind != "barrier" else 0
+        else:
+            group_name = next((a for a in reversed(args) if isinstance(a, str)), "")
+            size = sizes.get(group_name) or sizes.setdefault(group_name, _size_of(group_name))
+            payload = _nbytes(args[op.payload]) * (size if op.kind == "gather" else 1)
+        sent = payload * ring_terms(op.kind, size)[1] if op.kind != "barrier" else 0.0
+        see(Collective(op.call, group_name, size, op.kind, payload, sent))
+
+    return watching(see_op)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Collective]]:
+    """:func:`observing`, keeping every :class:`Collective` of the block in a list, in the order they ran."""
+    seen: list[Collective] = []
+    with observing(seen.append):
+        yield seen
 
 
 def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
@@ -80,21 +157,12 @@ def count_collectives(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str
 
         count_collectives(dist.all_reduce, torch.ones(2))[1]   # {"all_reduce": 1}
     """
-    calls: dict[str, int] = {}
-
-    def see(namespace: str, name: str, args: tuple) -> None:
-        if namespace == "c10d":
-            call = CALL_NAMES.get(name)
-        elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
-            call = name if name in FUNCTIONAL_CALLS else None
-        else:
-            call = name if (namespace, name) == ("_dtensor", "shard_dim_alltoall") else None
-        if call is not None:
-            calls[call] = calls.get(call, 0) + 1
-
-    with watching(see):
+    with recording() as seen:
         value = fn(*args)
-    return value, calls
+    counts: dict[str, int] = {}
+    for collective in seen:
+        counts[collective.call] = counts.get(collective.call, 0) + 1
+    return value, counts
 
 
 def _counted(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
@@ -120,19 +188,10 @@ def rank_without_communication(calls_per_rank: list[dict[str, int]]) -> int | No
 
     Example: ``rank_without_communication([{"all_reduce": 1}, {"barrier": 1}]) == 1``.
     """
-    for rank, calls in enumerate(calls_per_rank):
-        if not any(times for name, times in calls.items() if name != "barrier"):
+    for rank, counted in enumerate(calls_per_rank):
+        if not any(times for name, times in counted.items() if name != "barrier"):
             return rank
     return None
-
-
-#: The torch.distributed functions whose calls :func:`count_by_group` attributes to their process group.
-GROUPED_CALLS = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
-                 "reduce_scatter_tensor", "reduce_scatter", "broadcast", "all_to_all_single", "reduce", "gather",
-                 "scatter")  # FSDP2 calls the *_single ones
-#: Point-to-point ops as torch dispatches them (``torch.ops.c10d.<name>``) -> the name they are counted under.
-#: Not wrapped: ``dist.P2POp`` (pipelining's, ``batch_isend_irecv``'s) accepts only the original functions.
-POINT_TO_POINT = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
 
 
 def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -> tuple[Any, dict[str, dict[str, int]]]:
@@ -140,59 +199,23 @@ def count_by_group(fn: Callable[..., Any], groups: dict[str, Any], *args: Any) -
     ``(value, {group label: {call: times}})``; ``groups`` maps a label to a group (``{"dp": mesh["dp"].get_group(),
     "tp": mesh["tp"].get_group()}``). A group not among them is counted under ``"other"``.
 
-    Two routes, because torch has two: ``torch.distributed.<name>(..., group=...)`` collectives (FSDP2's, a DDP
-    communication hook's, a learner's) are seen by wrapping those functions, for every thread, while ``fn`` runs;
-    DTensor's functional collectives (``_c10d_functional``, which tensor parallelism uses) and every
-    point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``, a pipeline stage's)
-    are seen as torch dispatches them on this thread, with their group, and counted as "send" and "recv". Not
-    seen: DDP's built-in C++ reducer (count it with :func:`count_collectives`), the ``*_object`` calls, and a
-    function imported by name before ``fn`` runs. A group is matched by identity (by its name, for what is
-    dispatched): a ``new_group`` of the same ranks is another communicator, counted under "other".
+    It folds :func:`recording`'s calls, so it sees what that sees: every c10d collective and transfer (FSDP2's,
+    DDP's reducer, a pipeline stage's ``send`` and ``recv``, a learner's, however imported) and every functional
+    one (DTensor's, tensor parallelism's), barriers too. A group is matched by its name: a ``new_group`` of the
+    same ranks is another communicator, counted under "other".
+
+    Example (inside a rank)::
+
+        count_by_group(step, {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()})[1]
+        # {"dp": {"all_gather_single": 4, "reduce_scatter_single": 2}, "tp": {"all_reduce": 4}}
     """
+    labels = {group.group_name: label for label, group in groups.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        with recording() as seen:
+            value = fn(*args)
     counts: dict[str, dict[str, int]] = {}
-    by_name = {group.group_name: label for label, group in groups.items()}
-
-    def note(label: str, call: str) -> None:
-        counts.setdefault(label, {})
-        counts[label][call] = counts[label].get(call, 0) + 1
-
-    def label_of(group: Any) -> str:
-        group = group if group is not None else dist.group.WORLD
-        return next((label for label, known in groups.items() if known is group), "other")
-
-    def wrapped(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        @strict.passes_through
-        def collective(*call_args: Any, **kwargs: Any) -> Any:
-            # Under the name the course teaches: FSDP2 calls all_gather_into_tensor before torch 2.13.
-            note(label_of(signature.bind(*call_args, **kwargs).arguments.get("group")), compat.current_name(call))
-            return original(*call_args, **kwargs)
-        return collective
-
-    def dispatched_group(args: tuple) -> str:
-        """The label of a c10d op's process group, which the dispatcher passes as a boxed ScriptObject."""
-        for arg in args:
-            if isinstance(arg, torch.ScriptObject):
-                with contextlib.suppress(RuntimeError):  # another boxed object (a ReduceOp)
-                    return by_name.get(dist.ProcessGroup.unbox(arg).group_name, "other")
-        return "other"
-
-    def see(namespace: str, name: str, args: tuple) -> None:
-        if namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
-            note(next((by_name[a] for a in args if isinstance(a, str) and a in by_name), "other"), name)
-        elif namespace == "c10d" and name in POINT_TO_POINT:
-            note(dispatched_group(args), POINT_TO_POINT[name])
-
-    originals = {call: getattr(dist, call) for call in GROUPED_CALLS if hasattr(dist, call)}
-    try:
-        for call, original in originals.items():
-            setattr(dist, call, wrapped(call, original))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
-            with watching(see):
-                value = fn(*args)
-    finally:
-        for call, original in originals.items():
-            setattr(dist, call, original)
+    for collective in seen:
+        row = counts.setdefault(labels.get(collective.group, "other"), {})
+        row[collective.call] = row.get(collective.call, 0) + 1
     return value, counts

@@ -71,7 +71,7 @@ def _scratch_against_torch(rank, world_size):
                 _backward(model, name, later)
                 model.finish_gradient_sync()
 
-            calls_inside = count_collectives(accumulate)[1].get("all_reduce", 0)  # torch's CommDebugMode
+            calls_inside = count_collectives(accumulate)[1].get("all_reduce", 0)  # held to CommDebugMode: test_counting
             local = _grads(ours.module)
             calls_after = calls_inside + count_collectives(synchronise)[1].get("all_reduce", 0)
             out["no_sync"][(name, label)] = {"calls_inside": calls_inside, "calls_after": calls_after,
