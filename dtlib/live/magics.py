@@ -105,9 +105,11 @@ class RanksMagics(Magics):
             if view.values is not None and any(value is not None for value in view.values):
                 display(RankValues(view.values))
         elif args.command == "continue":
-            values = self._stepping().resume()
-            if any(value is not None for value in values):
-                display(RankValues(values))
+            view = self._stepping()._resumed(None)
+            if view.note:
+                print(view.note)
+            if any(value is not None for value in view.values or []):
+                display(RankValues(view.values))
         elif args.command == "traces":  # traces = %ranks traces; traces["first"].calls[0]
             return dict(self.traces)
         elif args.command == "where":

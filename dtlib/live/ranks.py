@@ -35,7 +35,7 @@ from dtlib.live import doctor, server
 from dtlib.live.generation import Generation, close_quietly
 from dtlib.live.pushed import MeshSpec, ShardsByRank, to_send
 from dtlib.live.server import RemoteRepr
-from dtlib.live.stepping import RankStep, StepView, Trace, will_wait
+from dtlib.live.stepping import RankStep, StepView, Trace, ran_to_the_end, will_wait
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -281,10 +281,16 @@ class LiveRanks:
         """``%ranks continue``: run every paused rank to the end of the cell without pausing; each rank's value of
         the last expression, as :meth:`run` returns it."""
         __tracebackhide__ = True
+        return self._resumed(timeout).values or []
+
+    def _resumed(self, timeout: float | None) -> StepView:
+        """:meth:`resume`'s view of the end, its note saying how many collectives ran after the pause."""
+        __tracebackhide__ = True
         rows = self._paused_rows("continue")
-        view = self._stepped(("continue", None), {r for r, row in rows.items() if row.state == "paused"}, timeout,
-                             to_the_end=True)
-        return view.values or []
+        paused = {r for r, row in rows.items() if row.state == "paused"}
+        before = {r: row.call.index for r, row in rows.items() if row.call is not None}
+        view = self._stepped(("continue", None), paused, timeout, to_the_end=True)
+        return StepView(view.rows, note=ran_to_the_end(view.rows, before))
 
     def abort(self) -> str:
         """End the stepped cell on every rank: each paused rank raises inside its cell, and the ranks keep their
@@ -430,7 +436,8 @@ class LiveRanks:
             return RankStep(rank, "paused", pickle.loads(body))
         if status == "error":
             return RankStep(rank, "raised", error=f"{body['type']}: {body['message']}".split("\n")[0][:300])
-        return RankStep(rank, "finished", value=self._unpickle(rank, body))
+        data, count = body if isinstance(body, tuple) else (body, None)  # a stepped cell's end: its count too
+        return RankStep(rank, "finished", value=self._unpickle(rank, data), collectives=count)
 
     def _end_stepping(self, ranks: Generation, owing: set[int], rows: dict[int, RankStep],
                       limit: float | None) -> None:

@@ -196,12 +196,14 @@ def _do(kind: str, body: Any, namespace: dict[str, Any], interrupts: _Interrupts
             code, number = body[:2]
             notes.raised = None
             interrupts.armed = True
+            mode = PauseBeforeCollectives(pauses) if pauses is not None else None
             try:
-                with PauseBeforeCollectives(pauses) if pauses is not None else nullcontext():
+                with mode if mode is not None else nullcontext():
                     value = run_cell(code, number, namespace)
             finally:
                 interrupts.armed = False
-            return "ok", _value(value)
+            # A stepped cell's end says how many collectives the rank ran, those after continue included.
+            return "ok", (_value(value), mode.count) if mode is not None else _value(value)
         if kind == "push":
             data, sources = body
             pickling.install_sources(sources)

@@ -227,8 +227,9 @@ class PauseBeforeCollectives(TorchDispatchMode):
         kwargs = kwargs or {}
         if is_collective(func):
             self.count += 1
-            frame = sys._getframe(1)
-            self.pause(describe(func, args, kwargs, self.count, frame), frame)
+            if getattr(self.pause, "stepping", True):  # after continue it counts, and describes nothing
+                frame = sys._getframe(1)
+                self.pause(describe(func, args, kwargs, self.count, frame), frame)
         return func(*args, **kwargs)
 
 

@@ -31,6 +31,7 @@ class RankStep:
     value: Any = None
     error: str = ""
     waiting_for: tuple[int, ...] = ()
+    collectives: int | None = None  # once finished: the collectives its cell ran in all, continued ones included
 
     @property
     def active(self) -> bool:
@@ -202,8 +203,30 @@ def _state(row: RankStep, rows: dict[int, RankStep]) -> str:
         return f"waits in {row.call.what()} for " + "; ".join(f"{_ranks(peers)}, {reason}"
                                                                for reason, peers in why.items())
     if row.state == "finished":
-        return "finished the cell"
+        ran = "" if row.collectives is None else f" after {_collectives(row.collectives)}"
+        return f"finished the cell{ran}"
     return f"raised {row.error}"
+
+
+def _collectives(count: int) -> str:
+    return f"{count:,} collective{'' if count == 1 else 's'}"
+
+
+def ran_to_the_end(rows: dict[int, RankStep], before: dict[int, int]) -> str:
+    """What ``%ranks continue`` ran unseen: each rank's collectives after the one it was paused before
+    (``before``: rank -> that collective's number), in one line. Example: "every rank finished the cell: 9,995
+    more collectives each, 10,000 in all"."""
+    more = {rank: row.collectives - before.get(rank, 0) + 1 for rank, row in rows.items()
+            if row.state == "finished" and row.collectives is not None and rank in before}
+    if not more:
+        return ""
+    if len(set(more.values())) == 1 and len({rows[rank].collectives for rank in more}) == 1:
+        count = next(iter(more.values()))
+        return (f"{'every rank' if len(more) == len(rows) else _ranks(sorted(more))} finished the cell: "
+                f"{count:,} more collective{'' if count == 1 else 's'} each after the pause, "
+                f"{_collectives(rows[next(iter(more))].collectives)} in all")
+    return "; ".join(f"rank {rank} finished after {count:,} more ({_collectives(rows[rank].collectives)} in all)"
+                     for rank, count in sorted(more.items()))
 
 
 class StepView:
