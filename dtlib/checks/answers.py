@@ -80,8 +80,7 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
     Example: ``fsdp_memory(16 * 28_064)`` says that is DDP's figure, not FULL_SHARD's.
     """
 
-    fp32_adam = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": 8}
-    expected = memory.estimate(num_params, world_size, strategy, **fp32_adam)
+    expected = memory.estimate(num_params, world_size, strategy, **memory.FP32_ADAM)
     read = typed.number(answer, "bytes")  # a Decimal, a tensor, "112,256 bytes" ...
     if isinstance(read, str):
         return Feedback(False, read)
@@ -102,7 +101,7 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
                    "Adam's two moments.",
         8 * p / n: "that misses Adam's state: exp_avg and exp_avg_sq, 8 bytes per parameter in fp32.",
         12 * p / n: "that misses the gradients: 4 bytes per parameter, sharded like the rest.",
-        memory.estimate(p, n, "zero2", **fp32_adam): "that is ZeRO-2: parameters whole on every rank, gradients "
+        memory.estimate(p, n, "zero2", **memory.FP32_ADAM): "that is ZeRO-2: parameters whole on every rank, gradients "
                                                      "and Adam's state sharded. FULL_SHARD shards the parameters "
                                                      "too.",
     }

@@ -466,7 +466,7 @@ WRAP_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
 
 def _wrap_right(first: int, second: int, values: Sequence[dict[str, Any]]) -> str:
     report = values[0]
-    at_rest_formula = 16 * report["full_bytes"] / 4 / first  # fp32 weights and gradients, Adam's two moments
+    at_rest_formula = memory.estimate(report["full_bytes"] // 4, first, "zero3", **memory.FP32_ADAM)  # 16P/N
     kept = (" Forward kept every unit gathered (reshard_after_forward=False): ZeRO-2's peak, for one all-gather "
             "less per block." if report["peak_parameters"] >= report["full_bytes"] else "")
     return (f"Each block is a unit and the root comes last, with {first} ranks and with {second}. With {first}, a "

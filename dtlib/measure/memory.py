@@ -30,6 +30,9 @@ import torch
 from dtlib.arguments import finite, whole
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+#: fp32 Adam, as PyTorch's DDP and FSDP2 keep a model's state: 4 bytes of weights, 4 of gradients, 8 of Adam's two
+#: moments per parameter (16 in all). ``breakdown(P, N, stage, **FP32_ADAM)``.
+FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": 8}
 ALIASES = {"no_shard": "ddp", "zero0": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3",
            "hybrid_shard": "zero3"}
 

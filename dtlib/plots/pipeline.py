@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from dtlib.measure.stages import pipeline_bubble
 from dtlib.plots._style import COLORS
 
 KIND_COLORS = {"F": COLORS["cpu"], "B": COLORS["gpu"]}
@@ -51,7 +52,7 @@ def bubble_curve(micro_batches: Sequence[int], measured: Sequence[float], stages
         raise ValueError("give one measured bubble per micro-batch count")
     fig, ax = plt.subplots(figsize=(6.0, 3.6))
     dense = range(1, max(micro_batches) + 1)
-    ax.plot(list(dense), [(stages - 1) / (m + stages - 1) for m in dense], color=COLORS["off"],
+    ax.plot(list(dense), [pipeline_bubble(stages, m) for m in dense], color=COLORS["off"],
             label=f"formula (p - 1) / (m + p - 1), p = {stages}")
     ax.plot(list(micro_batches), list(measured), "o", color=COLORS["cpu"], label="measured")
     for m, value in zip(micro_batches, measured, strict=True):

@@ -221,7 +221,7 @@ def _estimate(config: FSDPConfig, world_size: int, num_params: int) -> dict[str,
     with mixed precision), Adam's two fp32 moments."""
     stage = "ddp" if config.api == "ddp" else "zero2" if config.strategy == "hybrid_shard_zero2" else config.strategy
     ranks = config.shard_group_size if config.strategy in HYBRID else world_size
-    return memory.breakdown(num_params, ranks, stage, param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
+    return memory.breakdown(num_params, ranks, stage, **memory.FP32_ADAM)
 
 
 def run(config: FSDPConfig, world_size: int = 2, **spawn_options: Any) -> list[FSDPResult]:

@@ -64,8 +64,7 @@ def strategy_row(label: str, results: list[FSDPResult]) -> StrategyRow:
     step_s = slowest_median_step_s(results)
     shard_group = 1 if first.api == "ddp" else 2 if "HSDP" in label else first.world_size
     if first.api == "ddp":
-        estimate = memory.estimate(first.num_params, first.world_size, "ddp", param_bytes=4, grad_bytes=4,
-                                   optim_bytes_per_param=8)
+        estimate = memory.estimate(first.num_params, first.world_size, "ddp", **memory.FP32_ADAM)
     else:
         estimate = memory.fsdp_estimate(first.num_params, shard_group, compute_bytes=4,
                                         reshard_after_forward=SETTINGS[label]["strategy"] != "shard_grad_op")

@@ -118,7 +118,7 @@ def bytes_per_param(mixed_precision: bool = True, optimizer: str = "adamw") -> d
     moments = {"adamw": 8, "adam": 8, "sgd": 4}
     if optimizer not in moments:
         raise ValueError(f"optimizer must be one of {', '.join(moments)}, got {optimizer!r}")
-    return {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": moments[optimizer],
+    return {**memory.FP32_ADAM, "optim_bytes_per_param": moments[optimizer],
             "compute_bytes": 2 if mixed_precision else 4}
 
 
