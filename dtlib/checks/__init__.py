@@ -27,8 +27,9 @@ written several ways and a bank of one of each kind of wrong answer.
   notebook); ``measured`` holds the measurements.
 
 What the checkers share has one home each: ``feedback`` (the verdict), ``typed`` (a name from a list, a number
-however written), ``extreme`` (the fewest or the most of something whole that meets a condition), and
-``skeleton`` (the principles every rank-function checker holds an answer to, ``docs/testing.md``).
+however written), ``shapes`` (a typed answer's shape as data: a choice, a known number, the fewest or the most of
+something whole that meets a condition, each with its judge), and ``skeleton`` (the principles every
+rank-function checker holds an answer to, ``docs/testing.md``).
 """
 
 from dtlib.checks.answers import backend_choice, fsdp_memory, strategy_choice

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtlib.checks import typed
 from dtlib.checks.feedback import Feedback
+from dtlib.checks.shapes import BYTE_UNITS, Choice, Known, judge_choice, judge_known, shown
 from dtlib.launch.spawn import resolve_backend
 from dtlib.measure import memory
 from dtlib.train import guide
@@ -33,44 +33,29 @@ def backend_choice(answer: Any, world_size: int = 2) -> Feedback:
     Any spelling of the name is taken ("gloo", " Gloo", ``dist.Backend.GLOO``). A device, "auto" itself, a
     backend that "auto" never picks, or more than one name is refused with what it is.
     """
-    if answer is None:
-        return Feedback(False, "No answer yet: set `answer` to 'gloo' or 'nccl'.")
-    if not isinstance(answer, str):
-        return Feedback(False, f"Answer with one backend's name as a string, 'gloo' or 'nccl', not "
-                               f"{type(answer).__name__} {answer!r}.")
-    name, expected = answer.strip().lower(), resolve_backend("auto", world_size)
-    if name == expected:
-        why = "one GPU per rank is available" if expected == "nccl" else "there are not enough GPUs for NCCL"
-        return Feedback(True, f"Right: {expected}, because {why} for {world_size} ranks.")
-    if name == "nccl":
-        return Feedback(False, f"NCCL needs one CUDA GPU per rank; this machine cannot give {world_size} ranks "
-                               "a GPU each (look at the GPU count above).")
-    if name == "gloo":
-        return Feedback(False, f"This machine has enough GPUs for {world_size} ranks, so 'auto' picks NCCL.")
-    if name == "auto":
-        return Feedback(False, "'auto' is what you ask dtlib.spawn for; the question is which backend it then "
-                               "picks on this machine: 'gloo' or 'nccl'.")
-    if name in _DEVICES:
-        return Feedback(False, f"{answer.strip()!r} is a device, not a backend: a backend is the library that moves "
-                               f"the bytes between ranks ({_DEVICES[name]} is the one for {name} tensors). Which "
-                               "backend does 'auto' pick here?")
-    if name in _OTHER_BACKENDS:
-        return Feedback(False, f"{answer.strip()!r} is {_OTHER_BACKENDS[name]}; 'auto' never picks it: it chooses "
-                               "between NCCL and gloo.")
-    if "gloo" in name and "nccl" in name:
-        return Feedback(False, "Pick one: 'auto' takes NCCL when every rank can have a GPU of its own and gloo "
-                               "otherwise, so on this machine only one of the two is right.")
-    return Feedback(False, f"{answer!r} is not a backend name; the choices are 'gloo' and 'nccl'.")
+    expected = resolve_backend("auto", world_size)
 
+    def slip(text: str) -> str | None:
+        if text == "auto":
+            return ("'auto' is what you ask dtlib.spawn for; the question is which backend it then picks on this "
+                    "machine: 'gloo' or 'nccl'.")
+        if text in _DEVICES:
+            return (f"{text!r} is a device, not a backend: a backend is the library that moves the bytes between "
+                    f"ranks ({_DEVICES[text]} is the one for {text} tensors). Which backend does 'auto' pick here?")
+        if text in _OTHER_BACKENDS:
+            return f"{text!r} is {_OTHER_BACKENDS[text]}; 'auto' never picks it: it chooses between NCCL and gloo."
+        if "gloo" in text and "nccl" in text:
+            return ("Pick one: 'auto' takes NCCL when every rank can have a GPU of its own and gloo otherwise, so "
+                    "on this machine only one of the two is right.")
+        return None
 
-#: Units an answer in bytes may have been given in by mistake: name, bytes per unit, and how to say it.
-BYTE_UNITS = (("KB", 1e3, "10^3"), ("KiB", 2**10, "2^10"), ("MB", 1e6, "10^6"), ("MiB", 2**20, "2^20"),
-              ("GB", 1e9, "10^9"), ("GiB", 2**30, "2^30"))
-
-
-def _show(number: float) -> str:
-    """A number as a learner reads it: 112,256 or 0.1123, never a small number rounded to 0."""
-    return f"{number:,.0f}" if abs(number) >= 1000 else f"{number:.6g}"
+    why = "one GPU per rank is available" if expected == "nccl" else "there are not enough GPUs for NCCL"
+    return judge_choice(answer, Choice(
+        "a backend", ("gloo", "nccl"), expected, f"Right: {expected}, because {why} for {world_size} ranks.",
+        why_not=lambda name: (f"NCCL needs one CUDA GPU per rank; this machine cannot give {world_size} ranks a "
+                              "GPU each (look at the GPU count above)." if name == "nccl" else
+                              f"This machine has enough GPUs for {world_size} ranks, so 'auto' picks NCCL."),
+        slip=slip, none_of_them=lambda text: f"{text!r} is not a backend name; the choices are 'gloo' and 'nccl'."))
 
 
 def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, strategy: str = "full_shard") -> Feedback:
@@ -79,47 +64,33 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
 
     Example: ``fsdp_memory(16 * 28_064)`` says that is DDP's figure, not FULL_SHARD's.
     """
-
     expected = memory.estimate(num_params, world_size, strategy, **memory.FP32_ADAM)
-    read = typed.number(answer, "bytes")  # a Decimal, a tensor, "112,256 bytes" ...
-    if isinstance(read, str):
-        return Feedback(False, read)
-    answer = float(read)
-    if answer <= 0:
-        return Feedback(False, f"{answer:g} is not a number of bytes: the answer is a positive count.")
-    if abs(answer - expected) <= 0.01 * expected:
+    p, n = num_params, world_size
+
+    def right(answer: float) -> str:
         alike = {4: "the fp32 weights of the whole model", 2: "the whole model's weights in 16 bits"}
         coincidence = next((f" It is also {what}, {size} x {num_params:,}, which a rank does not hold: the same "
                             f"number only because 16 bytes over {world_size} ranks is {size} bytes per parameter."
                             for size, what in alike.items() if abs(size * num_params - expected) < 0.5), "")
-        return Feedback(True, f"Right: {expected:,.0f} bytes per rank; the measured figure above is within 0.1% "
-                              f"(Adam's step counters are the difference).{coincidence}")
-    p, n = num_params, world_size
-    known = {
-        16 * p: "that is every rank holding everything, as DDP does: FULL_SHARD divides all three by world_size.",
-        4 * p / n: "that counts the parameters only: each rank also holds its shard of the gradients and of "
-                   "Adam's two moments.",
-        8 * p / n: "that misses Adam's state: exp_avg and exp_avg_sq, 8 bytes per parameter in fp32.",
-        12 * p / n: "that misses the gradients: 4 bytes per parameter, sharded like the rest.",
-        memory.estimate(p, n, "zero2", **memory.FP32_ADAM): "that is ZeRO-2: parameters whole on every rank, gradients "
-                                                     "and Adam's state sharded. FULL_SHARD shards the parameters "
-                                                     "too.",
-    }
-    for value, hint in known.items():
-        if abs(answer - value) <= 0.01 * value:
-            return Feedback(False, f"{_show(answer)} bytes: {hint}")
-    for unit, size, power in BYTE_UNITS:
-        in_bytes = answer * size
-        if abs(in_bytes - expected) <= 0.01 * expected:
-            return Feedback(False, f"{_show(answer)} looks like the answer in {unit} ({power} bytes): that is "
-                                   f"{_show(in_bytes)} bytes, the right amount. Give the answer in bytes.")
-        for value, hint in known.items():
-            if abs(in_bytes - value) <= 0.01 * value:
-                return Feedback(False, f"{_show(answer)} looks like {unit} ({power} bytes), that is "
-                                       f"{_show(in_bytes)} bytes; give the answer in bytes. And {hint}")
-    return Feedback(False, f"{_show(answer)} bytes is off by a factor of {answer / expected:.3g}: count 16 bytes "
-                           f"per parameter (4 weights + 4 gradients + 8 Adam), then apply {strategy}'s sharding "
-                           f"over {world_size} ranks.")
+        return (f"Right: {expected:,.0f} bytes per rank; the measured figure above is within 0.1% (Adam's step "
+                f"counters are the difference).{coincidence}")
+
+    return judge_known(answer, Known(
+        "bytes", expected, right,
+        otherwise=lambda answer: (f"{shown(answer)} bytes is off by a factor of {answer / expected:.3g}: count 16 "
+                                  f"bytes per parameter (4 weights + 4 gradients + 8 Adam), then apply {strategy}'s "
+                                  f"sharding over {world_size} ranks."),
+        slips={
+            16 * p: "that is every rank holding everything, as DDP does: FULL_SHARD divides all three by world_size.",
+            4 * p / n: "that counts the parameters only: each rank also holds its shard of the gradients and of "
+                       "Adam's two moments.",
+            8 * p / n: "that misses Adam's state: exp_avg and exp_avg_sq, 8 bytes per parameter in fp32.",
+            12 * p / n: "that misses the gradients: 4 bytes per parameter, sharded like the rest.",
+            memory.estimate(p, n, "zero2", **memory.FP32_ADAM): "that is ZeRO-2: parameters whole on every rank, "
+                                                                "gradients and Adam's state sharded. FULL_SHARD "
+                                                                "shards the parameters too.",
+        },
+        units=BYTE_UNITS))
 
 
 #: Other names for 06's strategies, as torch's FSDP1 enums and the ZeRO paper say them (compared by typed.key).
@@ -143,15 +114,15 @@ def strategy_choice(answer: Any, num_params: float, gpu_memory_gb: float, num_gp
     would work, the simpler choice that works too. Example: ``strategy_choice("HSDP", 20e9, 80, 8)`` says one node.
     """
     advice = guide.recommend(num_params, gpu_memory_gb, num_gpus, nodes=nodes, **job)
-    answer = typed.choice(answer, guide.CHOICES, STRATEGY_SYNONYMS, "a strategy")
-    if not typed.chosen(answer, guide.CHOICES):
-        return Feedback(False, answer)
-    if answer == advice.choice:
-        return Feedback(True, f"Right: {advice}")
-    why = guide.why_not(str(answer), advice, gpu_memory_gb, nodes)
-    if why:
-        return Feedback(False, why)
-    if answer.endswith(guide.CHECKPOINTING) and not advice.choice.endswith(guide.CHECKPOINTING):
-        return Feedback(False, f"{answer} would fit, but {advice.choice} fits without recomputing every block's "
-                               f"forward: {advice}")
-    return Feedback(False, f"{answer} would fit, but a simpler strategy fits too: {advice}")
+
+    def why_not(answer: str) -> str:
+        why = guide.why_not(answer, advice, gpu_memory_gb, nodes)
+        if why:
+            return why
+        if answer.endswith(guide.CHECKPOINTING) and not advice.choice.endswith(guide.CHECKPOINTING):
+            return (f"{answer} would fit, but {advice.choice} fits without recomputing every block's forward: "
+                    f"{advice}")
+        return f"{answer} would fit, but a simpler strategy fits too: {advice}"
+
+    return judge_choice(answer, Choice("a strategy", guide.CHOICES, advice.choice, f"Right: {advice}", why_not,
+                                       synonyms=STRATEGY_SYNONYMS))

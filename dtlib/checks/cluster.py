@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtlib.checks.extreme import Extreme, judge_extreme
 from dtlib.checks.feedback import Feedback
+from dtlib.checks.shapes import Extreme, judge_extreme
 from dtlib.sim.llama import LLAMA
 from dtlib.sim.step import Simulated, simulate
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from dtlib.checks.extreme import Extreme, judge_extreme
 from dtlib.checks.feedback import Feedback
+from dtlib.checks.shapes import Extreme, judge_extreme
 from dtlib.measure.stages import pipeline_bubble
 
 

@@ -26,7 +26,7 @@ BACKEND = [
     (f"  {_PICKED.capitalize()}\n", True, "Right"),  # as typed, with spaces and a capital
     (dist.Backend(_PICKED), True, "Right"),  # torch's own constant
     (None, False, "No answer yet"),
-    (42, False, "not int 42"),
+    (42, False, "as a string, one of: 'gloo', 'nccl' (not int)"),
     (["gloo"], False, "not list"),
     ("tcp", False, "not a backend name"),
     ("mpi", False, "'auto' never picks it"),
