@@ -91,6 +91,9 @@ started=$(date +%s.%N)
 say "$gpus GPU(s), $cores CPU cores, $PYTHON; logs in $LOGS"
 "$PYTHON" -m dtlib.bench.gpu_report machine >"$LOGS/machine.json" || { say "cannot read the machine's versions"; exit 1; }
 cat "$LOGS/machine.json"
+# NCCL's version, and 2 NCCL ranks on one GPU where NCCL 2.30's opt-in allows it: reported, never fatal
+"${limited[@]}" ${limited[@]:+90} "$PYTHON" -m dtlib.bench.gpu_report share | tee "$LOGS/share.log" || \
+    say "the probe of two NCCL ranks on one GPU did not finish"
 
 elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 run_part() {  # name limit command: run it under its limit, its output shown and kept, its line in parts.tsv

@@ -3,6 +3,7 @@ check did, and the benchmarks' tables as ``docs/results/*_gpu.md``. The script r
 reads what they left in the log folder and writes Markdown::
 
     python -m dtlib.bench.gpu_report machine > build/gpu-check/machine.json
+    python -m dtlib.bench.gpu_report share      # NCCL's version; 2 NCCL ranks on one GPU where NCCL allows it
     python -m dtlib.bench.gpu_report write --logs build/gpu-check --results docs/results --total-s 412.5
 
 The log folder holds ``machine.json``, ``parts.tsv`` (one line per part: name, rc, seconds, limit in seconds,
@@ -26,6 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from dtlib.launch import device
+from dtlib.launch.spawn import spawn
 
 TIME_LIMIT_S = 480  # the whole check, on one H100
 # A benchmark part's name, the file its table goes to, and that file's title.
@@ -265,10 +270,43 @@ def write(logs: Path, results: Path, total_s: float) -> list[Path]:
     return [path, *written]
 
 
+def _summed(rank: int, world_size: int) -> float:
+    value = torch.tensor([rank + 1.0], device=device.rank_device())
+    dist.all_reduce(value)
+    return value.item()
+
+
+def share() -> str:
+    """The line the check prints first: this torch's NCCL, and two NCCL ranks all-reducing on one GPU where NCCL
+    2.30's opt-in allows it (``NCCL_MULTI_RANK_GPU_ENABLE=1``, set here for the two ranks), else why not."""
+    version = device.nccl_version()
+    said = "no NCCL" if version is None else "NCCL " + ".".join(map(str, version))
+    if not torch.cuda.is_available():
+        return f"{said}; no GPU: two NCCL ranks on one GPU not tried"
+    before = {name: os.environ.get(name) for name in (device.MULTI_RANK_GPU, "CUDA_VISIBLE_DEVICES")}
+    os.environ[device.MULTI_RANK_GPU] = "1"  # for this probe's two ranks only
+    os.environ["CUDA_VISIBLE_DEVICES"] = (before["CUDA_VISIBLE_DEVICES"] or "0").split(",")[0]  # one GPU
+    try:
+        why = device.why_gpus_cannot_be_shared()
+        if why is not None:
+            return f"{said}; two NCCL ranks on one GPU not tried: {why}"
+        sums = spawn(_summed, 2, backend="nccl", timeout=60, output="none")
+    except Exception as err:  # noqa: BLE001 - the probe reports; the check goes on
+        return f"{said}; two NCCL ranks on one GPU failed: {type(err).__name__}: {str(err)[:300]}"
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return f"{said}; two NCCL ranks on one GPU all-reduced 1 + 2: {sums} ({'right' if sums == [3.0, 3.0] else 'WRONG'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtlib.bench.gpu_report", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="what", required=True)
     commands.add_parser("machine", help="this machine's GPUs and versions, as JSON")
+    commands.add_parser("share", help="NCCL's version, and two NCCL ranks on one GPU where NCCL allows it")
     writer = commands.add_parser("write", help="gpu_run.md and the _gpu tables from the check's log folder")
     writer.add_argument("--logs", type=Path, required=True)
     writer.add_argument("--results", type=Path, required=True)
@@ -276,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.what == "machine":
         print(json.dumps(machine(), indent=2))
+        return 0
+    if options.what == "share":
+        print(f"gpu-check: {share()}")
         return 0
     for path in write(options.logs, options.results, options.total_s):
         print(f"gpu-check: wrote {path}")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from dtlib import arguments, compat
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch import pickling
+from dtlib.launch.device import why_gpus_cannot_be_shared
 from dtlib.launch.job import Job
 from dtlib.launch.processes import HeldInterrupts, start_forkserver, start_rank
 from dtlib.launch.strict import STRICT_ENV
@@ -64,11 +65,13 @@ def resolve_backend(backend: str, world_size: int) -> str:
             return resolve_backend(forced, world_size)
         return "nccl" if dist.is_nccl_available() and gpus >= world_size else "gloo"
     if backend == "nccl" and (not dist.is_nccl_available() or gpus < world_size):
+        shared = why_gpus_cannot_be_shared() if dist.is_nccl_available() and gpus else ""
+        if shared is None:
+            return backend  # opted in, and NCCL shares a GPU among ranks (device.gpu_of deals them out)
         raise ValueError(
-            f"backend='nccl' needs one CUDA GPU per rank (NCCL refuses two ranks on one GPU): "
-            f"world_size={world_size}, but this machine has {gpus} GPU(s)"
-            f"{'' if dist.is_nccl_available() else ' and this torch has no NCCL'}. "
-            "Use backend='gloo' (CPU) or backend='auto'."
+            f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size}, but this machine has {gpus} "
+            f"GPU(s){'' if dist.is_nccl_available() else ' and this torch has no NCCL'}. "
+            f"Use backend='gloo' (CPU) or backend='auto'.{' ' + shared if shared else ''}"
         )
     if backend == "mpi" and not dist.is_mpi_available():
         raise ValueError("backend='mpi' needs a torch built with MPI; this one is not")

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from dtlib import compat
 from dtlib.launch import pickling, strict
+from dtlib.launch.device import gpu_of
 from dtlib.launch.proctree import descendants, reap_orphans
 from dtlib.launch.shards import local_mesh, local_shard
 
@@ -202,7 +203,7 @@ def _init_process_group(backend: str, config: WorkerConfig) -> None:
     join = {"store": dist.FileStore(config.store_file, config.world_size), "rank": config.rank,
             "world_size": config.world_size}
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", gpu_of(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
         torch.cuda.set_device(device)
         dist.init_process_group(backend, device_id=device, **join)
     else:

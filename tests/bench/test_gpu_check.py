@@ -151,3 +151,18 @@ def test_the_gpu_tests_find_the_notebooks_rank_functions_and_run_nothing_else():
     assert callable(code.definitions("04_ddp.ipynb", ["bind_device", "batchnorm_statistics"])["batchnorm_statistics"])
     with pytest.raises(LookupError, match=r"no longer defines \['tp_block_renamed'\]"):
         code.definitions("09_tensor_parallel.ipynb", ["tp_block_renamed"])
+
+
+def test_the_share_probe_says_why_it_did_not_try_two_nccl_ranks_on_one_gpu(monkeypatch):
+    """The check's first line: this torch's NCCL, and two ranks on one GPU only where NCCL 2.30 allows it. On the
+    lent GPU's NCCL 2.28.9 it must say so rather than start ranks NCCL refuses."""
+    import torch
+
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    assert gpu_report.share() == "NCCL 2.28.9; no GPU: two NCCL ranks on one GPU not tried"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    said = gpu_report.share()
+    assert said.startswith("NCCL 2.28.9; two NCCL ranks on one GPU not tried: NCCL_MULTI_RANK_GPU_ENABLE=1 asks"), said
+    assert "needs NCCL 2.30 or later" in said
+    assert "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ  # the probe's switch is its ranks' alone

@@ -17,7 +17,7 @@ from dtlib import compat
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GPUS = torch.cuda.device_count()  # NVML: this process does not initialise CUDA
-NCCL_WORLD = max(1, min(4, GPUS))  # NCCL refuses two ranks on one GPU
+NCCL_WORLD = max(1, min(4, GPUS))  # a GPU per rank: NCCL before 2.30 refuses two ranks on one GPU
 PER_RANK = 3  # elements each rank contributes to a flat gather, receives from a reduce-scatter
 NCCL_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_single", "reduce_scatter_single",
             "all_to_all_single")
