@@ -542,3 +542,27 @@ def test_each_formula_is_written_in_its_home_alone():
                 f"{name} writes {formula}: use {FORMULA_HOMES[formula]}'s"
     for formula, home in FORMULA_HOMES.items():
         assert formula in _formulas_in(ast.parse((ROOT / home).read_text())), f"{home} no longer holds {formula}"
+
+
+def test_what_the_docs_say_ran_on_a_gpu_names_its_commit_and_every_notebook_changed_since():
+    """A sentence about the GPU run is true of one commit's code. docs/gpu_status.md names it, and lists every
+    notebook that git says changed (or was added) since: a notebook edited after the run cannot go on claiming
+    the run. The README's sentence cites the same commit."""
+    status = (ROOT / "docs" / "gpu_status.md").read_text()
+    cited = re.search(r"<!-- gpu-run: ([0-9a-f]{7,40}) -->", status)
+    assert cited, "docs/gpu_status.md names the commit of the last GPU run: <!-- gpu-run: HASH -->"
+    run = cited.group(1)
+    assert f"at commit {run}" in " ".join((ROOT / "README.md").read_text().split()), "the README cites another run"
+    known = subprocess.run(["git", "cat-file", "-e", f"{run}^{{commit}}"], cwd=ROOT, capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"this clone's history does not reach {run} (a shallow clone): nothing to compare")
+    changed = subprocess.run(["git", "diff", "--name-only", run, "--", "notebooks/"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    changed_numbers = {Path(name).name[:2] for name in changed if name.endswith(".ipynb")}
+    changed_numbers |= {path.name[:2] for path in NOTEBOOKS
+                        if subprocess.run(["git", "cat-file", "-e", f"{run}:notebooks/{path.name}"], cwd=ROOT,
+                                          capture_output=True).returncode != 0}  # added since, committed or not
+    listed = re.search(r"Changed since that run: ([0-9, ]+)", " ".join(status.split()))
+    assert listed, "docs/gpu_status.md says which notebooks changed since the run: 'Changed since that run: 04, 05'"
+    said = {number.strip() for number in listed.group(1).split(",") if number.strip()}
+    assert changed_numbers <= said, f"changed since {run}, not said: {sorted(changed_numbers - said)}"

@@ -60,6 +60,24 @@ def _driver() -> str:
     return ", ".join(versions) or "unknown"
 
 
+#: The commit a run checks, where its checkout has no ``.git`` (a copied working tree): ``DTLIB_COMMIT=<hash>``.
+COMMIT_ENV = "DTLIB_COMMIT"
+
+
+def commit() -> str:
+    """The commit this checkout is (short hash, ``+ changes`` when its files differ from it), from git or from
+    :data:`COMMIT_ENV`; "unknown" without either. Every sentence about a GPU run cites it (docs/gpu_status.md)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        return head + (" + changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get(COMMIT_ENV) or "unknown"
+
+
 def machine() -> dict[str, object]:
     """This machine's GPUs, driver, torch, CUDA and NCCL versions (initialises CUDA: run it in its own process).
 
@@ -74,7 +92,7 @@ def machine() -> dict[str, object]:
         nccl = None
     return {"gpus": names, "gpu_memory_gib": memory_gib, "driver": _driver() if count else None,
             "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-            "python": platform.python_version(), "cpu_cores": os.cpu_count()}
+            "python": platform.python_version(), "cpu_cores": os.cpu_count(), "commit": commit()}
 
 
 def describe(facts: dict[str, object]) -> str:
@@ -213,8 +231,9 @@ def run_file(parts: list[Part], facts: dict[str, object], counts: dict[str, Coun
     passed = sum(part.rc == 0 for part in parts)
     gib = ", ".join(f"{g:.1f} GiB" for g in facts["gpu_memory_gib"])
     lines = ["# The GPU check", "",
-             f"`make gpu-check` (scripts/gpu_check.sh), {measured}: {passed} of {len(parts)} parts passed, in "
-             f"{total_s:.0f} s (its limit: {TIME_LIMIT_S} s on one H100).", "",
+             f"`make gpu-check` (scripts/gpu_check.sh), {measured}, at commit {facts.get('commit', 'unknown')}: "
+             f"{passed} of {len(parts)} parts passed, in {total_s:.0f} s (its limit: {TIME_LIMIT_S} s on one H100).",
+             "",
              "| machine | |", "|---|---|",
              f"| GPUs | {', '.join(facts['gpus']) or 'none'} ({gib or '-'}) |",
              f"| driver | {facts['driver'] or '-'} |",
