@@ -41,27 +41,33 @@ fi
 cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)
 has() { "$PYTHON" -c "import $1" 2>/dev/null; }
 
-# World sizes: one rank per GPU (NCCL refuses two ranks on one GPU), a power of two up to 8, which divides the
-# benchmarks' global batches (ddp: 2048 samples, fsdp: 16).
-ranks=1
-while [ $((ranks * 2)) -le "$gpus" ] && [ $((ranks * 2)) -le 8 ]; do ranks=$((ranks * 2)); done
 xdist() {  # pytest-xdist's options for $1 workers, where it is installed and more than one would help
     if [ "$1" -gt 1 ] && has xdist; then echo "-n $1 --dist loadfile"; fi
 }
-notebook_workers=$(( cores / 2 < 7 ? (cores / 2 > 0 ? cores / 2 : 1) : 7 ))  # 14 notebooks, 2 to 4 ranks each
-test_workers=$(( cores >= 6 ? 3 : 1 ))
-
 # The test files with a test marked gpu (collecting only them keeps the CPU suite's imports out of this check).
 gpu_test_files=$(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | sort | tr '\n' ' ')
-# name | limit in seconds | command (python stands for $PYTHON)
-PARTS=(
-    "gpu tests|90|python -m pytest -p no:cacheprovider $gpu_test_files-m gpu --continue-on-collection-errors $(xdist "$test_workers") -q --junitxml=$LOGS/gpu-tests.xml"
-    "notebooks|220|python -m pytest -p no:cacheprovider --nbval-lax $NOTEBOOKS $(xdist "$notebook_workers") -q --junitxml=$LOGS/notebooks.xml"
-    "bench allreduce|30|python -m dtlib.bench allreduce --world-size $ranks --min-bytes 1K --max-bytes 256M --iters 20 --warmup 5"
-    "bench ddp|40|python -m dtlib.bench ddp --world-size $ranks --steps 12"
-    "bench fsdp|40|python -m dtlib.bench fsdp --world-size $ranks --steps 6"
-)
-PARTS=("${PARTS[@]//  / }")  # where xdist added nothing
+
+plan() {  # plan GPUS: sets ranks, the workers and PARTS for a machine with GPUS GPUs and this machine's cores
+    # World size: one rank per GPU (NCCL before 2.30 refuses two ranks on one GPU), a power of two up to 8, which
+    # divides the benchmarks' global batches (ddp: 2048 samples, fsdp: 16).
+    ranks=1 doublings=0
+    while [ $((ranks * 2)) -le "$1" ] && [ $((ranks * 2)) -le 8 ]; do ranks=$((ranks * 2)) doublings=$((doublings + 1)); done
+    # With more GPUs the notebooks' 2- to 8-rank cells take NCCL, each rank a CUDA context and an NCCL init: the
+    # limits grow with each doubling of the ranks (the one-GPU figures were measured; the others are a GPU run's
+    # to confirm). A notebook worker per 2 cores, at most 7.
+    notebook_workers=$(( cores / 2 < 7 ? (cores / 2 > 0 ? cores / 2 : 1) : 7 ))
+    test_workers=$(( cores >= 6 ? 3 : 1 ))
+    # name | limit in seconds | command (python stands for $PYTHON)
+    PARTS=(
+        "gpu tests|$((90 + 10 * doublings))|python -m pytest -p no:cacheprovider $gpu_test_files-m gpu --continue-on-collection-errors $(xdist "$test_workers") -q --junitxml=$LOGS/gpu-tests.xml"
+        "notebooks|$((220 + 25 * doublings))|python -m pytest -p no:cacheprovider --nbval-lax $NOTEBOOKS $(xdist "$notebook_workers") -q --junitxml=$LOGS/notebooks.xml"
+        "bench allreduce|$((30 + 5 * doublings))|python -m dtlib.bench allreduce --world-size $ranks --min-bytes 1K --max-bytes 256M --iters 20 --warmup 5"
+        "bench ddp|$((40 + 5 * doublings))|python -m dtlib.bench ddp --world-size $ranks --steps 12"
+        "bench fsdp|$((40 + 5 * doublings))|python -m dtlib.bench fsdp --world-size $ranks --steps 6"
+    )
+    PARTS=("${PARTS[@]//  / }")  # where xdist added nothing
+}
+plan "$gpus"
 
 if [ "$gpus" -eq 0 ] && [ -z "${GPU_CHECK_ANYWAY:-}" ]; then
     torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)')
@@ -70,10 +76,18 @@ if [ "$gpus" -eq 0 ] && [ -z "${GPU_CHECK_ANYWAY:-}" ]; then
         say "nvidia-smi sees GPUs, but this torch cannot use them: run it with a CUDA build, PYTHON=/path/to/python"
     fi
     say "on a machine with GPUs it runs, from $ROOT, with PYTHONPATH=$ROOT, DTLIB_GPU_SUITE=1, DTLIB_BACKEND unset"
-    say "(N = one rank per GPU: a power of two up to 8; each part stops at its limit):"
-    for part in "${PARTS[@]}"; do
-        IFS='|' read -r name limit command <<<"$part"
-        printf '  %-16s at most %3s s: %s\n' "$name" "$limit" "$(sed "s/--world-size $ranks/--world-size N/" <<<"$command")"
+    say "first: NCCL's version, and two NCCL ranks on one GPU where NCCL 2.30's opt-in allows it (never fatal)"
+    say "then, on $cores CPU cores, by the machine's GPUs (N = one rank per GPU: a power of two up to 8; each part"
+    say "stops at its limit; the limits past one GPU are a GPU run's to confirm):"
+    for count in 1 2 4 8; do
+        plan "$count"
+        total=0
+        for part in "${PARTS[@]}"; do IFS='|' read -r _ limit _ <<<"$part"; total=$((total + limit)); done
+        echo "  $count GPU(s): N = $ranks, $notebook_workers notebook worker(s), at most $total s in all"
+        for part in "${PARTS[@]}"; do
+            IFS='|' read -r name limit command <<<"$part"
+            printf '    %-16s at most %3s s: %s\n' "$name" "$limit" "$command"
+        done
     done
     say "then writes $RESULTS/gpu_run.md and $RESULTS/{collectives,ddp,fsdp}_gpu.md"
     exit 0

@@ -27,11 +27,19 @@ def test_without_cuda_the_check_says_what_it_would_run_writes_nothing_and_exits_
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("gpu-check: no CUDA GPU here"), done.stdout
     for expected in ("tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_tensor_parallel.py", "-m gpu",
-                     "tests/train/test_fsdp.py", "--nbval-lax notebooks/", "dtlib.bench allreduce --world-size N",
-                     "dtlib.bench ddp --world-size N", "dtlib.bench fsdp --world-size N", f"{results}/gpu_run.md"):
+                     "tests/train/test_fsdp.py", "--nbval-lax notebooks/", "two NCCL ranks on one GPU",
+                     f"{results}/gpu_run.md"):
         assert expected in done.stdout, expected
-    limits = [int(line.split("at most")[1].split()[0]) for line in done.stdout.splitlines() if "at most" in line]
-    assert len(limits) == 5 and sum(limits) <= gpu_report.TIME_LIMIT_S - 30  # room for start-up and the report
+    plans = done.stdout.split("GPU(s): N = ")[1:]  # the plan for 1, 2, 4 and 8 GPUs
+    assert [int(plan.split(",")[0]) for plan in plans] == [1, 2, 4, 8], done.stdout
+    for ranks, plan in zip((1, 2, 4, 8), plans, strict=True):
+        for bench in ("allreduce", "ddp", "fsdp"):
+            assert f"dtlib.bench {bench} --world-size {ranks} " in plan, plan
+        limits = [int(line.split("at most")[1].split()[0]) for line in plan.splitlines() if "s: python" in line]
+        assert len(limits) == 5 and f"at most {sum(limits)} s in all" in plan
+        assert sum(limits) <= 600 - 30  # a lent machine's command runs 10 minutes at most: room for the report
+    one_gpu = [int(line.split("at most")[1].split()[0]) for line in plans[0].splitlines() if "s: python" in line]
+    assert sum(one_gpu) <= gpu_report.TIME_LIMIT_S - 30  # measured on one H100: 285 s of it used
     assert not results.exists() and not logs.exists()
 
 
