@@ -86,9 +86,10 @@ def test_stored_notebook_renders_statically(path: Path) -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
 def test_the_notebook_declares_its_time_budget(path: Path) -> None:
-    """The browser tests hold each notebook's Run All to ``metadata.dtlib.time_budget_s`` seconds."""
+    """The browser tests hold each notebook's Run All to ``metadata.dtlib.time_budget_s`` seconds (five times it
+    at most, then a hang); the README promises 30 to 120 s for each."""
     budget = nbformat.read(path, as_version=4).metadata.get("dtlib", {}).get("time_budget_s")
-    assert isinstance(budget, int) and 0 < budget <= 120, budget
+    assert isinstance(budget, int) and 30 <= budget <= 120, budget
 
 
 def _figure_cell(*outputs: dict) -> nbformat.NotebookNode:

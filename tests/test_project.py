@@ -506,15 +506,26 @@ def test_no_module_re_exports_another_packages_names_nor_does_a_notebook_show_dt
 def _formulas_in(tree: ast.AST) -> set[str]:
     """The course's formulas written out in a module's code (not in its strings): which of them it computes."""
     found: set[str] = set()
+
+    def less_one(node: ast.AST) -> str | None:  # "n" where node is n - 1
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and isinstance(node.right, ast.Constant) \
+                and node.right.value == 1:
+            return ast.unparse(node.left)
+        return None
+
     for node in ast.walk(tree):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.BinOp) \
-                and isinstance(node.left.op, ast.Sub) and isinstance(node.left.right, ast.Constant) \
-                and node.left.right.value == 1:
-            n, below = ast.unparse(node.left.left), ast.unparse(node.right)
-            if below == n:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            above = [less_one(part) for part in ast.walk(node.left)]  # (n - 1) / n, 2 * (n - 1) / n
+            n, below = next((name for name in above if name), None), ast.unparse(node.right)
+            if n is not None and below == n:
                 found.add("the ring's share (n - 1) / n")
-            elif isinstance(node.right, ast.BinOp) and f"{n} - 1" in below and "+" in below:
+            elif n is not None and less_one(node.left) and isinstance(node.right, ast.BinOp) \
+                    and f"{n} - 1" in below and "+" in below:
                 found.add("the pipeline's bubble (p - 1) / (m + p - 1)")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and any(
+                isinstance(side, ast.Constant) and side.value == 2 for side in (node.left, node.right)) \
+                and any(less_one(side) for side in (node.left, node.right)):
+            found.add("the ring all-reduce's 2(n - 1) steps")
         pairs = ([(k.value, v) for k, v in zip(node.keys, node.values, strict=True) if isinstance(k, ast.Constant)]
                  if isinstance(node, ast.Dict) else [(k.arg, k.value) for k in node.keywords]
                  if isinstance(node, ast.Call) else [])
@@ -525,6 +536,7 @@ def _formulas_in(tree: ast.AST) -> set[str]:
 
 #: Each formula the course computes in more than one place, and its one home (architecture.md: "A cost").
 FORMULA_HOMES = {"the ring's share (n - 1) / n": "dtlib/ring/cost.py",
+                 "the ring all-reduce's 2(n - 1) steps": "dtlib/ring/cost.py",
                  "the pipeline's bubble (p - 1) / (m + p - 1)": "dtlib/measure/stages.py",
                  "fp32 Adam's bytes per parameter": "dtlib/measure/memory.py"}
 #: Alike in form by design, and why: not the formula the form suggests.
@@ -566,3 +578,15 @@ def test_what_the_docs_say_ran_on_a_gpu_names_its_commit_and_every_notebook_chan
     assert listed, "docs/gpu_status.md says which notebooks changed since the run: 'Changed since that run: 04, 05'"
     said = {number.strip() for number in listed.group(1).split(",") if number.strip()}
     assert changed_numbers <= said, f"changed since {run}, not said: {sorted(changed_numbers - said)}"
+
+
+@pytest.mark.parametrize(("code", "formula"), [
+    ("share = (world - 1) / world", "the ring's share (n - 1) / n"),
+    ("sent = 2 * (n - 1) / n * size", "the ring's share (n - 1) / n"),  # the multiplication hid it once
+    ("expected = 2 * (n - 1)", "the ring all-reduce's 2(n - 1) steps"),
+    ("bubble = (p - 1) / (m + p - 1)", "the pipeline's bubble (p - 1) / (m + p - 1)"),
+    ("state = dict(param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)", "fp32 Adam's bytes per parameter"),
+])
+def test_the_formula_finder_sees_each_formula_however_it_is_written(code, formula):
+    assert formula in _formulas_in(ast.parse(code))
+    assert not _formulas_in(ast.parse(f"said = {code.split(' = ')[1]!r}"))  # in a string it is prose
