@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dtlib import calls
 from dtlib.checks._numbers import constant_factor
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import (
@@ -33,10 +34,10 @@ from dtlib.checks.skeleton import (
 )
 from dtlib.errors import WorkerError
 
-#: The collectives that move a rank's data to others (a barrier and a receive carry none of the rank's own).
-_SENDING = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter",
-            "reduce_scatter_tensor", "scatter", "all_to_all", "all_to_all_single", "send", "all_reduce_coalesced",
-            "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+#: The collectives that move a rank's data to others (a barrier and a receive carry none of the rank's own), by
+#: the names every observer gives them (dtlib.calls: all_gather_single for c10d's, whichever spelling ran).
+_SENDING = frozenset(op.call for op in (*calls.C10D.values(), *calls.FUNCTIONAL.values())
+                     if op.kind not in ("none", "barrier"))
 
 
 def _raised(err: WorkerError) -> str:

@@ -102,6 +102,12 @@ def _sum_rounded_first(rank, world_size, x):
     return total
 
 
+def _sum_gathered_single_rounded_first(rank, world_size, x):  # the one-tensor all-gather of 2.13's name
+    every = torch.empty(world_size * x.numel(), dtype=x.dtype)
+    dist.all_gather_single(every, x.round())
+    return every.view(world_size, -1).sum(0)
+
+
 def _sum_as_integers(rank, world_size, x):
     dist.all_reduce(x)
     return x.long()
@@ -183,6 +189,7 @@ SUM_WRONG = [
     (_sum_of_the_elements, ["it returned one number, the total of x's", "not x.sum()"]),
     (_sum_in_half_precision, ["it computed in float16"]),
     (_sum_rounded_first, ["called dist.all_reduce on its x rounded to whole numbers"]),
+    (_sum_gathered_single_rounded_first, ["called dist.all_gather_single on its x rounded to whole numbers"]),
     (_sum_as_integers, ["it returned whole numbers"]),
     (lambda rank, world_size, x: None, ["it returned None"]),
     (lambda rank, world_size, x: "three", ["it returned 'three'"]),
