@@ -20,12 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from dtlib import calls
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
 from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.launch.device import rank_device
 from dtlib.launch.spawn import spawn
-from dtlib.measure.counting import CALL_NAMES, watching
+from dtlib.measure.counting import watching
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
 _LESSON_SEED = 9  # mlp_inputs' numbers in the lesson's cells
@@ -338,9 +339,8 @@ TENSOR_PARALLEL_MLP = RankExercise(
 # Communication ops that move data, as torch dispatches them: c10d's (dist.*) and the functional ones (DTensor).
 _ALL_REDUCE = {"allreduce_", "all_reduce", "allreduce_coalesced_", "all_reduce_coalesced"}
 _REDUCE_SCATTER = {"reduce_scatter_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_tensor": 0}  # -> input arg
-_MOVERS = set(CALL_NAMES) - {"barrier"} | {"broadcast", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
-                                            "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
-                                            "all_to_all_single", "all_gather"}
+_MOVERS = {name for table in (calls.C10D, calls.FUNCTIONAL) for name, op in table.items()
+           if op.kind != "barrier"} | {"all_gather"}  # receives too; c10d_functional's legacy all_gather
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
