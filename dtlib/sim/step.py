@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,12 +76,15 @@ def lay_out(parallelize: Callable[..., nn.Module], model: nn.Module, mesh: Devic
     if not layout.sequence_parallel:
         return parallelize(model, mesh, checkpointing)
     try:
-        return parallelize(model, mesh, checkpointing, sequence_parallel=True)
-    except TypeError as err:
-        if "sequence_parallel" not in str(err):
-            raise
+        parameters = inspect.signature(parallelize).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call say
+        parameters = None
+    if parameters is not None and not any(p.name == "sequence_parallel" or p.kind is p.VAR_KEYWORD
+                                          for p in parameters):
+        name = getattr(parallelize, "__name__", type(parallelize).__name__)
         raise TypeError(f"sequence_parallel=True needs a parallelize that takes sequence_parallel=..., as "
-                        f"dtlib.sim.step.parallelize does: {err}") from None
+                        f"dtlib.sim.step.parallelize does; {name}{inspect.signature(parallelize)} does not")
+    return parallelize(model, mesh, checkpointing, sequence_parallel=True)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:

@@ -407,3 +407,17 @@ def test_the_seconds_of_a_table_are_the_ring_models_own_and_a_fitted_link_is_a_l
     assert ring_terms("gather", 1) == (0, 0.0)
     with pytest.raises(ValueError, match="unknown kind"):
         ring_terms("allreduce", 4)
+
+
+def test_a_parallelize_of_ones_own_without_sequence_parallel_is_told_before_it_runs():
+    from dtlib.sim.step import check_layout, lay_out
+
+    def my_parallelize(model, mesh, checkpointing):
+        raise AssertionError("called")  # it must not run: the layout asks for what it cannot do
+
+    layout = check_layout(LLAMA["tiny"], dp=1, tp=2, seq_len=64, micro_batch=1, sequence_parallel=True)
+    with pytest.raises(TypeError, match=r"takes sequence_parallel=.*my_parallelize\(model, mesh, checkpointing\)"):
+        lay_out(my_parallelize, None, None, layout, checkpointing=False)
+    plain = check_layout(LLAMA["tiny"], dp=1, tp=2, seq_len=64, micro_batch=1)
+    with pytest.raises(AssertionError, match="called"):  # without SP it is called as it is
+        lay_out(my_parallelize, None, None, plain, checkpointing=False)
