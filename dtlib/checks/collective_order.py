@@ -31,7 +31,7 @@ BLOCK_SIZES = {8 * 12 + 12: 0, 12 * 6 + 6: 1, 6 * 4 + 4: 2}
 _OPS = {"ag": "all_gather", "rs": "reduce_scatter"}  # and any name that starts all_gather or reduce_scatter
 #: An operation, then a block number, then anything (a note such as "(prefetch)"): "AG0", "all-gather of block 1",
 #: "reduce_scatter_single 2", ("all_gather", 0).
-_ITEM = re.compile(r"^\s*([a-z][a-z_\- ]*?)[\s_]*(?:\(|#|:|block|of|,|\s|_|-(?=\D))*\s*(-?\d+)\b(.*)$")
+_ITEM = re.compile(r"^\s*([a-z][a-z_\- ]*?)[\s_]*(?:\(|\[|#|:|\.|=|block|of|,|\s|_|-(?=\D))*\s*(-?\d+)\b(.*)$")
 EXAMPLE = '[("all_gather", 0), ("all_gather", 1), ...] or ["AG0", "AG1", ...]'
 
 
@@ -70,6 +70,9 @@ def _read(prediction: Any) -> list[tuple[str, int]] | str:
         if found is None or op is None:
             return (f"Entry {index}, {item!r}: name an all-gather or a reduce-scatter (AG, RS, or torch's own names) "
                     f"and then a block: {EXAMPLE}.")
+        if int(found.group(2)) < 0:
+            return (f"Entry {index}, {item!r}: {found.group(2)} is no block (a minus sign, or a hyphen read as one): "
+                    "the blocks are numbered 0, 1 and 2; write 'AG1' or 'AG 1' for block 1.")
         if int(found.group(2)) not in BLOCK_SIZES.values():
             return f"Entry {index}, {item!r}: the blocks are numbered 0, 1 and 2, from the model's first."
         read.append((op, int(found.group(2))))
@@ -102,8 +105,9 @@ def _hint(index: int, said: tuple[str, int], truth: tuple[tuple[str, int], ...])
         return (f"Block {last} ran its forward last, and reshard_after_forward=True freed its gathered parameters "
                 "right after it: the backward must gather them again before it can compute anything.")
     if called[0] == "all_gather" and said[0] == "reduce_scatter":
-        return ("FSDP2 prefetches in backward: before it reduce-scatters one block's gradients it starts the "
-                "all-gather of the block whose backward comes next, so that the two overlap.")
+        return ("FSDP2 prefetches in backward: as a block's backward begins it starts the all-gather of the block "
+                "whose backward comes next, so that gather comes before this block's reduce-scatter and overlaps "
+                "its work.")
     if said[0] == "all_gather" and called[0] == "reduce_scatter" and said in truth[index:]:
         return ("That all-gather comes, but later: FSDP2 prefetches one block ahead, not all of them, so each "
                 "block's reduce-scatter comes before the gather of the block after next.")
@@ -111,6 +115,10 @@ def _hint(index: int, said: tuple[str, int], truth: tuple[tuple[str, int], ...])
         return "Gradients are reduce-scattered in the order their blocks' backwards finish: the last block's first."
     if called[0] == "reduce_scatter":
         return "Each block's gradients are reduce-scattered as soon as its backward is done."
+    if called in before:  # a block gathered in forward, gathered again: backward's prefetch
+        return ("In backward FSDP2 gathers each block again (reshard_after_forward=True freed it after forward), "
+                "one block ahead: as a block's backward begins, it starts the all-gather of the block whose backward "
+                "comes next, so that gather comes before this block's reduce-scatter.")
     return "The forward gathers each block's parameters just before that block runs, in the model's order."
 
 

@@ -31,6 +31,7 @@ def test_a_right_prediction_passes_however_it_is_written(answer):
     (["AG0", "AG1", "AG2", "AG2", "RS2", "AG1", "RS1", "AG0", "RS0"], ["#5", "prefetches"]),  # no prefetch
     (["AG0", "AG1", "AG2", "AG2", "AG1", "RS2", "AG0", "RS0", "RS1"], ["#8", "last block's first"]),
     (RIGHT[:-1], ["predicted 8", "called 9", "fewer"]),
+    (RIGHT[:6], ["predicted 6", "fewer", "one block ahead"]),  # stops before backward's prefetch: said as one
     (RIGHT + ["RS0"], ["predicted 10", "more"]),
     ([], ["no collective"]),
     ("AG0 AG1", ["Predict a list"]),
@@ -50,6 +51,7 @@ def test_a_wrong_prediction_is_refused_at_its_first_wrong_collective_with_why(an
      "all_gather_single 1", "reduce_scatter_single 2", "all_gather_single 0", "reduce_scatter_single 1",
      "reduce_scatter_single 0"],  # torch's own names, as the traces print them
     ["AG0", "AG1", "AG2", "AG2 again", "AG1 (prefetch)", "RS2", "AG0 (prefetch)", "RS1", "RS0"],
+    ["AG[0]", "AG(block=1)", "AG.2", "AG 2", "AG_1", "RS2", "AG0", "RS1", "RS0"],  # brackets, dots, keywords
 ])
 def test_torchs_names_and_notes_after_the_block_are_read(answer):
     assert fsdp_collectives(answer).ok
@@ -58,6 +60,8 @@ def test_torchs_names_and_notes_after_the_block_are_read(answer):
 def test_a_negative_block_is_refused_not_read_as_positive_and_prefetching_everything_is_explained():
     said = fsdp_collectives([("all_gather", -1)])
     assert not said.ok and "numbered 0, 1 and 2" in said.message
+    said = fsdp_collectives(["AG0", "AG-1"])  # a hyphen read as a minus: said so, and how to write block 1
+    assert not said.ok and "-1 is no block" in said.message and "'AG1'" in said.message
     said = fsdp_collectives(["AG0", "AG1", "AG2", "AG2", "AG1", "AG0", "RS2", "RS1", "RS0"])
     assert not said.ok and "#6" in said.message and "one block ahead" in said.message
     assert "AG0 AG1 AG2 AG2" not in fsdp_collectives(RIGHT).message  # the ✓ does not spell the answer out
