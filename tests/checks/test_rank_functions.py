@@ -695,3 +695,17 @@ def test_a_rank_that_exits_is_named_not_the_gloo_error_of_the_rank_it_left():
                    "    dist.all_reduce(values)\n    return values / world_size\n")
     assert_verdict(checks.average_of_ranks(answer, world_size=2), False,
                     ["A rank left your function before the end (rank 1 exited with code 3"])
+
+
+def test_a_divisor_is_recognised_through_float32s_rounding_in_every_draw():
+    """Busy gate 2 of stop 59 drew inputs where dividing the float32 sum by 3 twice gave a factor 1/9 whose divisor
+    was 9 to 1.2e-6 only, and the 'divided twice' hint missed (19 of 3,000 draws did). The oracle: the answer's own
+    arithmetic in float32, over 3,000 draws of the checker's inputs."""
+    from dtlib.checks._numbers import constant_factor
+    from dtlib.checks.rank_functions import FACTOR_RTOL, _vectors
+
+    for seed in range(3000):
+        values = _vectors(3, torch.Generator().manual_seed(seed))
+        total = values[0] + values[1] + values[2]  # gloo sums in float32
+        divisor = 1 / constant_factor(total / 3 / 3, torch.stack([v.double() for v in values]).sum(0))
+        assert abs(divisor - 9) <= FACTOR_RTOL * 9, (seed, divisor)
