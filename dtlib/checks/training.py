@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from dtlib.arguments import count
 from dtlib.checks._numbers import constant_divisor
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
@@ -333,13 +335,28 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
 
 
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it
+WRAP_BATCH = 4  # fsdp_wrap: sequences per rank per step
 
 
-def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: int, world_size: int) -> dict[str, Any]:
+def _own_batches(steps: int, world_size: int, generator: torch.Generator) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Every rank's own batches for ``steps`` steps, as ``DistributedSampler`` deals them, from token sequences
+    drawn anew on each call in the checker's process: each rank is sent its own alone, so nothing a wrap, a hook
+    or a module's forward can reach in a rank holds another rank's samples."""
+    seed = int(torch.randint(2**31, (1,), generator=generator))
+    dataset = data.tokens(WRAP_BATCH * steps * world_size, seed=seed)
+    return [[(x.clone(), y.clone()) for x, y in itertools.islice(data.batches(dataset, world_size, rank,
+                                                                                batch_size=WRAP_BATCH), steps)]
+            for rank in range(world_size)]
+
+
+def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], rank: int, world_size: int,
+                           given: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     device = rank_device()
+    batches = [tuple(t.to(device) for t in batch) for batch in given]  # this rank's own (_own_batches)
+    del given
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=WRAP_MESH_DIMS)
     model = models.build("transformer", seed=0).to(device)
     calls: dict[str, int] = {}  # the collectives of your wrap and your model's steps (DDP's are not counted)
@@ -383,7 +400,6 @@ def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: in
     reference = DistributedDataParallel(models.build("transformer", seed=0).to(device),
                                         device_ids=device_ids(device))
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
-    batches = data.batches(data.tokens(64), world_size, rank, batch_size=4)
     losses: dict[str, list[float]] = {"yours": [], "ddp": []}
 
     def step(net: Any, optimizer: Any, x: Any, y: Any) -> float:
@@ -392,8 +408,7 @@ def _your_wrap_against_ddp(wrap: Callable[[Any, Any], Any], steps: int, rank: in
         optimizer.step()
         return loss.item()
 
-    for _ in range(steps):
-        x, y = (t.to(device) for t in next(batches))  # (B, T)
+    for x, y in batches:  # (B, T) each
         losses["yours"].append(counted(step, model, optimizers[0], x, y))
         report["at_rest"] = sum(memory.measured(model, optimizers[0]).values())
         losses["ddp"].append(step(reference, optimizers[1], x, y))
@@ -498,7 +513,8 @@ def fsdp_wrap(wrap: Callable[[Any, Any], Any], world_size: int = 2, steps: int =
     root sharded last. It runs with ``world_size`` ranks and with one more.
 
     Each rank measures the parameter bytes it holds while forward runs and its model state after a
-    step, and trains ``steps`` steps beside ``DistributedDataParallel`` on the same samples.
+    step, and trains ``steps`` steps beside ``DistributedDataParallel`` on the same samples: its own batches,
+    drawn anew on each call in the checker's process and sent to it alone.
     Example: ``fsdp_wrap(lambda model, mesh: fully_shard(model, mesh=mesh))`` says the whole model is gathered
     at once.
     """
@@ -511,4 +527,7 @@ def fsdp_wrap(wrap: Callable[[Any, Any], Any], world_size: int = 2, steps: int =
                                "every fully_shard takes it as mesh=mesh.")
     except ValueError:  # no signature to read (a builtin): let the call say
         pass
-    return judge(functools.partial(_your_wrap_against_ddp, wrap, steps), FSDP_WRAP, world_size, timeout)
+    steps = count("steps", steps, minimum=1)
+    exercise = dataclasses.replace(FSDP_WRAP, expected=lambda inputs: None,
+                                   inputs=functools.partial(_own_batches, steps))
+    return judge(functools.partial(_your_wrap_against_ddp, wrap), exercise, world_size, timeout)

@@ -412,6 +412,48 @@ def _wrap_blocks_in_reverse(model, mesh):  # right: the order of the blocks does
     fully_shard(model, mesh=mesh)
 
 
+def _wrap_that_seeks_other_ranks_samples(model, mesh):  # right, if it finds nothing: its forward walks every frame
+    import sys
+    import types
+
+    from torch.utils.data import DataLoader, Dataset
+
+    def rows(value):  # how many sequences a local holds, in a tensor or a list of (x, y) batches
+        if isinstance(value, torch.Tensor):
+            return value.shape[0] if value.dim() == 2 and not value.is_floating_point() else 0
+        if not isinstance(value, list):
+            return 0
+        return sum(rows(item[0]) for item in value if isinstance(item, tuple) and item)
+
+    def seek(module, args):
+        frame = sys._getframe(1)
+        while frame is not None:
+            for name, value in frame.f_locals.items():
+                if (name == "seed" or isinstance(value, (Dataset, DataLoader, types.GeneratorType))
+                        or rows(value) > training.WRAP_BATCH * 2):  # the test runs 2 steps
+                    raise RuntimeError(f"found {name} in {frame.f_code.co_name}")  # others' samples, or a way to them
+            frame = frame.f_back
+
+    model.register_forward_pre_hook(seek)
+    return _wrap_blocks_then_root(model, mesh)
+
+
+def test_a_wrap_reaches_its_own_ranks_samples_only():
+    """Isolation: each rank is sent its own batches (the checker draws them anew); no frame a module's forward can
+    reach holds another rank's, a dataset, a loader or the seed that draws them."""
+    feedback = checks.fsdp_wrap(_wrap_that_seeks_other_ranks_samples, steps=2)
+    assert feedback.ok, feedback.message
+
+
+def test_each_rank_gets_its_own_batches_drawn_anew_on_each_call():
+    first, again = (training._own_batches(2, 3, torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    assert [len(batches) for batches in first] == [2, 2, 2]
+    assert all(x.shape == (training.WRAP_BATCH, x.shape[1]) for batches in first for x, _ in batches)
+    rows = [{tuple(row.tolist()) for x, _ in batches for row in x} for batches in first]
+    assert all(not (rows[a] & rows[b]) for a in range(3) for b in range(a + 1, 3)), "two ranks share a sample"
+    assert not torch.equal(first[0][0][0], again[0][0][0]), "a new call draws new samples"
+
+
 WRAPS = [
     (_wrap_blocks_in_reverse, True, ["Each block is a unit and the root comes last, with 2 ranks and with 3"]),
     (_wrap_in_bfloat16, False, ["your layers computed in bfloat16", "MixedPrecisionPolicy"]),
