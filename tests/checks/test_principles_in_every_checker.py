@@ -8,6 +8,10 @@ is named by every checker. A destroyed group is named where the answer is the ra
 checker goes on using the group (a hook, a wrap, a layer trained after it returns), the failure that follows is
 the verdict. Oracle: the
 model answers pass (``test_model_answers_at_more_sizes``), and torch says which groups exist after the answer.
+
+A third break leaves the job clean but computes, on the last rank, from something other than that rank's own
+input (the input plus one): every checker whose ranks each get an input of their own must refuse it, so no
+checker's oracle can be blind to one rank's input, and neither can an answer that passes it.
 """
 
 from __future__ import annotations
@@ -54,3 +58,38 @@ def test_every_checker_refuses_a_right_answer_that_leaves_the_job_broken(noteboo
         assert says in feedback.message, feedback.message
     else:  # the checker's own use of the destroyed group fails, and the verdict says who destroyed it
         assert "Your code destroyed the process group" in feedback.message, feedback.message
+
+
+def _blind_to_the_last_ranks_input(checker, answer):
+    """The model answer, computing on the last rank from something other than that rank's own input (its input
+    plus one), as an answer blind to one rank's input, or one that swapped it for a stand-in, would: the checker's
+    oracle must depend on every rank's input."""
+    import torch
+
+    def last():
+        return dist.get_rank() == dist.get_world_size() - 1
+
+    if checker == "gradient_hook":
+        return lambda grad: answer(grad + 1 if last() else grad)
+    if checker == "expert_parallel_moe":
+        return lambda x, router, experts, top_k, group: answer(x + 1 if last() else x, router, experts, top_k, group)
+    if checker == "fsdp_wrap":
+        def wrap(model, mesh):
+            vocab = model.embed.num_embeddings
+            if last():  # the tokens shifted by one, on this rank's model only (DDP's beside it sees them as sent)
+                model.register_forward_pre_hook(lambda module, args: ((args[0] + 1) % vocab, *args[1:]))
+            return answer(model, mesh)
+        return wrap
+    return lambda rank, world_size, given: answer(rank, world_size, given + torch.ones_like(given) if last() else given)
+
+
+#: Every rank is handed the same inputs in 09 (the MLP's x and weights): no rank has an input of its own to ignore.
+OWN_INPUTS = sorted((name, checker) for name, (checker, _) in LARGER.items() if checker != "tensor_parallel_mlp")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("notebook", "checker"), OWN_INPUTS)
+def test_every_checker_refuses_an_answer_blind_to_one_ranks_input(notebook, checker):
+    answer, keywords = _caught_answer(notebook, checker)
+    feedback = getattr(checks, checker)(_blind_to_the_last_ranks_input(checker, answer), **keywords)
+    assert not feedback.ok, f"{notebook}'s answer, blind to the last rank's input: {feedback.message}"
