@@ -6,12 +6,14 @@ for ``torch.distributed``'s calls (a learner's, DDP's reducer, FSDP2's hooks, a 
 :data:`FUNCTIONAL` say, for each op, the call a learner writes (2.13's names: ``all_gather_single``, whichever
 spelling this torch dispatched), the ring algorithm whose share of the payload a rank sends (the kinds of
 :data:`dtlib.ring.cost.RING_OF`; a rooted gather, reduce or scatter is one send of the buffer) and which argument
-holds that payload. The counters and the traffic tables (:mod:`dtlib.measure.counting`) and the stepper
-(:mod:`dtlib.live.stepper`) read them here, so that every view of a rank's collectives calls them the same.
+holds that payload. The counters and the traffic tables (:mod:`dtlib.measure.counting`), the stepper
+(:mod:`dtlib.live.stepper`) and the timeline's log (:mod:`dtlib.measure.commlog`, through :func:`op_called`) read
+them here, so that every view of a rank's collectives calls them the same.
 
 Example::
 
     op_of("c10d", "_allgather_base_")    # Op(call='all_gather_single', kind='gather', payload=0)
+    op_called("all_gather_into_tensor")   # the same Op: what dist.all_gather_into_tensor dispatches
 """
 
 from __future__ import annotations
@@ -70,6 +72,18 @@ FUNCTIONAL: dict[str, Op] = {
 
 #: The namespaces whose ops :data:`FUNCTIONAL` names (autograd's variant of ``all_to_all_single`` included).
 FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+
+
+#: A ``torch.distributed`` function's older spelling -> the call it is under 2.13's names.
+SPELLINGS = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+
+
+def op_called(call: str) -> Op | None:
+    """The :class:`Op` that ``torch.distributed.<call>`` dispatches, under either spelling, or None where it is no
+    collective. Its ``payload`` is also the position of the buffer in the function's own arguments.
+    Example: ``op_called("reduce_scatter_tensor").payload == 1`` (the input being reduced)."""
+    call = SPELLINGS.get(call, call)
+    return next((op for op in C10D.values() if op.call == call), None)
 
 
 def op_of(namespace: str, name: str) -> Op | None:

@@ -49,21 +49,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib.calls import op_called
 from dtlib.launch import strict
 
-#: Collectives the log can wrap, and which argument holds the whole buffer S (by position).
-SIZED_BY = {
-    "all_reduce": 0,
-    "all_gather_single": 0,  # (output, input): the gathered output
-    "all_gather_into_tensor": 0,
-    "all_gather": 0,  # (tensor_list, tensor): the list of every rank's piece
-    "reduce_scatter_single": 1,  # (output, input): the input being reduced
-    "reduce_scatter_tensor": 1,
-    "broadcast": 0,
-}
-KIND = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-        "all_gather": "all_gather", "reduce_scatter_single": "reduce_scatter",
-        "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast"}
+#: The ``torch.distributed`` functions the log can wrap.
+LOGGED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
+          "reduce_scatter_tensor", "broadcast")
+#: Each logged function -> the position of the whole buffer S in its arguments (the gathered output, the input
+#: being reduced): the payload of the op it dispatches (:func:`dtlib.calls.op_called`).
+SIZED_BY = {name: op.payload for name in LOGGED if (op := op_called(name)) is not None}
+#: The ring kinds of :mod:`dtlib.calls` under the names a timeline shows.
+_SHOWN = {"gather": "all_gather", "scatter": "reduce_scatter"}
+#: Each logged function -> the kind its events are shown as: all_reduce, all_gather, reduce_scatter, broadcast.
+KIND = {name: _SHOWN.get(op.kind, op.kind) for name in LOGGED if (op := op_called(name)) is not None}
 
 
 @dataclass
@@ -101,7 +99,7 @@ class CommLog:
 
     @contextlib.contextmanager
     def recording(self, names: tuple[str, ...] = ("all_reduce",)) -> Iterator[CommLog]:
-        """Wrap ``torch.distributed.<name>`` for each of ``names`` (keys of :data:`SIZED_BY`) in the block."""
+        """Wrap ``torch.distributed.<name>`` for each of ``names`` (of :data:`LOGGED`) in the block."""
         originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
         for name, original in originals.items():
             setattr(dist, name, self._wrapped(name, original))

@@ -31,7 +31,7 @@ from dtlib import compat
 from dtlib.launch import entry
 from dtlib.launch.device import rank_device
 from dtlib.measure import memory
-from dtlib.measure.commlog import SIZED_BY, CommLog
+from dtlib.measure.commlog import LOGGED, CommLog
 from dtlib.measure.held import instrument_blocks, saved_for_backward, shard_example
 from dtlib.train import data, fsdp_checkpoint, models
 from dtlib.train.common import validate_checkpointing, validate_counts
@@ -174,7 +174,7 @@ def train(rank: int, world_size: int, config: FSDPConfig) -> FSDPResult:
     log = CommLog()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the peak of this run's first step, not of building the model
-    with log.recording(tuple(SIZED_BY)):
+    with log.recording(LOGGED):
         for step in range(start, config.steps):
             log.step, calls[0] = step, 0
             # Memory is measured in the first step only: its hooks and walks over every tensor are the runner's

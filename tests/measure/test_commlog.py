@@ -319,3 +319,20 @@ def test_collectives_dtensor_runs_inside_an_op_are_counted():
     for calls, by_group in dtlib.spawn(_loss_parallel_counted, 2, output="none"):
         assert calls == {"all_reduce": 3}
         assert by_group == {"tp": {"all_reduce": 3}}
+
+
+def test_the_logs_buffer_and_kind_are_read_from_the_op_each_function_dispatches():
+    """Oracle: each function's own signature names its buffer (the gathered output, the reduced input), and
+    dtlib.calls holds the same op for both spellings of a 2.13 collective."""
+    import inspect
+
+    from dtlib import calls
+    from dtlib.measure.commlog import KIND, LOGGED, SIZED_BY
+
+    buffers = {"tensor", "tensor_list", "output_tensor", "input"}
+    for name in LOGGED:
+        parameter = list(inspect.signature(getattr(dist, name)).parameters)[SIZED_BY[name]]
+        assert parameter in buffers, (name, parameter)
+    assert calls.op_called("all_gather_into_tensor") == calls.op_called("all_gather_single")
+    assert calls.op_called("reduce_scatter_tensor").payload == 1 and calls.op_called("isend") is None
+    assert set(KIND.values()) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
