@@ -320,6 +320,23 @@ def test_notebook_solutions_are_out_of_sight(path):
             f"{path.name}: the solution under {_text(note)[:40]!r} is visible"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_each_exercise_shows_a_wrong_answer_refused_and_the_solution_judged_right(path):
+    """The stored outputs are what a learner reads first: under the starter code a ✗ with its message, under the
+    solution a ✓ (16's solution once showed ✗, the checker having drawn a job its formula did not fit)."""
+    cells = json.loads(path.read_text())["cells"]
+
+    def verdicts(cell):
+        texts = ["".join(o.get("text") or o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", [])]
+        return [text.strip()[:1] for text in texts if text.strip()[:1] in "✓✗"]
+
+    for index, (note, solution) in enumerate(zip(cells, cells[1:], strict=False)):
+        if note["cell_type"] == "markdown" and _text(note).startswith("**Solution"):
+            assert verdicts(solution)[-1:] == ["✓"], f"{path.name}: the solution under cell {index} is not judged right"
+            above = next(c for c in reversed(cells[:index]) if c["cell_type"] == "code")
+            assert "✗" in verdicts(above), f"{path.name}: the cell above solution {index} shows no wrong answer refused"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("browser_starts", [True, False])
 def test_each_notebook_runs_once_nbval_leaves_out_what_the_browser_tests_run(tmp_path, browser_starts):

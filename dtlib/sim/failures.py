@@ -11,7 +11,7 @@ checkpoints; long ones lose much work at each failure. Young's rule puts the bes
 
 :func:`simulate` draws one job's failures (the notebook shows one as a timeline); :func:`waste` is the exact
 expected fraction of wall time not spent on new work, which :func:`simulate` agrees with on average (a test
-checks it); :func:`best_interval` minimises it.
+checks it); :func:`best_interval` minimises it, and :func:`overhead` is the part of it the interval decides.
 
 Example::
 
@@ -58,6 +58,18 @@ def waste(interval_s: float, mtbf_s: float, checkpoint_s: float, restart_s: floa
                                (("checkpoint_s", checkpoint_s), ("restart_s", restart_s)))
     segment = _segment_s(interval_s, mtbf_s, checkpoint_s, restart_s)
     return 1.0 - interval_s / segment if math.isfinite(segment) else 1.0
+
+
+def overhead(interval_s: float, mtbf_s: float, checkpoint_s: float) -> float:
+    """What the interval decides: the expected seconds of checkpoints and of work thrown away per second of new
+    work, ``mtbf * (exp((interval + checkpoint) / mtbf) - 1) / interval - 1``. Restarts multiply the wall time
+    by ``1 + restart_s / mtbf_s`` whatever the interval (:func:`waste` is ``1 - 1 / ((1 + overhead) * (1 +
+    restart_s / mtbf_s))``), so the interval that minimises this minimises the waste too."""
+    interval_s, mtbf_s = (arguments.finite(name, value, 1e-9) for name, value in
+                          (("interval_s", interval_s), ("mtbf_s", mtbf_s)))
+    checkpoint_s = arguments.finite("checkpoint_s", checkpoint_s)
+    exponent = (interval_s + checkpoint_s) / mtbf_s
+    return mtbf_s * math.expm1(exponent) / interval_s - 1.0 if exponent < 700 else math.inf  # exp(709) overflows
 
 
 def best_interval(mtbf_s: float, checkpoint_s: float, restart_s: float) -> float:

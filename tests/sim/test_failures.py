@@ -59,3 +59,15 @@ def test_the_restart_cost_adds_waste_but_does_not_move_the_best_interval():
 def test_bad_numbers_are_refused_by_name(arguments, name):
     with pytest.raises(ValueError, match=name):
         failures.waste(*arguments)
+
+
+@pytest.mark.parametrize(("interval_s", "mtbf_s", "checkpoint_s", "restart_s"),
+                         [(600, 3600, 30, 300), (50, 7200, 2, 2000), (20000, 3600, 600, 60)])
+def test_the_overhead_is_what_the_interval_decides_of_the_waste(interval_s, mtbf_s, checkpoint_s, restart_s):
+    """Oracle: the closed-form waste; the restarts' factor is the same at every interval."""
+    extra = failures.overhead(interval_s, mtbf_s, checkpoint_s)
+    expected = 1 - 1 / ((1 + extra) * (1 + restart_s / mtbf_s))
+    assert failures.waste(interval_s, mtbf_s, checkpoint_s, restart_s) == pytest.approx(expected, rel=1e-12)
+    best = failures.best_interval(mtbf_s, checkpoint_s, restart_s)
+    assert failures.overhead(best, mtbf_s, checkpoint_s) <= failures.overhead(best * 1.01, mtbf_s, checkpoint_s)
+    assert failures.overhead(best, mtbf_s, checkpoint_s) <= failures.overhead(best * 0.99, mtbf_s, checkpoint_s)
