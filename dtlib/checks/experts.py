@@ -155,9 +155,9 @@ def _rows_to_others(op: str, args: tuple, rank: int, size: int) -> float:
     if op == "alltoall_":  # c10d's list form: (outputs, inputs, group, ...)
         return sum(t.numel() for i, t in enumerate(args[1]) if i != rank and t.is_floating_point()) / DIM
     tensor, splits = (args[0], args[2]) if op == "all_to_all_single" else (args[1], args[4])
-    if not tensor.is_floating_point() or tensor.dim() == 0:
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if not tensor.is_floating_point() or rows == 0:  # nothing to send: an expert no token chose
         return 0
-    rows = tensor.shape[0]
     own = list(splits)[rank] if splits else rows // size
     return (rows - own) * (tensor.numel() // rows) / DIM
 

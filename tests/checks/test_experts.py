@@ -294,6 +294,30 @@ def test_a_module_called_twice_and_experts_called_per_piece_pass():
     assert feedback.ok, feedback.message
 
 
+def one_all_to_all_per_expert(x, router, experts, top_k, group):  # right: slow, but each row goes only where needed
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
+    gates = gates / gates.sum(-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for e in range(router.out_features):
+        home = e % p
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        counts = torch.empty(p, dtype=torch.long, device=x.device)
+        dist.all_to_all_single(counts, torch.full((p,), len(token), device=x.device), group=group)
+        there = [len(token) if r == home else 0 for r in range(p)]
+        back = counts.tolist() if rank == home else [0] * p
+        arrived = funcol.all_to_all_single_autograd(x[token], back, there, group)  # often empty: a quiet expert
+        out = experts[e](arrived) if rank == home else arrived
+        y = y.index_add(0, token, gates[token, slot, None] * funcol.all_to_all_single_autograd(out, there, back, group))
+    return y
+
+
+def test_an_all_to_all_that_sends_no_rows_is_counted_as_nothing_not_a_crash():
+    """The checker's own count of the rows sent once divided by an empty tensor's rows, and blamed the answer."""
+    feedback = _feedback(one_all_to_all_per_expert)
+    assert feedback.ok, feedback.message
+
+
 def test_each_check_draws_new_data_so_no_answer_can_rebuild_other_ranks_experts():
     from dtlib.checks import experts
 
