@@ -5,9 +5,14 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
 
 - **reduce**: only ``dst`` holds the result. NCCL leaves the other ranks' tensors undefined; gloo leaves a sum
   there. Strict mode fills them with NaN (floating point) or the dtype's smallest value (integers).
-- **async collectives** (``async_op=True``): the tensors a collective writes hold nothing you may read until
-  ``wait()`` returns (NCCL writes them on its own stream, later). Strict mode runs the collective on copies,
-  fills your tensors as above, and copies the results in when ``wait()`` (or the work's future) completes.
+- **async collectives** (``async_op=True``, and a ``ProcessGroup``'s own methods, ``group.allreduce([x])``,
+  which are always async): the tensors a collective writes hold nothing you may read until ``wait()`` returns
+  (NCCL writes them on its own stream, later). Strict mode runs the collective on copies, fills your tensors as
+  above, and copies the results in when ``wait()`` returns, the work's future completes or ``is_completed()``
+  says yes.
+- **the stacked form** of ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (the large tensor shaped
+  ``(group size, *the small one's shape)``): NCCL takes it, as torch documents; gloo refuses it. Strict mode
+  hands gloo a flat view of the same memory.
 - **bitwise reductions** (``ReduceOp.BAND``, ``BOR``, ``BXOR``) and **receiving from any source**
   (``dist.recv`` without ``src``): gloo has them, NCCL does not. Strict mode refuses them.
 - **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``) as a call's tensor, input or
@@ -53,7 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
+from torch.distributed import ProcessGroup, distributed_c10d
 
 from dtlib.launch import nccl_order
 
@@ -69,6 +74,11 @@ WRITES = {
     "all_to_all_single": ("output",), "all_to_all": ("output_tensor_list",),
     "gather": ("gather_list",), "scatter": ("tensor",),
 }
+#: The single-tensor collectives whose large tensor NCCL also takes stacked, ``(group size, *the small one's
+#: shape)``, as torch documents, where gloo takes only the concatenated form: (the large one, the small one).
+STACKED = {"all_gather_into_tensor": ("output_tensor", "input_tensor"),
+           "all_gather_single": ("output_tensor", "input_tensor"),
+           "reduce_scatter_tensor": ("input", "output"), "reduce_scatter_single": ("input", "output")}
 BITWISE = ("BAND", "BOR", "BXOR")
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
@@ -164,6 +174,14 @@ class DeferredWork:
         self._deliver()
         return result
 
+    def is_completed(self) -> bool:
+        """The real work's answer; once it is yes, the results are the caller's to read, as NCCL's are once its
+        work has completed (polling instead of waiting)."""
+        completed = bool(self._work.is_completed())
+        if completed:
+            self._deliver()
+        return completed
+
     def get_future(self) -> torch.futures.Future:
         def delivered(future: torch.futures.Future) -> Any:
             future.wait()
@@ -193,6 +211,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
         _refuse_non_contiguous(name, arguments)
+        _concatenated(name, arguments)
         nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), f"dist.{name}", op_name))
         rank = dist.get_rank()
         undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
@@ -243,6 +262,17 @@ def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
                 "and copy the result back where the call writes it")
 
 
+def _concatenated(name: str, arguments: dict[str, Any]) -> None:
+    """Where ``dist.<name>``'s large tensor is in the stacked form NCCL takes (:data:`STACKED`), hand gloo a
+    concatenated view of the same memory: the results land where the caller reads them."""
+    large, small = STACKED.get(name, ("", ""))
+    big, little = arguments.get(large), arguments.get(small)
+    if (isinstance(big, torch.Tensor) and isinstance(little, torch.Tensor) and little.dim() >= 1
+            and big.dim() == little.dim() + 1 and tuple(big.shape[1:]) == tuple(little.shape)
+            and big.shape[0] == len(_group_ranks(arguments.get("group"))) and big.is_contiguous()):
+        arguments[large] = big.flatten(0, 1)
+
+
 def _global_root(arguments: dict[str, Any], key: str) -> int:
     """A rooted collective's root as a global rank: ``arguments[key]`` (``"src"``, ``"dst"``), or
     ``group_src``/``group_dst``, a rank within ``group``."""
@@ -263,6 +293,11 @@ class _Posted:
         result = self._work.wait(*args, **kwargs)
         self.pending = False
         return result
+
+    def is_completed(self) -> bool:
+        completed = bool(self._work.is_completed())
+        self.pending = self.pending and not completed  # polled until done: as good as waited for
+        return completed
 
     def get_future(self) -> torch.futures.Future:
         self.pending = False  # whoever holds the future orders what follows it
@@ -336,6 +371,46 @@ class _PointToPoint:
         return point_to_point
 
 
+#: ``ProcessGroup``'s collective methods, which code may call on a group directly (``dist.group.WORLD.allreduce(
+#: [x])``): each is async whatever it is given, and writes its first argument (a tensor, a list of tensors or a
+#: list of lists), except a broadcast's source and a send, which only read it. Held as an async ``dist`` call is:
+#: what it writes reads as undefined until ``wait()`` (or ``is_completed()``), and work never waited for is named.
+GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "all_gather_single", "_allgather_base",
+                 "allgather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_single",
+                 "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+                 "all_to_all_single", "reduce", "gather", "scatter", "recv", "broadcast", "send")
+_READ_ONLY = ("broadcast", "send")
+
+
+def _group_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``ProcessGroup.<name>`` held to NCCL's contract for an async collective, when called from outside torch."""
+
+    @functools.wraps(original)
+    def method(group: Any, *args: Any, **kwargs: Any) -> Any:
+        if _called_from_torch() or not args:
+            return original(group, *args, **kwargs)
+        what = f"ProcessGroup.{name}(...)"
+        if name in _READ_ONLY:  # a broadcast's non-source ranks write: left readable, as the source's tensor is
+            return _track(DeferredWork(original(group, *args, **kwargs), lambda: None, what))
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def copied(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                pairs.append((value, value.clone()))
+                return pairs[-1][1]
+            return type(value)(map(copied, value)) if isinstance(value, (list, tuple)) else value
+
+        work = original(group, copied(args[0]), *args[1:], **kwargs)
+        for theirs, _ in pairs:
+            poison(theirs)
+
+        def finish() -> None:
+            for theirs, copy in pairs:
+                theirs.copy_(copy)
+        return _track(DeferredWork(work, finish, what))
+    return method
+
+
 _active: dict[str, Callable[..., Any]] = {}  # what install replaced, by name ("send", "P2POp.__init__")
 
 
@@ -403,6 +478,10 @@ def install() -> bool:
     dist.P2POp.__new__, dist.P2POp.__init__ = _p2p_op_new, _p2p_op_init
     _active["batch_isend_irecv"] = dist.batch_isend_irecv
     dist.batch_isend_irecv = _batch_isend_irecv
+    for name in GROUP_METHODS:
+        if hasattr(ProcessGroup, name):
+            _active[f"ProcessGroup.{name}"] = getattr(ProcessGroup, name)
+            setattr(ProcessGroup, name, _group_method(name, _active[f"ProcessGroup.{name}"]))
     return True
 
 
@@ -411,7 +490,8 @@ def uninstall() -> None:
     for name, original in _active.items():
         module, _, name = name.rpartition(":")
         owner, _, attribute = name.rpartition(".")
-        setattr(_SOURCE if module else dist.P2POp if owner else dist, attribute, original)
+        setattr(_SOURCE if module else {"P2POp": dist.P2POp, "ProcessGroup": ProcessGroup}.get(owner, dist),
+                attribute, original)
     _active.clear()
 
 

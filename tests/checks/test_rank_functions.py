@@ -172,8 +172,27 @@ def _sum_reading_the_checkers_frames(rank, world_size, x):  # a hostile answer: 
     return x
 
 
+def _sum_right_by_a_stacked_gather(rank, world_size, x):  # right: torch documents the stacked output, NCCL takes it
+    out = torch.empty(world_size, x.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x)
+    return out.sum(0)
+
+
+def _sum_right_polled_until_completed(rank, world_size, x):  # right, if unusual: a completed work's result is there
+    work = dist.all_reduce(x, async_op=True)
+    while not work.is_completed():
+        pass
+    return x
+
+
+def _sum_by_the_groups_own_method_unwaited(rank, world_size, x):
+    dist.group.WORLD.allreduce([x])  # a ProcessGroup's method is async: x is NCCL's to write until wait()
+    return x
+
+
 SUM_RIGHT = [_sum_right, _sum_right_as_a_list, _sum_right_by_gathering, _sum_right_by_reduce_and_broadcast,
-             _sum_right_in_halves, _sum_right_by_an_unwaited_functional_call]
+             _sum_right_in_halves, _sum_right_by_an_unwaited_functional_call, _sum_right_by_a_stacked_gather,
+             _sum_right_polled_until_completed]
 
 #: (wrong answer, what the message must say): one of each kind
 SUM_WRONG = [
@@ -183,6 +202,7 @@ SUM_WRONG = [
     (_sum_reading_the_checkers_frames, ["it returned its own x"]),  # the other ranks' inputs are out of reach
     (_sum_by_reduce, ["does not hold the result: dist.reduce leaves it on its dst alone, here rank 0"]),
     (_sum_async_without_wait, ["call .wait()"]),
+    (_sum_by_the_groups_own_method_unwaited, ["holds NaN", "call .wait()"]),
     (_sum_hard_coded_world_size, ["With 4 ranks", "it holds 3/4 of the sum: a fixed 3"]),
     (_sum_by_max, ["the largest value of each slot: ReduceOp.MAX"]),
     (_sum_double_counted, ["world_size times too big"]),

@@ -313,3 +313,53 @@ def test_strict_mode_notes_what_each_rank_posts_and_the_work_it_never_waited_for
     assert batch0 and set(batch0) == {"a work of dist.batch_isend_irecv"}  # one work per transfer on gloo
     assert single0 == ["dist.isend to rank 1"] and left0 == []
     assert (got0, got1) == ([1.0, 1.0], [0.0, 0.0])
+
+
+def _stacked_forms(rank, world_size):
+    own = torch.full((3,), float(rank + 1))
+    gathered = torch.empty(world_size, 3)  # the stacked form NCCL takes, as torch documents; gloo alone refuses it
+    dist.all_gather_into_tensor(gathered, own)
+    scattered = torch.empty(3)
+    dist.reduce_scatter_tensor(scattered, torch.arange(world_size * 3.0).view(world_size, 3) + rank)
+    return gathered.tolist(), scattered.tolist()
+
+
+def test_the_stacked_form_of_the_single_tensor_collectives_passes_as_on_nccl():
+    for rank, (gathered, scattered) in enumerate(dtlib.spawn(_stacked_forms, 2, strict=True)):
+        assert gathered == [[1.0] * 3, [2.0] * 3]
+        assert scattered == [2 * (3 * rank + k) + 1 for k in range(3)]  # (3r + k) summed over two ranks, + 0 and 1
+
+
+def _group_method_calls(rank, world_size, wait):
+    x = torch.full((2,), float(rank + 1))
+    work = dist.group.WORLD.allreduce([x])  # a ProcessGroup's own method: async whatever it is given
+    before = x.tolist()
+    if wait == "wait":
+        work.wait()
+    elif wait == "poll":
+        while not work.is_completed():  # polling until done is as good as waiting, on NCCL too
+            pass
+    return before, x.tolist(), strict.unwaited()
+
+
+@pytest.mark.parametrize("wait", ["wait", "poll", "never"])
+def test_a_process_groups_own_method_is_held_as_an_async_collective(wait):
+    for before, after, unwaited in dtlib.spawn(_group_method_calls, 2, args=(wait,), strict=True):
+        assert all(math.isnan(v) for v in before)
+        if wait == "never":
+            assert all(math.isnan(v) for v in after) and unwaited == ["ProcessGroup.allreduce(...)"]
+        else:
+            assert after == [3.0, 3.0] and unwaited == []
+
+
+def _async_polled(rank, world_size):
+    x = torch.full((2,), float(rank + 1))
+    work = dist.all_reduce(x, async_op=True)
+    while not work.is_completed():
+        pass
+    return x.tolist(), strict.unwaited()
+
+
+def test_an_async_collective_polled_until_completed_delivers_its_result():
+    for values, unwaited in dtlib.spawn(_async_polled, 2, strict=True):
+        assert values == [3.0, 3.0] and unwaited == []
