@@ -116,7 +116,10 @@ def _carries(entry: Carried, own: torch.Tensor, size: int) -> bool:
     factor = constant_factor(entry.sent, own.flatten(), rtol=1e-2)
     if factor is None or factor == 0:
         return False
-    return own.numel() > 1 or any(abs(factor - c) < 1e-6 * c for c in (1.0, 1.0 / size, float(size)))
+    carried_in = getattr(torch, entry.dtype, None) if entry.dtype else None  # a 16-bit copy rounds the number
+    precision = max(1e-6, torch.finfo(carried_in).eps if isinstance(carried_in, torch.dtype)
+                    and carried_in.is_floating_point else 0.0)
+    return own.numel() > 1 or any(abs(factor - c) < precision * c for c in (1.0, 1.0 / size, float(size)))
 
 
 def _carried_by(entries: Sequence[Carried], own: torch.Tensor, size: int) -> bool:
@@ -176,13 +179,18 @@ def _lost_digits(a: Answer) -> bool:
     return got is not UNREADABLE and got.shape == want.shape and torch.allclose(got, want, rtol=1e-2, atol=0.0)
 
 
+#: What a narrow dtype keeps of a float32 number, said of the dtype a collective carried.
+_KEEPS_DIGITS = {"float16": "which keeps about 3 significant digits", "bfloat16": "which keeps about 2"}
+_WHOLE = "which holds whole numbers only (a scale applied first keeps as many decimals as it has zeros, no more)"
+
+
 def _lost_digits_said(what: str) -> Callable[[Answer], str]:
     def say(a: Answer) -> str:
         got, want = _contrast(a.value, a.expected)
         narrow = sorted({entry.dtype for entry in a.carried[a.rank] if entry.dtype not in ("", "float32", "float64")}
                         if a.carried else set())
-        how = (f"Rank {a.rank}'s collectives carried {' and '.join(narrow)}, which keeps about "
-               f"{'3' if 'float16' in narrow else '2'} significant digits: " if narrow else
+        how = (f"Rank {a.rank}'s collectives carried {' and '.join(narrow)}, "
+               f"{' and '.join(_KEEPS_DIGITS.get(dtype, _WHOLE) for dtype in narrow)}: " if narrow else
                "Digits were lost on the way (rounded, cast to a whole number, or carried in 16 bits): ")
         return (f"With {a.size} ranks, rank {a.rank} returned {got}, and the {what} is {want}: close, but not to "
                 f"float32's precision. {how}keep the numbers float32 from the input to the result.")
@@ -509,6 +517,7 @@ FIXED_BARRIER = RankExercise(
          lambda a: f"With {a.size} ranks, rank {a.rank} returned {a.value:.4g}, the sum divided by "
                    f"{_whole_divisor(a, a.stacked.sum())}: divide by world_size (dist.get_world_size()), not a "
                    "constant."),
+        (_lost_digits, _lost_digits_said("mean of the ranks' losses")),  # last: a loss near the mean is within 1%
     ],
     otherwise=lambda a: (f"With {a.size} ranks, rank {a.rank} returned {_one(a.value, a.expected)[0]}, expected the "
                          f"mean of the ranks' losses, {_one(a.value, a.expected)[1]}: all_reduce (SUM) the loss once "

@@ -22,7 +22,10 @@ in the order NCCL runs them (:mod:`dtlib.launch.nccl_order`: a ring of unbatched
 gloo and hangs on NCCL). And it must leave the job as it found it: the default group alive, no group added, no
 work unwaited, no data left in the store and no file one rank wrote and another read (neither is a channel),
 and the ranks' collectives paired, which one all-reduce of the checker's own, run once every rank has returned,
-shows. Where the exercise gives inputs, its collectives may send at most :data:`SENT_LIMIT` times the bytes of
+shows. Two slips any answer can make show in its calls, and are said before the exercise's own hints: a
+reduction that neither adds nor averages (``ReduceOp.MIN``, ``PRODUCT``), and the right result computed into a
+tensor the rank then dropped (``dist.all_reduce(x / n); return x / n``).
+Where the exercise gives inputs, its collectives may send at most :data:`SENT_LIMIT` times the bytes of
 the rank's own input.
 
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from dtlib.arguments import seconds, whole
+from dtlib.checks._numbers import constant_factor
 from dtlib.checks.feedback import Feedback
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
 from dtlib.launch import nccl_order, strict
@@ -89,6 +93,8 @@ class Answer:
     calls: Sequence[dict[str, int]]  # every rank's collectives, {name: times} (dtlib.measure.counting)
     inputs: Sequence[Any] = ()  # every rank's input, where the exercise gives them (on the CPU)
     carried: Sequence[Sequence[Carried]] = ()  # every rank's collectives in order, where inputs are given
+    # every rank's reductions as it posted them: (the call, its ReduceOp's name), ("all_reduce", "MIN")
+    reductions: Sequence[Sequence[tuple[str, str]]] = ()
 
     def called(self, name: str) -> bool:
         """Whether this rank's function called the collective ``name`` ("reduce", "all_reduce", ...)."""
@@ -216,6 +222,53 @@ def dropped_functional_hint(answer: Answer) -> str:
     return (f"Rank {answer.rank} called the functional {name}, but returned numbers made from its own input "
             f"alone: a functional collective leaves its input as it was and returns a new tensor with the result. "
             f"Use what it returns (y = funcol.{name}(x, ...)), or call dist.{name}(x), which works in place.")
+
+
+#: What a reduction other than a sum leaves in each slot (MAX: each exercise names it with its numbers).
+_KEEPS = {"MIN": "the smallest of the ranks' values", "PRODUCT": "the ranks' values multiplied together",
+          "BAND": "their bitwise and", "BOR": "their bitwise or", "BXOR": "their bitwise xor"}
+
+
+def _other_reduction(answer: Answer) -> tuple[str, str] | None:
+    """The first reduction the rank posted with an op that neither adds nor averages (nor MAX, which each
+    exercise explains with its own numbers), or None."""
+    posted = answer.reductions[answer.rank] if answer.reductions else ()
+    return next(((call, op) for call, op in posted if op in _KEEPS), None)
+
+
+def other_reduction_hint(answer: Answer) -> str:
+    """What to say when the rank reduced with MIN, PRODUCT or a bitwise op where the exercise adds."""
+    call, op = _other_reduction(answer) or ("", "")
+    return (f"Rank {answer.rank} called dist.{call} with ReduceOp.{op}, which leaves {_KEEPS[op]} in each slot, "
+            f"not their sum. Reduce with ReduceOp.SUM ({call}'s default; AVG for a mean where the backend has it).")
+
+
+def _kept_elsewhere(answer: Answer) -> Carried | None:
+    """An in-place collective of the rank that computed the right value into a tensor the rank did not return:
+    it returned numbers made from its own input alone (``dist.all_reduce(x / n); return x / n``)."""
+    if not answer.carried or not answer.inputs or answer.value is UNREADABLE:
+        return None
+    try:
+        want = torch.as_tensor(answer.expected, dtype=torch.float64).flatten()
+        got = torch.as_tensor(answer.value, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    own = torch.as_tensor(answer.inputs[answer.rank], dtype=torch.float64).flatten()
+    if got.shape != own.shape or constant_factor(got, own, rtol=1e-5) is None:
+        return None
+    return next((entry for entry in answer.carried[answer.rank] if not entry.functional
+                 and entry.received.shape == want.shape and torch.allclose(entry.received, want, rtol=1e-5)), None)
+
+
+def kept_elsewhere_hint(answer: Answer) -> str:
+    """What to say when the right result went into a tensor the rank then dropped (:func:`_kept_elsewhere`)."""
+    entry = _kept_elsewhere(answer)
+    assert entry is not None
+    shown = ", ".join(f"{v:.4g}" for v in entry.received[:4].tolist()) + (", ..." if entry.received.numel() > 4 else "")
+    return (f"Rank {answer.rank}'s dist.{entry.call} computed the right numbers ([{shown}]), but into a tensor your "
+            "function did not return: it returned numbers made from its own input alone. A collective writes the "
+            "tensor it is given; given an expression (x / world_size, x.clone()), it writes a new tensor that is "
+            "then thrown away. Name it, pass it, return it: y = x / world_size; dist.all_reduce(y); return y.")
 
 
 def _holds_undefined(answer: Answer) -> bool:
@@ -538,9 +591,11 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
         if exercise.calls_in is not None:
             calls = [exercise.calls_in(result) for result in results]
         values = [exercise.read(value) for value in results]
+        reductions = [[(op.kind, op.reduce_op) for launch in launches for op in launch if op.reduce_op]
+                      for launches in posted]
         wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried,
                        nccl_order.deadlock(posted) or next((said for rank in left for said in rank), None),
-                       file_channel(files))
+                       file_channel(files), reductions)
         if wrong is not None:
             return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
         first = first or values
@@ -549,7 +604,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
 
 def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,
            calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]], job: str | None = None,
-           channel: str | None = None) -> str | None:
+           channel: str | None = None, reductions: Sequence[Sequence[tuple[str, str]]] = ()) -> str | None:
     """What is wrong with one run's answers, in the learner's terms, or None: the first wrong rank's value
     explained by the first hint that holds, or, every value right, what no collective, a stand-in, the state the
     job was left in (``job``: transfers that hang on NCCL, a group destroyed or added, work never waited for),
@@ -558,8 +613,12 @@ def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any
     for rank, value in enumerate(values):
         if value is not UNREADABLE and exercise.same(value, expected):
             continue
-        answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried)
-        hints = [*exercise.hints, (_holds_undefined, undefined_hint)]  # the exercise's own come first
+        answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried,
+                        reductions)
+        # what any answer can do wrong in a way its calls show, first; then the exercise's own
+        hints = [(lambda a: _other_reduction(a) is not None, other_reduction_hint),
+                 (lambda a: _kept_elsewhere(a) is not None, kept_elsewhere_hint),
+                 *exercise.hints, (_holds_undefined, undefined_hint)]
         say = next((say for holds, say in hints if holds(answer)), exercise.otherwise)
         return say(answer)
     if channel is not None:

@@ -190,6 +190,38 @@ def _sum_by_the_groups_own_method_unwaited(rank, world_size, x):
     return x
 
 
+def _sum_by_min(rank, world_size, x):
+    dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return x
+
+
+def _sum_in_fixed_point(rank, world_size, x):  # three decimals kept, the rest cut
+    fixed = (x * 1000).long()
+    dist.all_reduce(fixed)
+    return fixed.float() / 1000
+
+
+def _average_into_a_temporary(rank, world_size, values):
+    dist.all_reduce(values / world_size)  # the result goes into the quotient, a new tensor thrown away
+    return values / world_size
+
+
+def _mean_loss_into_a_temporary(rank, world_size, loss):
+    dist.all_reduce(loss / world_size)
+    return loss.item()
+
+
+def _mean_loss_by_min(rank, world_size, loss):
+    dist.all_reduce(loss, op=dist.ReduceOp.MIN)
+    return loss.item()
+
+
+def _mean_loss_in_bfloat16(rank, world_size, loss):
+    low = loss.to(torch.bfloat16)
+    dist.all_reduce(low)
+    return low.float().item() / world_size
+
+
 SUM_RIGHT = [_sum_right, _sum_right_as_a_list, _sum_right_by_gathering, _sum_right_by_reduce_and_broadcast,
              _sum_right_in_halves, _sum_right_by_an_unwaited_functional_call, _sum_right_by_a_stacked_gather,
              _sum_right_polled_until_completed]
@@ -205,6 +237,8 @@ SUM_WRONG = [
     (_sum_by_the_groups_own_method_unwaited, ["holds NaN", "call .wait()"]),
     (_sum_hard_coded_world_size, ["With 4 ranks", "it holds 3/4 of the sum: a fixed 3"]),
     (_sum_by_max, ["the largest value of each slot: ReduceOp.MAX"]),
+    (_sum_by_min, ["called dist.all_reduce with ReduceOp.MIN, which leaves the smallest", "ReduceOp.SUM"]),
+    (_sum_in_fixed_point, ["carried int64, which holds whole numbers only"]),
     (_sum_double_counted, ["world_size times too big"]),
     (_sum_of_the_elements, ["it returned one number, the total of x's", "not x.sum()"]),
     (_sum_in_half_precision, ["it computed in float16"]),
@@ -346,6 +380,7 @@ AVERAGE_WRONG = [
     (_average_wrong_collective("reduce"), ["does not hold the result: dist.reduce"]),
     (_average_wrong_collective("async"), ["call .wait()"]),
     (_average_wrong_collective("max"), ["holds the largest values, not the mean: ReduceOp.MAX"]),
+    (_average_into_a_temporary, ["computed the right numbers", "into a tensor your function did not return"]),
     (_average_wrong_collective("unfinished"), ["the all-reduce had not finished", ".wait()"]),
     (_average_dividing("not at all"), ["holds the sum of the ranks' values: divide by world_size"]),
     (lambda rank, world_size, values: values, ["still holds its own values"]),
@@ -542,6 +577,9 @@ BARRIER_RIGHT = [_mean_loss_as_numpy, _mean_loss_fixed, _mean_loss_dividing_firs
 #: (wrong answer, what the message must say): one of each kind
 BARRIER_WRONG = [
     (_max_then_the_formula, ["all_reduce left the largest loss", "ReduceOp.MAX keeps the largest"]),
+    (_mean_loss_into_a_temporary, ["computed the right numbers", "into a tensor your function did not return"]),
+    (_mean_loss_by_min, ["with ReduceOp.MIN, which leaves the smallest of the ranks' values"]),
+    (_mean_loss_in_bfloat16, ["carried bfloat16, which keeps about 2", "not to float32's precision"]),
     (_throwaway_collective_then_the_formula, ["Rank 0 called dist.all_reduce, but on [1], not on its own loss"]),
     (_mean_by_two, ["With 3 ranks, rank 0 returned", "the sum divided by 2", "not a constant"]),
     (_mean_by_reduce, ["Rank 1 does not hold the result: dist.reduce leaves it on its dst alone, here rank 0"]),
@@ -554,7 +592,7 @@ BARRIER_WRONG = [
     (lambda rank, world_size, loss: None, ["returned None"]),
     (lambda rank, world_size, loss: "1.5", ["returned '1.5': return the mean loss as one number"]),
     (_loss_raises, ["rank 0 raised KeyError"]),
-    (_mean_of_losses_rounded_to_4_decimals, ["expected the mean of the ranks' losses"]),
+    (_mean_of_losses_rounded_to_4_decimals, ["the mean of the ranks' losses is", "not to float32's precision"]),
     ("mean_loss", ["Pass your function itself"]),
     (_mean_loss_in_a_big_buffer, ["rank 0's collectives sent 16,777,216 bytes to carry its input of 4 bytes"]),
     (_mean_loss_then_destroy, ["destroyed the process group"]),
@@ -738,4 +776,4 @@ def test_a_mean_rounded_for_the_log_is_never_called_a_constant_divisor():
     the hint now asks for a divisor other than world_size. Eight fixed draws, each at 2 and 3 ranks."""
     for seed in range(8):
         feedback = checks.fixed_barrier(_mean_of_losses_rounded_to_4_decimals, seed=seed)
-        assert_verdict(feedback, False, ["expected the mean of the ranks' losses"])
+        assert_verdict(feedback, False, ["the mean of the ranks' losses is", "not to float32's precision"])
