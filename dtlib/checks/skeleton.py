@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
 import re
 import sys
@@ -340,6 +341,25 @@ def _dtype(value: Any) -> str:
     return next((found for found in map(_dtype, value) if found), "") if isinstance(value, (list, tuple)) else ""
 
 
+def _unpickled(value: Any) -> torch.Tensor | None:
+    """What an object collective (``all_gather_object``, ``broadcast_object_list``) sent, where its tensor of
+    pickled bytes holds numbers: those numbers, flattened to float64, or None. Read in the rank that pickled them."""
+    tensor = value if isinstance(value, torch.Tensor) else next(iter(_tensors_in(value)), None)
+    if tensor is None or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        return None
+    try:
+        found = pickle.loads(tensor.detach().cpu().numpy().tobytes())  # noqa: S301 - this rank's own bytes
+        return torch.as_tensor(found, dtype=torch.float64).flatten()
+    except Exception:  # noqa: BLE001 - not a pickle, or not numbers: carried as bytes
+        return None
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors_in(item)] if isinstance(value, (list, tuple)) else []
+
+
 def _argument(name: str, args: tuple, argument: str) -> Any:
     """The value of the c10d op ``name``'s argument called ``argument`` in ``args`` as dispatched, or None."""
     schema = getattr(torch.ops.c10d, name).default._schema
@@ -378,8 +398,12 @@ def _recorded(rank: int, world_size: int, fn: Callable[..., Any], given: Any
             return
         sends, writes = _SENDS.get(name, 1), _WRITES.get(name, 0)
         sent = _flat(args[sends]) if sends is not None else torch.zeros(0, dtype=torch.float64)
+        dtype = _dtype(args[sends]) if sends is not None else ""
+        numbers = _unpickled(args[sends]) if dtype == "uint8" else None  # an object collective's pickle
+        if numbers is not None:
+            sent, dtype = numbers, "float64"
         going.append((CALL_NAMES[name], sent, args[writes] if writes is not None else [], _async(name, args),
-                      _dtype(args[sends]) if sends is not None else "", _argument(name, args, "root_rank")))
+                      dtype, _argument(name, args, "root_rank")))
 
     with watching(see):
         value, calls = count_collectives(fn, rank, world_size, given)

@@ -222,9 +222,21 @@ def _mean_loss_in_bfloat16(rank, world_size, loss):
     return low.float().item() / world_size
 
 
+def _sum_right_by_gathering_objects(rank, world_size, x):  # right: the numbers travel pickled, on NCCL too
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, x.tolist())
+    return torch.tensor(everyone).sum(0)
+
+
+def _mean_loss_by_gathering_objects(rank, world_size, loss):
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, loss.item())
+    return sum(everyone) / world_size
+
+
 SUM_RIGHT = [_sum_right, _sum_right_as_a_list, _sum_right_by_gathering, _sum_right_by_reduce_and_broadcast,
              _sum_right_in_halves, _sum_right_by_an_unwaited_functional_call, _sum_right_by_a_stacked_gather,
-             _sum_right_polled_until_completed]
+             _sum_right_polled_until_completed, _sum_right_by_gathering_objects]
 
 #: (wrong answer, what the message must say): one of each kind
 SUM_WRONG = [
@@ -572,7 +584,7 @@ def _mean_loss_of_a_strided_view(rank, world_size, loss):
 
 
 BARRIER_RIGHT = [_mean_loss_as_numpy, _mean_loss_fixed, _mean_loss_dividing_first, _mean_loss_by_gathering,
-         _mean_loss_with_a_count, _mean_loss_functional, _mean_loss_in_fixed_point]
+         _mean_loss_with_a_count, _mean_loss_functional, _mean_loss_in_fixed_point, _mean_loss_by_gathering_objects]
 
 #: (wrong answer, what the message must say): one of each kind
 BARRIER_WRONG = [
