@@ -481,6 +481,41 @@ class _Files:
 _FILES = _Files()
 
 
+class _StoreWrites:
+    """The keys a rank's answer wrote to any store while it ran (``set``, ``add``, ``compare_set``, ``multi_set``,
+    ``append``, called from outside torch: a group torch creates writes its own), whatever it deleted afterwards.
+    The methods are the base class's, which every store inherits, replaced only inside :meth:`recording`."""
+
+    METHODS = ("set", "add", "compare_set", "multi_set", "append")
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        self.keys.clear()
+        originals = {name: getattr(dist.Store, name) for name in self.METHODS}
+
+        def noted(original: Callable[..., Any]) -> Callable[..., Any]:
+            def method(store: Any, *args: Any, **kwargs: Any) -> Any:
+                if args and not sys._getframe(1).f_code.co_filename.startswith(strict.TORCH_DIR):
+                    key = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
+                    self.keys.append(key.decode(errors="replace") if isinstance(key, bytes) else str(key))
+                return original(store, *args, **kwargs)
+            return method
+
+        for name, original in originals.items():
+            setattr(dist.Store, name, noted(original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(dist.Store, name, original)
+
+
+_STORE = _StoreWrites()
+
+
 def file_channel(files: Sequence[tuple[set[str], set[str]]]) -> str | None:
     """From every rank's (paths written, paths read) while the answer ran: a file one rank wrote and another read,
     said, or None. Writing a log is no channel; reading what another rank wrote is."""
@@ -526,11 +561,12 @@ def destroyed_while_needed(err: WorkerError) -> str | None:
 _GROUP_GONE = ("Default process group has not been initialized", "Could not resolve the process group registered")
 
 
-def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any) -> list[str]:
+def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any, wrote: Sequence[str] = ()
+                 ) -> list[str]:
     """In a rank, once the answer returned and every rank has (a barrier through ``store``): what the answer left
     the job (a destroyed or an added process group, work never waited for, keys written to the store, a channel
     beside the collectives), then whether one all-reduce of the checker's own still pairs up on the default group.
-    ``groups`` and ``keys`` are the counts before the answer ran."""
+    ``groups`` and ``keys`` are the counts before the answer ran; ``wrote`` the keys the answer wrote itself."""
     _all_reach(store, 3, world_size)  # every rank returned: the all-reduce below cannot meet a slower one's answer
     if not dist.is_initialized():
         return [f"Rank {rank}'s function destroyed the process group (dist.destroy_process_group). The job goes on "
@@ -544,10 +580,12 @@ def _left_behind(rank: int, world_size: int, groups: int, keys: int, store: Any)
                     "own connections, and NCCL gives each its own communicator and GPU memory. Create groups once, "
                     "outside the function that runs every step, or use the default group.")
     written = store.num_keys() - keys  # the barriers add no keys after the first
-    if written > 0 and made <= 0:  # a new group writes keys of its own: said above
-        said.append(f"The ranks' functions wrote {written} key{'s' * (written > 1)} to the process group's store. "
-                    "The store is how ranks find each other, not a way to hand each other data: on a cluster it is "
-                    "one TCP server that every rank waits on. Only a collective may bring a rank another's data.")
+    if wrote or (written > 0 and made <= 0):  # a new group writes keys of its own: said above
+        which = f" (rank {rank} wrote '{wrote[0]}')" if wrote else ""
+        said.append(f"The ranks' functions wrote to the process group's store{which}, even if they deleted it "
+                    "after. The store is how ranks find each other, not a way to hand each other data: on a cluster "
+                    "it is one TCP server that every rank waits on. Only a collective may bring a rank another's "
+                    "data.")
     said += [f"Rank {rank} never waited for its {what}: gloo finishes it anyway, NCCL promises nothing before "
              "wait(), and the tensor it writes or sends may still change. Call .wait() on the work it returned "
              "before returning." for what in strict.unwaited()]
@@ -569,14 +607,14 @@ def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
     _all_reach(store, 1, world_size)  # every rank's joining keys are written, and the barrier's own
     groups, keys = len(distributed_c10d._world.pg_map), store.num_keys()
     _all_reach(store, 2, world_size)  # every rank has counted before any answer writes
-    with nccl_order.recording() as posted, _FILES.recording():
+    with nccl_order.recording() as posted, _FILES.recording(), _STORE.recording():
         if not given:
             value, calls = count_collectives(fn, rank, world_size)
             carried: list[Carried] = []
         else:
             value, calls, carried = _recorded(rank, world_size, fn, *given)
-    files = (set(_FILES.written), set(_FILES.read))
-    return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store), files
+    files, wrote = (set(_FILES.written), set(_FILES.read)), list(_STORE.keys)
+    return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store, wrote), files
 
 
 def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | None, seed: int | None = None

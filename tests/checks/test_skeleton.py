@@ -258,11 +258,26 @@ def hands_data_through_the_store(rank, world_size, x):
     return torch.tensor(values, dtype=x.dtype).sum(0)
 
 
-def test_the_store_is_not_a_channel():
-    feedback = checks.sum_of_ranks(hands_data_through_the_store, world_size=2)
+def hands_data_through_the_store_and_tidies_up(rank, world_size, x):
+    """The same channel, its keys deleted once every rank has read them: the store's count of keys is as before."""
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    dist.reduce(x.clone(), dst=0)  # a collective carried its data, and gave nobody else the sum
+    store.set(f"mine/{rank}", repr(x.tolist()))
+    store.wait([f"mine/{other}" for other in range(world_size)])
+    values = [eval(store.get(f"mine/{other}").decode()) for other in range(world_size)]  # noqa: S307
+    dist.barrier()
+    store.delete_key(f"mine/{rank}")
+    return torch.tensor(values, dtype=x.dtype).sum(0)
+
+
+@pytest.mark.parametrize("answer", [hands_data_through_the_store, hands_data_through_the_store_and_tidies_up])
+def test_the_store_is_not_a_channel(answer):
+    feedback = checks.sum_of_ranks(answer, world_size=2)
     assert not feedback.ok
-    assert feedback.message.startswith("The ranks' functions wrote 2 keys to the process group's store."), \
-        feedback.message
+    assert feedback.message.startswith("The ranks' functions wrote to the process group's store (rank 0 wrote "
+                                       "'mine/0'), even if they deleted it after."), feedback.message
 
 
 # -- inputs that expose shortcuts (01's and 02's rank inputs) ------------------------------------------------------
