@@ -92,9 +92,10 @@ def _probe(world_size: int, seed: int) -> torch.Tensor:
 
 
 def _layer(x: torch.Tensor, router: nn.Module, experts: Mapping[int, nn.Module], top_k: int = TOP_K,
-           renormalise: bool = True, gated: bool = True) -> torch.Tensor:
-    """The mixture of experts in one process: each token's ``top_k`` experts, weighted by their gates."""
-    gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
+           renormalise: bool = True, gated: bool = True, scored_detached: bool = False) -> torch.Tensor:
+    """The mixture of experts in one process: each token's ``top_k`` experts, weighted by their gates (a wrong
+    variant: the router scores ``x.detach()``, so x's gradient comes through the tokens alone)."""
+    gates, chosen = router(x.detach() if scored_detached else x).softmax(-1).topk(top_k, dim=-1)
     if renormalise:
         gates = gates / gates.sum(-1, keepdim=True)
     y = torch.zeros_like(x)
@@ -373,6 +374,11 @@ HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
      lambda a: f"Rank {a.rank}'s outputs and its experts' gradients are right, but the router's gradient is not: "
                "compute the gates on this rank, from router(x), and keep them in the graph (no detach, no "
                "torch.no_grad)."),
+    (lambda a: _same_output(a.value, a.expected) and _close(
+        a.value["x_grad"], _expected(a.size, a.expected[0]["seed"], scored_detached=True)[a.rank]["x_grad"]),
+     lambda a: f"Rank {a.rank}'s outputs are right, but the gradient of its tokens is not: it reaches x only through "
+               "the tokens that went to the experts, not through the router. Score router(x) itself, not x.detach() "
+               "(nor under torch.no_grad): the gates depend on x, and backward must go through them too."),
     (lambda a: _same_output(a.value, a.expected) and not _close(a.value["x_grad"], a.expected[a.rank]["x_grad"]),
      lambda a: f"Rank {a.rank}'s outputs are right, but the gradient of its tokens is not: it reaches x only through "
                "the router. The tokens must leave with all_to_all_single_autograd too, so that their gradients come "

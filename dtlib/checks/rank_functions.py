@@ -224,6 +224,12 @@ def _stand_in_said(name: str, fix: str) -> Callable[[Answer], str]:
             return (f"Rank {a.rank} called dist.{entry.call} on its {name} rounded to whole numbers "
                     f"({_short(entry.sent)}, where its {name} is {_short(a.own)}): pass the {name} as it is, in "
                     "float32, and the collective keeps the fractions.")
+        own, part = a.own.flatten(), entry.sent.flatten()
+        if 0 < part.numel() < own.numel() and any(torch.equal(own[start:start + part.numel()], part)
+                                                  for start in range(own.numel() - part.numel() + 1)):
+            return (f"Rank {a.rank} called dist.{entry.call} on part of its {name}, {part.numel()} of its "
+                    f"{own.numel()} numbers ({_short(part)} of {_short(own)}): the others never left the rank. "
+                    f"{fix}")
         return (f"Rank {a.rank} called dist.{entry.call}, but on {_short(entry.sent)}, not on its own {name} "
                 f"({_short(a.own)}): a collective combines what each rank puts in, and only this rank holds its "
                 f"{name}. {fix}")

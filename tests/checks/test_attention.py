@@ -74,6 +74,8 @@ MERGES = [
     (_safe_output_naive_lse, False, ["your merged lse holds inf or nan"]),
     (_max_lse_merge, False, ["three in a chain do not", "torch.logaddexp(lse1, lse2)"]),
     (_size_weighted_merge, False, ["you averaged the two outputs"]),
+    (lambda out1, lse1, out2, lse2: (out1.add_(out2).div_(2), torch.logaddexp(lse1, lse2)), False,
+     ["you averaged the two outputs"]),  # in place: the checker's own blocks stay as they were
     (lambda out1, lse1, out2, lse2: _right_merge(out1, lse1, out2, lse2)[0], False, ["Return (out, lse)"]),
     (lambda out1, lse1, out2, lse2: (torch.where(lse1 > lse2, out1, out2), torch.maximum(lse1, lse2)), False,
      ["differs from full attention"]),

@@ -32,10 +32,11 @@ def _move(tokens, out_splits, in_splits, group, autograd):
 
 
 def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates=False, unsort="inverse",
-        gated=True, renormalise=True, layout="round robin", equal_splits=False, detach_output=False):
+        gated=True, renormalise=True, layout="round robin", equal_splits=False, detach_output=False,
+        score_detached=False):
     """The expert-parallel layer, with one switch per mistake a learner makes (the defaults are right)."""
     p = dist.get_world_size(group)
-    gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
+    gates, chosen = router(x.detach() if score_detached else x).softmax(-1).topk(top_k, dim=-1)
     if renormalise:
         gates = gates / gates.sum(-1, keepdim=True)
     if detach_gates:
@@ -177,6 +178,7 @@ def test_the_right_layer_passes_with_uneven_and_even_experts_per_rank():
     ({"back": False}, "its experts' gradients are not (none at all)"),
     ({"there": False}, "reaches x only through the router"),
     ({"detach_gates": True}, "the router's gradient is not"),
+    ({"score_detached": True}, "only through the tokens that went to the experts, not through the router"),
     ({"unsort": "none"}, "in the order they came home"),
     ({"unsort": "wrong"}, "sorts them a second time"),
     ({"gated": False}, "without their gates"),

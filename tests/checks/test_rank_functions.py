@@ -190,6 +190,11 @@ def _sum_by_the_groups_own_method_unwaited(rank, world_size, x):
     return x
 
 
+def _sum_of_all_but_the_last(rank, world_size, x):
+    dist.all_reduce(x[:-1])  # a view: the rest of x stays this rank's own
+    return x
+
+
 def _sum_by_min(rank, world_size, x):
     dist.all_reduce(x, op=dist.ReduceOp.MIN)
     return x
@@ -250,6 +255,7 @@ SUM_WRONG = [
     (_sum_hard_coded_world_size, ["With 4 ranks", "it holds 3/4 of the sum: a fixed 3"]),
     (_sum_by_max, ["the largest value of each slot: ReduceOp.MAX"]),
     (_sum_by_min, ["called dist.all_reduce with ReduceOp.MIN, which leaves the smallest", "ReduceOp.SUM"]),
+    (_sum_of_all_but_the_last, ["called dist.all_reduce on part of its x", "the others never left the rank"]),
     (_sum_in_fixed_point, ["carried int64, which holds whole numbers only"]),
     (_sum_double_counted, ["world_size times too big"]),
     (_sum_of_the_elements, ["it returned one number, the total of x's", "not x.sum()"]),
