@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -83,6 +84,8 @@ class PeakTracker(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._gradients: set[int] = set()
         self._fsdp_params: list[Any] = []  # FSDP2's per-parameter states, whose accumulated gradients are read
+        self._shape_only = 0  # inside DTensor's propagation of an output's shape (see _shapes_only)
+        self._propagating: Any = None  # ShardingPropagator's own method, while the tracker replaces it
 
     # -- following storages -------------------------------------------------------------------------------
 
@@ -125,6 +128,8 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._shape_only:  # DTensor running an op on fake tensors to learn its output's shape: no memory
+            return out
         category = "optimizer" if self._stepping else "gathered and temporary"
         for tensor in tree_leaves(out):
             for storage in _storages(tensor):
@@ -180,6 +185,7 @@ class PeakTracker(TorchDispatchMode):
                             self.optimizer.register_step_post_hook(lambda *_: setattr(self, "_stepping", False))]
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._saved.__enter__()
+        self._shapes_only()
         self._check_peak()
         return super().__enter__()
 
@@ -188,6 +194,26 @@ class PeakTracker(TorchDispatchMode):
         self._saved.__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
+        if self._propagating is not None:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._propagating
+            self._propagating = None
+
+    def _shapes_only(self) -> None:
+        """Leave out what DTensor allocates to learn an op's output shape: it runs the op on fake tensors of the
+        whole (global) shape, in the fake mode it finds. Live ranks run it in a fake mode of their own, which this
+        tracker never sees; fake ranks run it in theirs, which it would, and loss parallelism's log-softmax asks
+        on every call: a whole fp32 logits tensor that no rank ever holds."""
+        original = self._propagating = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+        if original is None:  # a torch that propagates otherwise: nothing to leave out
+            return
+
+        def propagated(propagator: Any, *args: Any, **kwargs: Any) -> Any:
+            self._shape_only += 1
+            try:
+                return original(propagator, *args, **kwargs)
+            finally:
+                self._shape_only -= 1
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagated
 
     def _begin_step(self) -> None:
         self.note_gradients()  # backward is done: the .grad s are there

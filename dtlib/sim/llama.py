@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from dtlib.measure.memory import llama_block_params
@@ -207,6 +209,20 @@ class Llama(nn.Module):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
             x = x.to_local()  # the whole sequence, for the head every rank runs whole
         return self.head(rms_norm(self.norm, x, self.fused_norm))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of ``(B, T, vocab)`` logits against ``(B, T)`` targets, in fp32. Logits sharded over
+    the vocabulary (a head laid out with loss parallelism: a DTensor, ``Shard(-1)`` on "tp") are never gathered:
+    call it, and the backward, inside ``torch.distributed.tensor.parallel.loss_parallel()``, which computes the
+    loss from each rank's share with all-reduces of a few numbers per token."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def vocabulary_sharded(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """torch's ``loss_parallel()`` where ``model``'s head was split over the vocabulary (``model.loss_parallel``,
+    set by :func:`dtlib.sim.step.parallelize`), for the forward and backward of the loss; otherwise nothing."""
+    return loss_parallel() if getattr(model, "loss_parallel", False) else contextlib.nullcontext()
 
 
 def llama_like(num_params: float, vocab: int = 32_000) -> Shape:

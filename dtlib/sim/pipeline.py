@@ -17,9 +17,10 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from dtlib.sim.llama import next_token_loss, vocabulary_sharded
 
 
 def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[str]:
@@ -80,10 +81,11 @@ def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: to
                 shape = (micro_batch, model.positions_held(seq_len), model.hidden)  # a share, under SP
                 x = transfers.receive(torch.empty(shape, dtype=dtype, device=tokens.device), before)
                 x.requires_grad_()
-            y = model(x)
-            if after is None:  # the last stage: the loss, averaged over the micro-batches
-                y = F.cross_entropy(y.flatten(0, 1).float(), batch.flatten()) / micro_batches
-            else:
+            with vocabulary_sharded(model):  # logits split over the vocabulary stay split into the loss
+                y = model(x)
+                if after is None:  # the last stage: the loss, averaged over the micro-batches
+                    y = next_token_loss(y, batch) / micro_batches
+            if after is not None:
                 transfers.send(y.detach(), after)
             inputs.append(x)
             outputs.append(y)
@@ -92,7 +94,8 @@ def pipeline_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: to
                 model.set_requires_gradient_sync(done == micro_batches - 1)
             x, y = inputs.popleft(), outputs.popleft()
             if after is None:
-                y.backward()
+                with vocabulary_sharded(model):
+                    y.backward()
             else:
                 y.backward(transfers.receive(torch.empty_like(y), after))
             if before is not None:

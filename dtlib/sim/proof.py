@@ -61,11 +61,11 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
 
 def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, micro_batch: int = 1,
                   checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1, sequence_parallel: bool = False,
-                  parallelize: Callable[..., nn.Module] = parallelize, step: Callable[..., Any] | None = None,
-                  timeout: float = 120.0) -> Simulated:
+                  loss_parallel: bool = False, parallelize: Callable[..., nn.Module] = parallelize,
+                  step: Callable[..., Any] | None = None, timeout: float = 120.0) -> Simulated:
     """Rank 0's step on pp x dp x tp live ranks, as :func:`dtlib.sim.step.simulate` reports it (every layer run),
     with torch's own kernels: the result's ``kernels`` names the device's."""
-    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel)
+    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel, loss_parallel)
     started = time.perf_counter()
     results = spawn(_rank, layout.world_size, args=(shape, layout, checkpointing, parallelize, step),
                     timeout=timeout, output="none")

@@ -1,5 +1,6 @@
 """The simulated training step: a Llama-shaped model laid out as pp x dp x tp (a pipeline of stages over "pp",
-notebook 10's 1F1B; FSDP2 over "dp"; tensor parallelism inside each block over "tp", notebook 11's 2-D layout),
+notebook 10's 1F1B; FSDP2 over "dp"; tensor parallelism inside each block over "tp", notebook 11's 2-D layout,
+with sequence parallelism between the blocks and loss parallelism in the head where asked for),
 stepped on fake tensors as rank 0 of the world (the first stage), its memory at the peak by category and its
 collectives by mesh dimension measured as on live ranks.
 
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from dtlib.arguments import whole
 from dtlib.measure.peak import CATEGORIES, PeakTracker
 from dtlib.measure.traffic import Row, sent_by_group, traffic
-from dtlib.sim.llama import KERNELS, Llama, Shape
+from dtlib.sim.llama import KERNELS, Llama, Shape, next_token_loss, vocabulary_sharded
 from dtlib.sim.pipeline import pipeline_step
 from dtlib.sim.world import fake_world
 
@@ -45,16 +45,24 @@ TP_PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(
 #: ``down`` reduce-scatter their sums along the sequence instead of all-reducing them, so that the norms and the
 #: residual stream hold a share of the sequence.
 SP_PLAN = {**TP_PLAN, "o": RowwiseParallel(output_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
+#: Loss parallelism (torchtitan's ``loss_parallel``): the output head split by columns, each tp rank holding a
+#: share of the vocabulary's rows and computing that share of the logits, kept sharded into the loss.
+HEAD_PLAN = {"head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)}
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, checkpointing: bool = False,
-                sequence_parallel: bool = False) -> nn.Module:
+                sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Tensor parallelism inside each block over ``mesh["tp"]``, then each block and the root sharded with
     FSDP2 over ``mesh["dp"]``, in bf16 with fp32 gradient reduction; ``checkpointing`` recomputes each block.
     ``sequence_parallel``: the blocks' norms and the activations between blocks hold each tp rank's share of the
-    sequence (:class:`dtlib.sim.llama.Block`); each norm's weight is one on every tp rank, its gradient all-reduced."""
+    sequence (:class:`dtlib.sim.llama.Block`); each norm's weight is one on every tp rank, its gradient all-reduced.
+    ``loss_parallel``: the output head, where this stage has it, split over the vocabulary (:data:`HEAD_PLAN`): its
+    logits stay sharded into the loss (:func:`train_step`)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tp = mesh["tp"]
+    if tp.size() > 1 and loss_parallel and getattr(model, "head", None) is not None:
+        parallelize_module(model, tp, HEAD_PLAN)
+        model.loss_parallel = True  # what train_step and the pipeline's last stage read (vocabulary_sharded)
     for block in model.blocks:
         block.checkpointing = checkpointing
         if tp.size() > 1:
@@ -71,35 +79,38 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, checkpointing: bool = False,
 
 def lay_out(parallelize: Callable[..., nn.Module], model: nn.Module, mesh: DeviceMesh, layout: Layout,
             checkpointing: bool) -> nn.Module:
-    """``parallelize(model, mesh, checkpointing)``, with ``sequence_parallel=True`` where the layout asks for it
-    (a layout of one's own that has no such argument is told so)."""
-    if not layout.sequence_parallel:
-        return parallelize(model, mesh, checkpointing)
+    """``parallelize(model, mesh, checkpointing)``, with ``sequence_parallel=True`` and ``loss_parallel=True``
+    where the layout asks for them (a layout of one's own that has no such argument is told so)."""
+    asked = {name: True for name in ("sequence_parallel", "loss_parallel") if getattr(layout, name)}
     try:
-        parameters = inspect.signature(parallelize).parameters.values()
+        parameters = list(inspect.signature(parallelize).parameters.values())
     except (TypeError, ValueError):  # no signature to read (a builtin): let the call say
         parameters = None
-    if parameters is not None and not any(p.name == "sequence_parallel" or p.kind is p.VAR_KEYWORD
-                                          for p in parameters):
-        name = getattr(parallelize, "__name__", type(parallelize).__name__)
-        raise TypeError(f"sequence_parallel=True needs a parallelize that takes sequence_parallel=..., as "
-                        f"dtlib.sim.step.parallelize does; {name}{inspect.signature(parallelize)} does not")
-    return parallelize(model, mesh, checkpointing, sequence_parallel=True)
+    for name in asked:
+        if parameters is not None and not any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters):
+            called = getattr(parallelize, "__name__", type(parallelize).__name__)
+            raise TypeError(f"{name}=True needs a parallelize that takes {name}=..., as dtlib.sim.step.parallelize "
+                            f"does; {called}{inspect.signature(parallelize)} does not")
+    return parallelize(model, mesh, checkpointing, **asked)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
-    """One step of next-token training (the targets are the tokens themselves: the simulator needs shapes)."""
-    logits = model(tokens)
-    F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+    """One step of next-token training (the targets are the tokens themselves: the simulator needs shapes).
+    Logits sharded over the vocabulary (loss parallelism) go into the loss sharded, forward and backward."""
+    with vocabulary_sharded(model):
+        logits = model(tokens)  # held through backward, as a loop that logs or inspects them holds them
+        next_token_loss(logits, tokens).backward()
     optimizer.step()
     optimizer.zero_grad()
+
 
 
 @dataclass(frozen=True)
 class Layout:
     """How the ranks are laid out and what one step computes: pp x dp x tp ranks, each step ``micro_batches``
     micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens per data-parallel rank;
-    ``sequence_parallel``: with tensor parallelism, the activations between blocks split along the sequence."""
+    ``sequence_parallel``: with tensor parallelism, the activations between blocks split along the sequence;
+    ``loss_parallel``: the output head and its logits split along the vocabulary."""
 
     dp: int = 1
     tp: int = 1
@@ -108,6 +119,7 @@ class Layout:
     micro_batch: int = 1
     micro_batches: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False  # with tp: the head split over the vocabulary, its logits sharded into the loss
 
     @property
     def world_size(self) -> int:
@@ -145,13 +157,18 @@ class Simulated:
 
 
 def check_layout(shape: Shape, dp: int, tp: int, seq_len: int, micro_batch: int, pp: int = 1,
-                 micro_batches: int = 1, sequence_parallel: bool = False) -> Layout:
+                 micro_batches: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False) -> Layout:
     """The layout, every number checked: whole and positive, tp dividing the heads and the MLP, pp the layers,
-    and, with sequence parallelism, the sequence."""
-    if not isinstance(sequence_parallel, bool):
-        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    with sequence parallelism the sequence, and with loss parallelism the vocabulary."""
+    for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     layout = Layout(whole("dp", dp), whole("tp", tp), whole("pp", pp), whole("seq_len", seq_len),
-                    whole("micro_batch", micro_batch), whole("micro_batches", micro_batches), sequence_parallel)
+                    whole("micro_batch", micro_batch), whole("micro_batches", micro_batches), sequence_parallel,
+                    loss_parallel)
+    if loss_parallel and shape.vocab % layout.tp:
+        raise ValueError(f"loss parallelism splits the vocabulary of {shape.vocab} tokens over tp={tp} ranks: tp "
+                         "must divide it")
     if sequence_parallel and layout.seq_len % layout.tp:
         raise ValueError(f"sequence parallelism splits the {seq_len} positions of a sequence over tp={tp} ranks: "
                          "tp must divide seq_len")
@@ -224,8 +241,9 @@ def _extend(low: float, high: float, low_depth: int, high_depth: int, depth: int
 
 def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_batch: int = 1,
              checkpointing: bool = False, *, pp: int = 1, micro_batches: int = 1, sequence_parallel: bool = False,
-             depths: tuple[int, int] | None = (3, 4), parallelize: Callable[..., Any] = parallelize,
-             step: Callable[..., Any] | None = None, kernels: str = "cuda") -> Simulated:
+             loss_parallel: bool = False, depths: tuple[int, int] | None = (3, 4),
+             parallelize: Callable[..., Any] = parallelize, step: Callable[..., Any] | None = None,
+             kernels: str = "cuda") -> Simulated:
     """Rank 0's memory and traffic for one training step of ``shape`` on pp x dp x tp ranks (rank 0 is the
     pipeline's first stage: the embedding, its share of the blocks, and the most micro-batches in flight).
 
@@ -238,10 +256,11 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     ``kernels``: what the model keeps for backward, as a GPU's kernels keep it ("cuda", a cluster's question) or
     as this CPU's do ("cpu", what live ranks here measure); :data:`dtlib.sim.llama.KERNELS`.
     ``sequence_parallel``: with ``tp`` over 1, the norms and the activations between blocks hold a share of the
-    sequence (:func:`parallelize`).
+    sequence (:func:`parallelize`). ``loss_parallel``: with ``tp`` over 1, the head on the last stage holds a share
+    of the vocabulary, and its logits stay split into the loss (torchtitan's ``loss_parallel``).
     """
     started = time.perf_counter()
-    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel)
+    layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel, loss_parallel)
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     key = (shape, layout, checkpointing, depths, kernels)

@@ -367,6 +367,82 @@ def test_sequence_parallelism_refuses_what_it_cannot_split_and_a_layout_that_can
     assert simulate(LLAMA["tiny"], seq_len=64, depths=None, sequence_parallel=True).memory == alone.memory
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "shape"), [
+    ({"dp": 2, "tp": 2, "seq_len": 64, "micro_batch": 2}, LLAMA["tiny"]),
+    ({"dp": 1, "tp": 2, "seq_len": 64, "sequence_parallel": True, "checkpointing": True}, LLAMA["tiny"]),
+], ids=["fsdp-tp", "sequence-parallel-checkpointed"])
+def test_loss_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
+    """The head split over the vocabulary, on rank 0 of live gloo ranks and of fake ones: the same collectives with
+    the same bytes (loss_parallel's all-reduces of a few numbers per token among them), the same peak by category."""
+    real = on_live_ranks(shape, loss_parallel=True, **layout)
+    fake = simulate(shape, depths=None, kernels=real.kernels, loss_parallel=True, **layout)
+    assert fake.traffic == real.traffic
+    assert fake.memory == real.memory
+
+
+def _loss_and_head_gradient(rank: int, world_size: int, loss_parallel: bool) -> tuple[float, torch.Tensor]:
+    """One forward and backward of a tiny Llama on tp=2 ranks from the same weights: the loss and the head's
+    gradient, whole."""
+    from dtlib.sim.llama import next_token_loss, vocabulary_sharded
+    from dtlib.sim.step import check_layout, lay_out, mesh_of, parallelize, tokens_for
+
+    shape = LLAMA["tiny"]
+    layout = check_layout(shape, dp=1, tp=2, seq_len=64, micro_batch=2, loss_parallel=loss_parallel)
+    mesh = mesh_of(layout, "cpu")
+    torch.manual_seed(0)
+    model = lay_out(parallelize, Llama(shape), mesh, layout, checkpointing=False)
+    tokens = tokens_for(shape, layout, torch.Generator().manual_seed(0))
+    with vocabulary_sharded(model):
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+    return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss), model.head.weight.grad.full_tensor()
+
+
+@pytest.mark.timeout(120)
+def test_loss_parallelism_computes_the_loss_and_head_gradient_of_a_whole_head():
+    """The oracle for the layout: the same weights and tokens give the same loss and head gradient (bf16
+    compute: to its rounding) whether the logits are gathered whole or kept split over the vocabulary."""
+    from dtlib.launch.spawn import spawn
+
+    (whole, grad_whole), _ = spawn(_loss_and_head_gradient, 2, args=(False,), backend="gloo", timeout=90)
+    (split, grad_split), _ = spawn(_loss_and_head_gradient, 2, args=(True,), backend="gloo", timeout=90)
+    assert split == pytest.approx(whole, rel=1e-3)
+    assert torch.allclose(grad_split.float(), grad_whole.float(), rtol=0.05, atol=0.02 * grad_whole.abs().max().item())
+
+
+@pytest.mark.timeout(300)
+def test_loss_parallelism_keeps_a_share_of_the_logits_and_of_the_head():
+    """7B on tp=4, 8 ranks of FSDP, one 4096-token sequence: the head's weights (and Adam's state of them) and
+    what the loss keeps of the logits fall to a quarter; the blocks are untouched. Oracle: the logits' bytes,
+    4096 x 32,000 numbers, and the head's parameters, 32,000 x 4096."""
+    shape, tokens, tp, dp = LLAMA["7B"], 4096, 4, 8
+    whole, split = (simulate(shape, dp=dp, tp=tp, seq_len=tokens, loss_parallel=lp) for lp in (False, True))
+    head = shape.vocab * shape.hidden
+    assert whole.memory["weights"] - split.memory["weights"] == pytest.approx(4 * head * (tp - 1) / tp / dp, rel=0.01)
+    saved = whole.memory["activations"] - split.memory["activations"]
+    logits = tokens * shape.vocab
+    assert saved >= 4 * logits * (tp - 1) / tp  # at least the fp32 logits the loss keeps, a quarter now
+    assert split.peak < whole.peak
+    assert {row.call for row in split.traffic if row.group == "tp"} == {"all_reduce"}
+
+
+def test_loss_parallelism_refuses_what_it_cannot_split_and_a_layout_that_cannot_ask():
+    with pytest.raises(ValueError, match="tp must divide it"):
+        simulate(Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=255), tp=2, seq_len=64,
+                 loss_parallel=True)
+    with pytest.raises(ValueError, match="loss_parallel must be True or False"):
+        simulate(LLAMA["tiny"], tp=2, seq_len=64, loss_parallel=1)
+
+    def mine(model, mesh, checkpointing, sequence_parallel=False):
+        return model
+
+    with pytest.raises(TypeError, match="needs a parallelize that takes loss_parallel"):
+        simulate(LLAMA["tiny"], tp=2, seq_len=64, depths=None, loss_parallel=True, parallelize=mine)
+    alone = simulate(LLAMA["tiny"], seq_len=64, depths=None)
+    assert simulate(LLAMA["tiny"], seq_len=64, depths=None, loss_parallel=True).memory == alone.memory  # tp=1
+
+
 def test_a_link_shared_by_a_nodes_gpus_gives_each_its_share_and_costs_them_that_much_longer():
     """One 100 Gbit/s NIC for a node of 8 GPUs: each GPU gets 1.5625 GB/s and the same alpha; a dp dimension
     across such nodes spends 8 times the bandwidth seconds of a NIC per GPU, and the same latency."""
