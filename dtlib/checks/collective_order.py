@@ -28,10 +28,18 @@ fully_shard(model, reshard_after_forward=True)
 STEP = "model(torch.randn(4, 8)).sum().backward()"
 #: Each block's parameter count (weight and bias): the size of its all-gather's output, of its reduce-scatter's input.
 BLOCK_SIZES = {8 * 12 + 12: 0, 12 * 6 + 6: 1, 6 * 4 + 4: 2}
-_OPS = {"ag": "all_gather", "rs": "reduce_scatter"}  # and any name that starts all_gather or reduce_scatter
-#: An operation, then a block number, then anything (a note such as "(prefetch)"): "AG0", "all-gather of block 1",
-#: "reduce_scatter_single 2", ("all_gather", 0).
-_ITEM = re.compile(r"^\s*([a-z][a-z_\- ]*?)[\s_]*(?:\(|\[|#|:|\.|=|block|of|,|\s|_|-(?=\D))*\s*(-?\d+)\b(.*)$")
+#: Every spelling of the two operations, letters only ("all-gather", "AllGather", "all_gather_into_tensor"): torch's
+#: names for them, and the short ones. Nothing else counts: "all_gather_object" and "reducescatterxyz" are not.
+_SPELLINGS = {**{name: "all_gather" for name in ("ag", "allgather", "allgatherintotensor", "allgathersingle",
+                                                  "allgatherbase", "allgatherintotensorcoalesced")},
+              **{name: "reduce_scatter" for name in ("rs", "reducescatter", "reducescattertensor",
+                                                      "reducescattersingle", "reducescatterbase",
+                                                      "reducescattertensorcoalesced")}}
+#: Words that may stand between the operation and its block: "AG for block 0", "fwd AG0", "RS on layer 2".
+_FILLER = frozenset({"for", "on", "of", "in", "at", "the", "block", "layer", "module", "fwd", "bwd", "forward",
+                     "backward", "then", "again"})
+_LIST_MARK = re.compile(r"^\s*(?:\d+[.)]|[-*\u2022])\s+")  # "1. AG0", "- AG0": a list's own numbering
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 EXAMPLE = '[("all_gather", 0), ("all_gather", 1), ...] or ["AG0", "AG1", ...]'
 
 
@@ -65,31 +73,51 @@ def _read(prediction: Any) -> list[tuple[str, int]] | str:
             text = item
         else:
             return f"Entry {index}, {item!r}, is neither (operation, block) nor a string such as 'AG0': {EXAMPLE}."
-        found = _ITEM.match(text.lower())
-        op = _operation(found.group(1)) if found else None
-        if found is None or op is None:
-            return (f"Entry {index}, {item!r}: name an all-gather or a reduce-scatter (AG, RS, or torch's own names) "
-                    f"and then a block: {EXAMPLE}.")
-        if int(found.group(2)) < 0:
-            return (f"Entry {index}, {item!r}: {found.group(2)} is no block (a minus sign, or a hyphen read as one): "
-                    "the blocks are numbered 0, 1 and 2; write 'AG1' or 'AG 1' for block 1.")
-        if int(found.group(2)) not in BLOCK_SIZES.values():
-            return f"Entry {index}, {item!r}: the blocks are numbered 0, 1 and 2, from the model's first."
-        read.append((op, int(found.group(2))))
+        entry = _entry(text)
+        if isinstance(entry, str):
+            return f"Entry {index}, {item!r}: {entry}"
+        read.append(entry)
     return read
 
 
-def _operation(name: str) -> str | None:
-    """``all_gather`` or ``reduce_scatter`` for any of their spellings (AG, all-gather, all_gather_single,
-    allgather, reduce scatter, reduce_scatter_tensor), else None."""
-    key = name.replace("-", "_").replace(" ", "_").strip("_")
-    if key in _OPS:
-        return _OPS[key]
-    squashed = key.replace("_", "")
-    for family in ("all_gather", "reduce_scatter"):
-        if squashed.startswith(family.replace("_", "")):
-            return family
-    return None
+def _entry(text: str) -> tuple[str, int] | str:
+    """One entry read: an operation (words of :data:`_FILLER` may stand around it), one whole block number, then
+    any note without a number or another operation ("AG1 (prefetch)"). Otherwise what is wrong with it."""
+    text = _LIST_MARK.sub("", text.lower(), count=1)
+    numbers = _NUMBER.findall(text)
+    if len(numbers) > 1:
+        return (f"one collective and one block per entry; this one holds {len(numbers)} numbers "
+                f"({', '.join(numbers)}): write each collective as an entry of its own.")
+    operations = _operations(text.partition(numbers[0])[0] if numbers else text)
+    if not numbers or operations is None or len(operations) != 1:
+        return f"name an all-gather or a reduce-scatter (AG, RS, or torch's own names) and then a block: {EXAMPLE}."
+    number = numbers[0]
+    if "." in number:
+        return f"{number} is no block: the blocks are numbered 0, 1 and 2, from the model's first."
+    if int(number) < 0:
+        return (f"{number} is no block (a minus sign, or a hyphen read as one): the blocks are numbered 0, 1 and 2; "
+                "write 'AG1' or 'AG 1' for block 1.")
+    if int(number) not in BLOCK_SIZES.values():
+        return "the blocks are numbered 0, 1 and 2, from the model's first."
+    if _operations(text.partition(number)[2], notes=True):
+        return "one collective per entry: write each as an entry of its own."
+    return operations[0], int(number)
+
+
+def _operations(text: str, notes: bool = False) -> list[str] | None:
+    """The operations ``text`` names, read word by word, the longest spelling first ("all gather into tensor" is
+    one); None where a word is neither a spelling nor filler, unless ``notes`` (after the block, any word goes)."""
+    words, found, start = re.findall(r"[a-z]+", text), [], 0
+    while start < len(words):
+        end = next((end for end in range(len(words), start, -1) if "".join(words[start:end]) in _SPELLINGS), None)
+        if end is not None:
+            found.append(_SPELLINGS["".join(words[start:end])])
+            start = end
+        elif notes or words[start] in _FILLER:
+            start += 1
+        else:
+            return None
+    return found
 
 
 def _short(pairs: Any) -> str:

@@ -65,3 +65,31 @@ def test_a_negative_block_is_refused_not_read_as_positive_and_prefetching_everyt
     said = fsdp_collectives(["AG0", "AG1", "AG2", "AG2", "AG1", "AG0", "RS2", "RS1", "RS0"])
     assert not said.ok and "#6" in said.message and "one block ahead" in said.message
     assert "AG0 AG1 AG2 AG2" not in fsdp_collectives(RIGHT).message  # the ✓ does not spell the answer out
+
+
+@pytest.mark.parametrize("answer", [
+    ["AG for block 0", "AG on block 1", "fwd AG2", "bwd AG2", "AG1", "RS for block 2", "AG 0", "RS1", "RS0"],
+    ["1. AG0", "2. AG1", "3. AG2", "4. AG2", "5. AG1", "6. RS2", "7. AG0", "8. RS1", "9. RS0"],  # a numbered list
+    ["- AG0", "- AG1", "- AG2", "- AG2", "- AG1", "- RS2", "- AG0", "- RS1", "- RS0"],
+    ["AG_0_fwd", "AG1 fwd", "AllGather(2)", "all gather into tensor 2", "AG1 (prefetch)", "ReduceScatter(2)",
+     "all-gather of block 0", "reduce scatter 1", "reduce_scatter_tensor 0"],
+])
+def test_shorthand_of_one_collective_and_its_block_is_read(answer):
+    said = fsdp_collectives(answer)
+    assert said.ok, said.message
+
+
+@pytest.mark.parametrize(("entry", "fragment"), [
+    ("RS2 (AG0 first)", "one collective and one block per entry"),  # a second collective hidden in a note
+    ("AG 0-2", "one collective and one block per entry"),  # several blocks in one entry
+    ("AG 0,1", "one collective and one block per entry"),
+    ("AG 0.5", "0.5 is no block"),
+    (("all_gather", 2.9), "2.9 is no block"),  # a float is not truncated to block 2
+    ("all_gather_object 0", "name an all-gather or a reduce-scatter"),  # other collectives' names
+    ("reducescatterxyz 0", "name an all-gather or a reduce-scatter"),
+    ("AG RS 0", "name an all-gather or a reduce-scatter"),
+    ("AG1 then RS", "one collective per entry"),
+])
+def test_an_entry_that_holds_more_or_other_than_one_collective_and_block_is_refused(entry, fragment):
+    said = fsdp_collectives([entry])
+    assert not said.ok and fragment in said.message, said.message
