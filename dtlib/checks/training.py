@@ -324,14 +324,21 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
 def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:
     """The learner's hook on an fp16 gradient of 40000 on each rank: the average is 40000, the sum overflows."""
     grad = torch.full((4,), 40000.0, dtype=torch.float16, device=rank_device())
-    with nccl_order.recording() as posted:  # which reduce op the hook asks for: NCCL's AVG divides as it sums
+    functional_avg = []  # a functional collective's op is a string argument ("avg"), seen as dispatched
+
+    def see(namespace: str, name: str, args: tuple) -> None:
+        if namespace == "_c10d_functional" and name.startswith("all_reduce") and len(args) > 1:
+            functional_avg.append(str(args[1]).lower() == "avg")
+
+    with nccl_order.recording() as posted, watching(see):  # which op the hook asks for: NCCL's AVG divides as it sums
         returned = hook(grad)
     if returned is None:
         returned = grad  # as autograd does: None means the hook changed the gradient in place, or not at all
     if not isinstance(returned, torch.Tensor):
         raise TypeError(f"your hook returned a {type(returned).__name__}: return the gradient tensor (or None "
                         "after changing it in place)")
-    return {"grad": returned.float().cpu(), "avg": any(op.reduce_op == "AVG" for ops in posted for op in ops)}
+    return {"grad": returned.float().cpu(),
+            "avg": any(op.reduce_op == "AVG" for ops in posted for op in ops) or any(functional_avg)}
 
 
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it
@@ -427,9 +434,11 @@ def _units(report: dict[str, Any]) -> int:
 
 
 def _wrapped_right(report: dict[str, Any], expected: Any) -> bool:
-    """Every block a unit of its own, the root sharded last, over the mesh given, training as DDP does."""
+    """Every block a unit of its own and nothing inside it, the root sharded last, over the mesh given, computing
+    in float32 and training as DDP does."""
     return (not report["error"] and not report["returned_other"] and not report["other_mesh"] and report["root"]
-            and _units(report) == len(report["blocks"]) == report["block_units"] and _gap(report) <= 1e-5)
+            and _units(report) == len(report["blocks"]) == report["block_units"] and not report["finer"]
+            and set(report["computed_in"]) <= {"float32"} and _gap(report) <= 1e-5)
 
 
 def _gathered(report: dict[str, Any]) -> str:
@@ -437,6 +446,7 @@ def _gathered(report: dict[str, Any]) -> str:
             f"{report['full_bytes']:,})")
 
 
+_INSIDE = ", inside blocks that are units too"
 #: What each kind of wrong wrap did, read from how it left the model: the first that holds explains.
 WRAP_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
     (lambda a: bool(a.value["error"]) and a.value["root"] and _units(a.value) < len(a.value["blocks"]), lambda a: (
@@ -458,10 +468,11 @@ WRAP_HINTS: list[tuple[Callable[[Answer], bool], Callable[[Answer], str]]] = [
         "The blocks are units but the root is not: the embedding, positions, final norm and head stay whole on "
         "every rank, and their gradients are never averaged over ranks (your losses drift from DDP's by up to "
         f"{_gap(a.value):.2g}). Call fully_shard(model) last.")),
-    (lambda a: a.value["finer"] and not _units(a.value), lambda a: (
-        f"Your units are smaller than a block (a unit per layer, say): {_gathered(a.value)}, less than a unit per "
-        "block would, for more and smaller all-gathers, each paying its own latency. That works; the exercise asks "
-        "for the usual balance: fully_shard(block) for every block, then the root.")),
+    (lambda a: a.value["finer"], lambda a: (
+        f"Your units are smaller than a block (a unit per layer, say{_INSIDE if _units(a.value) else ''}): "
+        f"{_gathered(a.value)}, less than a unit per block would, for more and smaller all-gathers, each paying its "
+        "own latency. That works; the exercise asks for the usual balance: fully_shard(block) for every block and "
+        "nothing inside it, then the root.")),
     (lambda a: _units(a.value) == len(a.value["blocks"]) and a.value["block_units"] < _units(a.value), lambda a: (
         f"Your {_units(a.value)} blocks are {a.value['block_units']} unit{'s' if a.value['block_units'] > 1 else ''}: "
         f"fully_shard given a list groups its modules into one unit, gathered and freed together, so "

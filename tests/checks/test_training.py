@@ -214,8 +214,14 @@ def averaged_on_rank_0_only(grad):
     return averaged if dist.get_rank() == 0 else grad
 
 
+def functional_avg(grad):  # right: the functional collective's "avg" is NCCL's AVG too
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(grad, "avg", dist.group.WORLD))
+
+
 RIGHT = [right_divide_first, right_async_then_wait, right_in_float64, functional_all_reduce, right_by_avg,
-         functional_unwaited, right_by_avg_imported_by_name]
+         functional_unwaited, right_by_avg_imported_by_name, functional_avg]
 
 WRONG = [
     (kept_own, ["Rank 0 kept its own gradients: your hook called no collective"]),
@@ -379,6 +385,28 @@ def _wrap_every_linear(model, mesh):
     return fully_shard(model, mesh=mesh)
 
 
+def _wrap_linears_and_the_blocks_around_them(model, mesh):
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        for module in block.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(block, mesh=mesh)  # a unit of what is left: the norms
+    return fully_shard(model, mesh=mesh)
+
+
+def _wrap_in_float64(model, mesh):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def _wrap_in_ddp(model, mesh):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -471,6 +499,9 @@ WRAPS = [
     ("fully_shard", False, ["Pass your function itself"]),
     (_wrap_blocks_as_one_group, False, ["Your 2 blocks are 1 unit", "groups its modules into one unit"]),
     (_wrap_every_linear, False, ["Your units are smaller than a block", "less than a unit per block would"]),
+    (_wrap_linears_and_the_blocks_around_them, False, ["Your units are smaller than a block",
+                                                       "inside blocks that are units too"]),
+    (_wrap_in_float64, False, ["your layers computed in float64", "MixedPrecisionPolicy"]),
 ]
 
 
