@@ -48,9 +48,22 @@ def _dtype_code(tensor: Any) -> int:
     return _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
 
 
-def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int],
-                   shifts: list[int]) -> Callable[..., None]:
-    """``ring_shift``, after every rank has told every other the sizes it sends and receives at this step.
+def _holds_a_chunk(send: Any, views: list[Any], chunks: list[Any], received: list[Any]) -> bool:
+    """Whether what a rank sends is ring data: a chunk of the buffer or of the list, something it received, or a
+    chunk plus something it received (a partial sum kept aside, to be written to the buffer at the end)."""
+    flat = send.reshape(-1)
+    same_size = [t.reshape(-1) for t in [*views, *chunks, *received] if t.numel() == send.numel()]
+    if any(torch.equal(flat.to(t.dtype), t) for t in same_size):
+        return True
+    arrived = [t.reshape(-1) for t in received if t.numel() == send.numel()]
+    return any(torch.allclose(flat.to(view.dtype), view.reshape(-1) + got, rtol=0, atol=0)
+               for view in views if view.numel() == send.numel() for got in arrived)
+
+
+def _checked_step(views: list[Any], chunks: list[Any], extra: dict[str, int],
+                  shifts: list[int]) -> Callable[..., None]:
+    """A look at each ``ring_shift`` of the phase (``send_recv.step_observer``), before the step runs: every rank
+    tells every other the sizes it sends and receives at this step.
 
     A send and the receive it meets must match in size; NCCL would not say so (it hangs or reads past the
     end) and gloo aborts the process. So every rank learns of a mismatch at once and raises
@@ -58,12 +71,12 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int],
     the buffer's. The exchange's own collectives go into ``extra``, which the caller takes off the learner's
     count; ``shifts[0]`` counts the calls of ring_shift.
     """
-    real, step = send_recv.ring_shift, shifts
+    step, received = shifts, []  # received: every tensor this rank received into, as it is now
 
     def shift(send: Any, receive_into: Any, rank: int, world_size: int) -> None:
         sent = _chunk_of(send, views)
-        holds = any(send.numel() == chunk.numel() and torch.equal(send.reshape(-1).to(chunk.dtype), chunk.reshape(-1))
-                    for chunk in [*views, *chunks])  # a chunk's numbers, itself or a copy, in the buffer or the list
+        holds = _holds_a_chunk(send, views, chunks, received)
+        received.append(receive_into)
         mine = torch.tensor([send.numel(), receive_into.numel(), -1 if sent is None else sent, int(holds),
                              _dtype_code(send), _dtype_code(receive_into)], dtype=torch.int64, device=send.device)
         every = torch.empty(_FIELDS * world_size, dtype=torch.int64, device=send.device)
@@ -96,7 +109,6 @@ def _checked_shift(views: list[Any], chunks: list[Any], extra: dict[str, int],
                     "rank sends at a step must be the very chunk its right-hand neighbour receives at that step "
                     "(rank r receives what rank r - 1 sends). On GPUs NCCL would not say so: it would hang or "
                     "read the wrong bytes.")
-        real(send, receive_into, rank, world_size)
 
     return shift
 
@@ -113,13 +125,13 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
         seen["before"] = [view.tolist() for view in views]
         extra: dict[str, int] = {}
         shifts = [0]
-        real, send_recv.ring_shift = send_recv.ring_shift, _checked_shift(views, chunks, extra, shifts)
+        send_recv.step_observer = _checked_step(views, chunks, extra, shifts)  # however ring_shift is reached
         try:
             _, calls = count_collectives(phase, chunks, rank, world_size)
         except _StepRefused as err:
             seen["sizes_differ"], calls = str(err), {}
         finally:
-            send_recv.ring_shift = real
+            send_recv.step_observer = None
         seen["calls"] = {call: times - extra.get(call, 0) for call, times in calls.items()
                          if times - extra.get(call, 0)}
         seen["shifts"] = shifts[0]  # ring_shift's own calls, not the sends the phase made

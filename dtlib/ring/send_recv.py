@@ -32,6 +32,12 @@ Phase = Callable[[list[torch.Tensor], int, int], None]
 
 
 # GPU run must confirm: on NCCL, one GPU per rank, the ring equals dist.all_reduce (tests/ring/test_send_recv.py).
+#: A look at each step before it runs, given ring_shift's own arguments; it may raise to refuse the step (notebook
+#: 03's checker, :mod:`dtlib.checks.ring_phases`, sets it while the learner's phase runs). It sees every call of
+#: ring_shift, however the caller reached the function (``from dtlib.ring.send_recv import ring_shift`` too).
+step_observer: Callable[[torch.Tensor, torch.Tensor, int, int], None] | None = None
+
+
 def ring_shift(send: torch.Tensor, receive_into: torch.Tensor, rank: int, world_size: int) -> None:
     """One ring step: send ``send`` to rank+1 while receiving ``receive_into`` from rank-1.
 
@@ -39,6 +45,8 @@ def ring_shift(send: torch.Tensor, receive_into: torch.Tensor, rank: int, world_
     same peer, and NCCL documents two separate calls to one peer as a possible deadlock.
     Every rank must call it the same number of times, or the ring waits for ever.
     """
+    if step_observer is not None:
+        step_observer(send, receive_into, rank, world_size)
     transfers = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), (rank + 1) % world_size),
                                         dist.P2POp(dist.irecv, receive_into, (rank - 1) % world_size)])
     for transfer in transfers:

@@ -211,7 +211,49 @@ def _gather_sending_copies(chunks, rank, world_size):  # right: a copy of the ch
         chunks[receive].copy_(incoming)
 
 
+def _gather_kept_aside_then_written(chunks, rank, world_size):  # right: what arrives waits in a dict of its own
+
+    from dtlib.ring import send_recv
+
+    got = {rank: chunks[rank].clone()}
+    for step in range(world_size - 1):
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        send_recv.ring_shift(got[send], incoming, rank, world_size)
+        got[receive] = incoming
+    for index, chunk in got.items():
+        chunks[index].copy_(chunk)
+
+
+def _scatter_into_a_copy_then_written(chunks, rank, world_size):  # right: partial sums in a list of clones
+
+    from dtlib.ring import send_recv
+
+    sums = [chunk.clone() for chunk in chunks]
+    for step in range(world_size - 1):
+        send, receive = (rank - 1 - step) % world_size, (rank - 2 - step) % world_size
+        incoming = torch.empty_like(sums[receive])
+        send_recv.ring_shift(sums[send], incoming, rank, world_size)
+        sums[receive] += incoming
+    for chunk, total in zip(chunks, sums, strict=True):
+        chunk.copy_(total)
+
+
+def _gather_wrong_chunks_by_a_name_imported(chunks, rank, world_size):
+    from dtlib.ring.send_recv import ring_shift  # a name of its own: the checker still sees each step
+
+    for step in range(world_size - 1):  # wrong: sends rank + step, and the sizes meet wrong (gloo would abort)
+        send, receive = (rank + step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        ring_shift(chunks[send], incoming, rank, world_size)
+        chunks[receive].copy_(incoming)
+
+
 RING = [
+    (_gather_kept_aside_then_written, "all_gather", True, ["all-gather phase works"]),
+    (_scatter_into_a_copy_then_written, "reduce_scatter", True, ["reduce-scatter phase works"]),
+    (_gather_wrong_chunks_by_a_name_imported, "all_gather", False, ["In ring step 2 of 3, rank 3 sent chunk 0 "
+                                                                    "(3 elements) to rank 0"]),
     (_gather_sending_copies, "all_gather", True, ["all-gather phase works"]),
     (send_recv.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5",
                                                              "on new numbers each time"]),
@@ -244,6 +286,7 @@ RING = [
 
 #: A ring needs 3 ranks (and 4): the phases whose message names the notebook's 4 ranks (and 5) run on 4.
 RING_WORLD = {send_recv.ring_all_gather_phase: 4, _gather_wrong_chunks: 4, _gather_the_notebook_stub: 4,
+              _gather_wrong_chunks_by_a_name_imported: 4,
               _junk_shifts_then_the_formula: 4, _gather_for_four_ranks: 4, _gather_twice: 4}
 RING_HANGS = {_rank_0_skips_the_ring}  # judged hung once the timeout passes: a short one, as for sum_of_ranks
 
