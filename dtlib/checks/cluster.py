@@ -1,7 +1,7 @@
 """The checkers of notebook 14's exercises, read from the simulator: the largest micro-batch that fits a GPU,
 and the fewest pipeline stages that do.
 
-Example: ``largest_micro_batch(2)`` is ✓ for Llama-2-7B at sequence 4096 on 64 ranks of an 80 GB GPU;
+Example: ``largest_micro_batch(3)`` is ✓ for Llama-2-7B at sequence 4096 on 64 ranks of an 80 GB GPU;
 ``smallest_pipeline(4)`` for Llama-2-70B at sequence 8192 on tp=8 ranks per stage.
 """
 
@@ -83,7 +83,8 @@ def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int
         state, acts = stage_0(pp).model_state() / 2**30, stage_0(pp).memory["activations"] / 2**30
         return (f"More stages divide rank 0's model state ({state:.1f} GiB at pp={pp}) but hardly its activations "
                 f"({acts:.1f} GiB): under 1F1B the first stage holds up to pp micro-batches in flight, each through "
-                f"{layers}/pp layers, about one micro-batch through all {layers} layers whatever pp.")
+                f"{layers}/pp layers, so at most one micro-batch's block inputs through all {layers} layers, "
+                "whatever pp (one micro-batch fewer where the peak comes after the first backward).")
 
     def allowed(pp: int) -> str | None:
         if pp in stages:

@@ -50,7 +50,7 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.02) if parameter.dim() > 1 else parameter.fill_(1.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # the device's default: what adamw() simulates
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens: tp ranks must see one batch
     tokens = tokens_for(shape, layout, generator).to(device)
     run_step(step, model, optimizer, tokens, mesh)  # the same whole step first, as the simulator does

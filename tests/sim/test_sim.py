@@ -497,3 +497,15 @@ def test_a_parallelize_of_ones_own_without_sequence_parallel_is_told_before_it_r
     plain = check_layout(LLAMA["tiny"], dp=1, tp=2, seq_len=64, micro_batch=1)
     with pytest.raises(AssertionError, match="called"):  # without SP it is called as it is
         lay_out(my_parallelize, None, None, plain, checkpointing=False)
+
+
+def test_the_simulated_adamw_is_torchs_default_on_the_kernels_device():
+    """Oracle: torch's own rule, foreach for CUDA tensors only (torch.optim.optimizer._default_to_fused_or_foreach
+    asks whether the device supports foreach kernels), read from its list of such devices."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    from dtlib.sim.step import adamw
+
+    model = torch.nn.Linear(2, 2)
+    for kernels, device in (("cuda", "cuda"), ("cpu", "cpu")):
+        assert adamw(model, kernels).defaults["foreach"] == (device in _get_foreach_kernels_supported_devices())
