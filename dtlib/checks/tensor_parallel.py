@@ -234,6 +234,8 @@ def _failure(err: WorkerError) -> str:
         return (f"Rank {rank} took a piece that does not exist ({said}): your split has fewer pieces than there "
                 f"are ranks, none for rank {rank}, as if written for a smaller world size. Split by world_size: "
                 "up.chunk(world_size, 0)[rank] and down.chunk(world_size, 1)[rank].")
+    if "not contiguous" in said:  # strict mode's own words: they name the tensor and the fix
+        return f"Your function raised on a rank:\n{said}"
     if "cannot be multiplied" in said or "size of tensor" in said or "shape" in said:
         return (f"A matmul's shapes did not fit on a rank ({said.splitlines()[-1]}). nn.Linear keeps its weight as "
                 "(out_features, in_features): the first layer's columns of A (Y = XA) are rows of up (dim 0), "
@@ -434,6 +436,10 @@ def _judge_moves(size: int, rank: int, report: dict[str, Any]) -> str | None:
             return _too_much_computed(size, rank, report)
         return _not_the_summand(size, rank, head.reshape(BATCH, FEATURES) if head.numel() == expected.numel()
                                 else head, "reduce-scattered a tensor that is not its summand")
+    if moved and not summands and {name.split("_")[0] for name in moved} == {"reduce", "broadcast"}:
+        return (f"Right values, but with {size} ranks rank {rank} summed through one rank: dist.reduce to it, then "
+                "dist.broadcast from it, two collectives that wait for each other, with the root's link carrying "
+                "every byte twice. One dist.all_reduce of the summands does both, and NCCL runs it as one ring.")
     if moved:
         return (f"Right values, but with {size} ranks rank {rank} also moved data "
                 f"({', '.join(sorted(set(moved)))}): every rank already holds mlp_inputs, so it takes its slices "

@@ -84,8 +84,26 @@ def two_all_reduces(rank, world_size):
     return y
 
 
+def reduce_then_broadcast(rank, world_size):  # right values, through one rank
+    x, up, down = mlp_inputs()
+    y = F.gelu(x @ up.chunk(world_size, 0)[rank].T) @ down.chunk(world_size, 1)[rank].T
+    dist.reduce(y, dst=0)
+    dist.broadcast(y, src=0)
+    return y
+
+
+def all_reduce_of_a_transpose(rank, world_size):
+    x, up, down = mlp_inputs()
+    hidden = F.gelu(x @ up.chunk(world_size, 0)[rank].T)
+    y = (down.chunk(world_size, 1)[rank] @ hidden.T).T  # a transposed view: NCCL refuses it
+    dist.all_reduce(y)
+    return y
+
+
 @pytest.mark.parametrize("fn, ok, fragments", [
     (megatron, True, ["with 2 ranks and with 3", "one all-reduce"]),
+    (reduce_then_broadcast, False, ["summed through one rank", "One dist.all_reduce of the summands does both"]),
+    (all_reduce_of_a_transpose, False, ["tensor is not contiguous", "t.contiguous()"]),
     (no_all_reduce, False, ["holds only its share of the output", "dist.all_reduce(y)"]),
     (averaged, False, ["divided by 2", "do not divide"]),
     (first_layer_by_input_features, False, ["by its input features (dim 1 of up)", "gelu of a partial sum"]),
