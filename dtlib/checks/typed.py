@@ -67,13 +67,30 @@ def _listed(choices: Sequence[str]) -> str:
 
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+_NAMED = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*\s*[=:]\s*")  # "pp=4", "answer: 4": the name before a number
+
+
+def _names_the_unit(text: str, unit: str) -> bool:
+    """Whether ``text`` (what follows a number) is ``unit``, its first words or its last word, each singular or
+    plural: "samples" and "sample per rank" for "samples per rank", "stages" for "pipeline stages"."""
+    said, words = ([_singular(word) for word in part.casefold().split()] for part in (text, unit))
+    return bool(said) and (said == words[:len(said)] or said == words[-1:])
+
+
+def _singular(word: str) -> str:
+    """"micro-batches" -> "micro-batch", "stages" -> "stage", "bytes" -> "byte"."""
+    if word.endswith(("ches", "shes", "sses", "xes")):
+        return word[:-2]
+    return word.removesuffix("s")
 
 
 def number(answer: Any, unit: str, whole: bool = False) -> float | int | str:
     """``answer`` as an ``int`` (when whole) or a ``float``, or a message saying what was wrong.
 
     Accepted: any real number (``bool`` aside), a one-element tensor or array, and a string holding one number,
-    with ``,`` or ``_`` between thousands, optionally followed by ``unit`` (``"112,256 bytes"``). ``whole``: the
+    with ``,`` or ``_`` between thousands, optionally after a name (``"pp=4"``, ``"answer: 4"``) and followed by
+    ``unit`` or the start or end of it, singular or plural (``"112,256 bytes"``; ``"3 samples"`` for "samples per
+    rank", ``"4 stages"`` for "pipeline stages"); another unit is not read (``"112 MB"``). ``whole``: the
     messages ask for a whole number (the caller checks that it is one).
     """
     kind = ("whole number" if whole else "number") + (f" of {unit}" if unit else "")  # no unit: a bare number
@@ -81,10 +98,10 @@ def number(answer: Any, unit: str, whole: bool = False) -> float | int | str:
     if value is None:
         return f"No answer yet: set `answer` to a {kind}."
     if isinstance(value, str):
-        text = value.strip()
-        if unit and text.casefold().endswith(unit.casefold()):
-            text = text[: -len(unit)].strip()
-        text = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", text)
+        text = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", _NAMED.sub("", value.strip(), count=1))
+        found = _NUMBER.match(text)
+        if unit and found and _names_the_unit(text[found.end():], unit):
+            text = found.group(0)
         if not _NUMBER.fullmatch(text):
             return f"Answer with a {kind}, not the text {value.strip()!r:.40}."
         value = float(text) if any(mark in text for mark in ".eE") else int(text)

@@ -95,3 +95,19 @@ def test_a_number_without_a_unit_is_read_and_refused_without_naming_one():
     # Before, an empty unit cut every string to nothing ("3"[:-0] is ""), and the messages said "of ,".
     assert typed.number("3", "") == 3
     assert typed.number("x", "", whole=True) == "Answer with a whole number, not the text 'x'."
+
+
+@pytest.mark.parametrize(("answer", "unit", "value"), [
+    ("3 samples", "samples per rank", 3), ("3 sample per rank", "samples per rank", 3), ("pp=4", "pipeline stages", 4),
+    ("4 stages", "pipeline stages", 4), ("answer: 3", "samples per rank", 3), ("4 micro-batch", "micro-batches", 4),
+    ("micro_batch = 3", "samples per rank", 3),
+])
+def test_a_number_is_read_with_a_name_before_it_and_its_unit_in_a_word_or_two(answer, unit, value):
+    """14's right answers were refused as text: "3 samples", "4 stages", "pp=4"."""
+    assert typed.number(answer, unit, whole=True) == value
+
+
+@pytest.mark.parametrize(("answer", "unit"), [("32 GPUs", "pipeline stages"), ("3 per rank", "samples per rank"),
+                                              ("112 MB", "bytes"), ("4 stages of 8", "pipeline stages")])
+def test_another_unit_or_more_words_are_not_read(answer, unit):
+    assert isinstance(typed.number(answer, unit, whole=True), str)
