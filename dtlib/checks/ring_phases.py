@@ -121,7 +121,8 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
     seen: dict[str, Any] = {}
 
     def watched(chunks: list[Any], rank: int, world_size: int) -> None:
-        views = list(chunks)  # views of the buffer: the list may hold other tensors afterwards
+        given = list(chunks)  # the views handed over: the list may hold other tensors afterwards
+        views = [view.view(view.shape) for view in given]  # the buffer's own, whatever `.data =` does to those
         seen["before"] = [view.tolist() for view in views]
         extra: dict[str, int] = {}
         shifts = [0]
@@ -136,7 +137,8 @@ def _ring_with_your_phase(phase: Callable[..., None], which: str, rank: int, wor
                          if times - extra.get(call, 0)}
         seen["shifts"] = shifts[0]  # ring_shift's own calls, not the sends the phase made
         seen["after"] = [view.tolist() for view in views]
-        seen["replaced"] = [i for i, (view, now) in enumerate(zip(views, chunks, strict=False)) if view is not now]
+        seen["replaced"] = [i for i, (view, handed, now) in enumerate(zip(views, given, chunks, strict=False))
+                            if handed is not now or handed.data_ptr() != view.data_ptr()]  # `chunks[i] = `, `.data =`
 
     send_recv.ring_all_reduce(ours, **{which: watched})
     return {"ours": ours.tolist(), "calls": {}, **seen}
@@ -183,9 +185,9 @@ def _ring_diagnosis(a: Answer, which: str) -> str | None:
                     f"called ring_shift on rank {rank}. Each of the {a.size - 1} steps sends one chunk to the right "
                     "and receives one from the left.")
         if report["replaced"] and report["before"] == report["after"]:
-            return (f"{where}: on rank {rank} your {name} phase put new tensors into the list (chunks[i] = ...), "
-                    "so what arrived never landed in the buffer: the chunks are views of it, and assignment "
-                    f"replaces the view. Write in place: {write}.")
+            return (f"{where}: on rank {rank} your {name} phase put new tensors into the list (chunks[i] = ..., or "
+                    "chunks[i].data = ...), so what arrived never landed in the buffer: the chunks are views of it, "
+                    f"and assignment replaces the view. Write in place: {write}.")
         if report["before"] == report["after"]:
             did = ("never landed in chunks: copy it in with copy_" if which == "all_gather"
                    else "was never added to chunks: add it in place")

@@ -239,6 +239,17 @@ def _scatter_into_a_copy_then_written(chunks, rank, world_size):  # right: parti
         chunk.copy_(total)
 
 
+def _gather_by_data_assignment(chunks, rank, world_size):
+
+    from dtlib.ring import send_recv
+
+    for step in range(world_size - 1):  # wrong: .data = re-points the view; the buffer never sees what arrived
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        send_recv.ring_shift(chunks[send], incoming, rank, world_size)
+        chunks[receive].data = incoming
+
+
 def _gather_wrong_chunks_by_a_name_imported(chunks, rank, world_size):
     from dtlib.ring.send_recv import ring_shift  # a name of its own: the checker still sees each step
 
@@ -252,6 +263,7 @@ def _gather_wrong_chunks_by_a_name_imported(chunks, rank, world_size):
 RING = [
     (_gather_kept_aside_then_written, "all_gather", True, ["all-gather phase works"]),
     (_scatter_into_a_copy_then_written, "reduce_scatter", True, ["reduce-scatter phase works"]),
+    (_gather_by_data_assignment, "all_gather", False, ["chunks[i].data = ...", "never landed in the buffer"]),
     (_gather_wrong_chunks_by_a_name_imported, "all_gather", False, ["In ring step 2 of 3, rank 3 sent chunk 0 "
                                                                     "(3 elements) to rank 0"]),
     (_gather_sending_copies, "all_gather", True, ["all-gather phase works"]),
