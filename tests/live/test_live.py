@@ -35,6 +35,18 @@ def test_values_are_each_ranks_last_expression_and_output_is_prefixed(ranks, cap
     assert all(w.grad_fn is None and not w.requires_grad for w in weights) and torch.equal(*weights)
 
 
+def test_torchs_own_calls_through_the_ranks_notes_are_left_alone_by_strict_mode(ranks):
+    """FSDP2's unshard all-gathers through a ProcessGroup method that the live ranks' notes wrap: strict mode must
+    see torch's call behind the note, not the note, or it holds the gathered weights back as NaN (05's cells did).
+    Oracle: the weights FSDP2 was given, whole, on every rank."""
+    gathered = ranks.run("from torch.distributed.fsdp import fully_shard\n"
+                         "torch.manual_seed(0)\nlayer = nn.Linear(4, 8)\nwhole = layer.weight.detach().clone()\n"
+                         "fully_shard(layer)\nlayer.unshard()\nrow = layer.weight[0].detach().clone()\n"
+                         "layer.reshard()\nrow, whole[0]")
+    for row, expected in gathered:
+        assert torch.equal(row, expected)
+
+
 def test_push_sends_values_and_functions_by_value_and_pull_returns_them_by_rank(ranks):
     offset = 7
     ranks.push(scale=10, shift=lambda v: v + offset)
