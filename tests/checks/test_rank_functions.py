@@ -216,6 +216,12 @@ def _mean_loss_into_a_temporary(rank, world_size, loss):
     return loss.item()
 
 
+def _mean_loss_rounded_after_the_sum(rank, world_size, loss):
+    mean = loss / world_size
+    dist.all_reduce(mean)
+    return round(mean.item(), 2)  # the right number, rounded for a log: not a tensor dropped
+
+
 def _mean_loss_by_min(rank, world_size, loss):
     dist.all_reduce(loss, op=dist.ReduceOp.MIN)
     return loss.item()
@@ -597,6 +603,7 @@ BARRIER_WRONG = [
     (_max_then_the_formula, ["all_reduce left the largest loss", "ReduceOp.MAX keeps the largest"]),
     (_mean_loss_into_a_temporary, ["computed the right numbers", "into a tensor your function did not return"]),
     (_mean_loss_by_min, ["with ReduceOp.MIN, which leaves the smallest of the ranks' values"]),
+    (_mean_loss_rounded_after_the_sum, ["the mean of the ranks' losses is", "not to float32's precision"]),
     (_mean_loss_in_bfloat16, ["carried bfloat16, which keeps about 2", "not to float32's precision"]),
     (_throwaway_collective_then_the_formula, ["Rank 0 called dist.all_reduce, but on [1], not on its own loss"]),
     (_mean_by_two, ["With 3 ranks, rank 0 returned", "the sum divided by 2", "not a constant"]),
