@@ -603,7 +603,7 @@ BARRIER_WRONG = [
     (_max_then_the_formula, ["all_reduce left the largest loss", "ReduceOp.MAX keeps the largest"]),
     (_mean_loss_into_a_temporary, ["computed the right numbers", "into a tensor your function did not return"]),
     (_mean_loss_by_min, ["with ReduceOp.MIN, which leaves the smallest of the ranks' values"]),
-    (_mean_loss_rounded_after_the_sum, ["the mean of the ranks' losses is", "not to float32's precision"]),
+    (_mean_loss_rounded_after_the_sum, ["Digits were lost on the way", "close, but not"]),
     (_mean_loss_in_bfloat16, ["carried bfloat16, which keeps about 2", "not to float32's precision"]),
     (_throwaway_collective_then_the_formula, ["Rank 0 called dist.all_reduce, but on [1], not on its own loss"]),
     (_mean_by_two, ["With 3 ranks, rank 0 returned", "the sum divided by 2", "not a constant"]),
