@@ -170,8 +170,10 @@ def test_a_job_that_prints_and_then_nothing_is_stopped_after_its_silence():
 @pytest.mark.timeout(60)
 def test_silence_waits_for_a_first_line_and_a_job_that_finishes_keeps_all_its_output(monkeypatch, tmp_path):
     _temporary_directory(monkeypatch, tmp_path)
-    finished = torchrun.single_node(["--no-python", "sh", "-c", "sleep 4; seq 1 3000"], nproc_per_node=1,
-                                    timeout=50, silence=2)
+    # silence=5 against a first line after 7 s: the wait for a first line is shown; after the last line the agent
+    # tears down without a line of its own, which took over 2 s beside two busy loops (stop 60's busy gate C)
+    finished = torchrun.single_node(["--no-python", "sh", "-c", "sleep 7; seq 1 3000"], nproc_per_node=1,
+                                    timeout=50, silence=5)
     assert finished.returncode == 0 and "stopped after" not in finished.output
     assert list(tmp_path.iterdir()) == [], "torchrun's logs left in the temporary directory"
     assert [int(line.split(":")[-1]) for line in finished.output.splitlines() if "]:" in line] == list(range(1, 3001))
