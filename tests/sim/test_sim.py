@@ -304,21 +304,23 @@ def test_sequence_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
     assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= calls
 
 
-def _loss_and_gradients(rank: int, world_size: int, sequence_parallel: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    """One forward and backward of a tiny Llama on tp=2 ranks, every rank starting from the same weights."""
-    import torch.nn.functional as F
-
+def _loss_and_gradients(rank: int, world_size: int, switches: dict[str, bool]) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward of a tiny Llama on tp=2 ranks, every rank starting from the same weights, laid out
+    with ``switches`` (``sequence_parallel``, ``loss_parallel``): the loss and every gradient, whole."""
+    from dtlib.sim.llama import next_token_loss, vocabulary_sharded
     from dtlib.sim.step import check_layout, lay_out, mesh_of, parallelize, tokens_for
 
     shape = LLAMA["tiny"]
-    layout = check_layout(shape, dp=1, tp=2, seq_len=64, micro_batch=2, sequence_parallel=sequence_parallel)
+    layout = check_layout(shape, dp=1, tp=2, seq_len=64, micro_batch=2, **switches)
     mesh = mesh_of(layout, "cpu")
     torch.manual_seed(0)
     model = lay_out(parallelize, Llama(shape), mesh, layout, checkpointing=False)
     tokens = tokens_for(shape, layout, torch.Generator().manual_seed(0))
-    loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
-    loss.backward()
-    return loss.item(), {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
+    with vocabulary_sharded(model):
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+    whole = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return whole.item(), {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
 
 
 @pytest.mark.timeout(120)
@@ -328,8 +330,9 @@ def test_sequence_parallelism_computes_the_loss_and_gradients_tensor_parallelism
     sequence are all-reduced. A missing or doubled reduction is off by a factor of tp."""
     from dtlib.launch.spawn import spawn
 
-    (alone, grads_alone), _ = spawn(_loss_and_gradients, 2, args=(False,), backend="gloo", timeout=90)
-    (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=(True,), backend="gloo", timeout=90)
+    (alone, grads_alone), _ = spawn(_loss_and_gradients, 2, args=({},), backend="gloo", timeout=90)
+    (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=({"sequence_parallel": True},), backend="gloo",
+                                    timeout=90)
     assert split == pytest.approx(alone, rel=1e-3)
     assert grads_split.keys() == grads_alone.keys()
     for name, grad in grads_alone.items():
@@ -381,34 +384,20 @@ def test_loss_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
     assert fake.memory == real.memory
 
 
-def _loss_and_head_gradient(rank: int, world_size: int, loss_parallel: bool) -> tuple[float, torch.Tensor]:
-    """One forward and backward of a tiny Llama on tp=2 ranks from the same weights: the loss and the head's
-    gradient, whole."""
-    from dtlib.sim.llama import next_token_loss, vocabulary_sharded
-    from dtlib.sim.step import check_layout, lay_out, mesh_of, parallelize, tokens_for
-
-    shape = LLAMA["tiny"]
-    layout = check_layout(shape, dp=1, tp=2, seq_len=64, micro_batch=2, loss_parallel=loss_parallel)
-    mesh = mesh_of(layout, "cpu")
-    torch.manual_seed(0)
-    model = lay_out(parallelize, Llama(shape), mesh, layout, checkpointing=False)
-    tokens = tokens_for(shape, layout, torch.Generator().manual_seed(0))
-    with vocabulary_sharded(model):
-        loss = next_token_loss(model(tokens), tokens)
-        loss.backward()
-    return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss), model.head.weight.grad.full_tensor()
-
-
 @pytest.mark.timeout(120)
-def test_loss_parallelism_computes_the_loss_and_head_gradient_of_a_whole_head():
-    """The oracle for the layout: the same weights and tokens give the same loss and head gradient (bf16
-    compute: to its rounding) whether the logits are gathered whole or kept split over the vocabulary."""
+def test_loss_parallelism_computes_the_loss_and_gradients_of_a_whole_head():
+    """The oracle for the layout: the same weights and tokens give the same loss and every gradient, the head's
+    among them (bf16 compute: to its rounding), whether the logits are gathered whole or kept split over the
+    vocabulary."""
     from dtlib.launch.spawn import spawn
 
-    (whole, grad_whole), _ = spawn(_loss_and_head_gradient, 2, args=(False,), backend="gloo", timeout=90)
-    (split, grad_split), _ = spawn(_loss_and_head_gradient, 2, args=(True,), backend="gloo", timeout=90)
+    (whole, grads_whole), _ = spawn(_loss_and_gradients, 2, args=({},), backend="gloo", timeout=90)
+    (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=({"loss_parallel": True},), backend="gloo",
+                                    timeout=90)
     assert split == pytest.approx(whole, rel=1e-3)
-    assert torch.allclose(grad_split.float(), grad_whole.float(), rtol=0.05, atol=0.02 * grad_whole.abs().max().item())
+    assert grads_split.keys() == grads_whole.keys()
+    for name, grad in grads_whole.items():
+        assert torch.allclose(grads_split[name], grad, rtol=0.05, atol=0.02 * grad.abs().max().item()), name
 
 
 @pytest.mark.timeout(300)
