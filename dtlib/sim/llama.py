@@ -174,7 +174,8 @@ class Llama(nn.Module):
     (B, T, hidden) activations to activations. ``fused_norm``: every RMSNorm keeps what CUDA's fused kernel
     keeps, on any device (:class:`FusedRMSNorm`); otherwise torch's own runs, the kernel of the device.
     ``sequence_mesh`` (sequence parallelism): between blocks, and between stages, each rank holds its share of the
-    sequence; the first stage splits the embedding's output, the last gathers the whole before its norm.
+    sequence; the first stage splits the embedding's output, the last gathers the whole before its norm (with
+    ``loss_parallel``, the head split over the vocabulary, after it: the head's plan gathers).
     """
 
     def __init__(self, shape: Shape, stage: int = 0, stages: int = 1, fused_norm: bool = False) -> None:
@@ -185,6 +186,7 @@ class Llama(nn.Module):
         self.hidden, self.first, self.last = shape.hidden, stage == 0, stage == stages - 1
         self.fused_norm = fused_norm
         self.sequence_mesh: DeviceMesh | None = None
+        self.loss_parallel = False  # set with the head split over the vocabulary (dtlib.sim.step.parallelize)
         self.embedding = nn.Embedding(shape.vocab, shape.hidden) if self.first else None
         self.blocks = nn.ModuleList(Block(shape, fused_norm) for _ in range(share))
         self.norm = nn.RMSNorm(shape.hidden) if self.last else None
@@ -205,6 +207,9 @@ class Llama(nn.Module):
             x = block(x)
         if self.head is None or self.norm is None:
             return x
+        if mesh is not None and self.loss_parallel:  # the norm of this rank's share; the head's plan gathers it
+            share = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+            return self.head(rms_norm(self.norm, share, self.fused_norm))
         if mesh is not None:
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
             x = x.to_local()  # the whole sequence, for the head every rank runs whole

@@ -48,6 +48,9 @@ SP_PLAN = {**TP_PLAN, "o": RowwiseParallel(output_layouts=Shard(1)), "down": Row
 #: Loss parallelism (torchtitan's ``loss_parallel``): the output head split by columns, each tp rank holding a
 #: share of the vocabulary's rows and computing that share of the logits, kept sharded into the loss.
 HEAD_PLAN = {"head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)}
+#: The same with sequence parallelism, torchtitan's plan: the final norm runs on this rank's share of the sequence,
+#: and the head gathers its output (in backward, reduce-scatters its gradient back to a share).
+HEAD_SP_PLAN = {"head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, checkpointing: bool = False,
@@ -56,13 +59,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, checkpointing: bool = False,
     FSDP2 over ``mesh["dp"]``, in bf16 with fp32 gradient reduction; ``checkpointing`` recomputes each block.
     ``sequence_parallel``: the blocks' norms and the activations between blocks hold each tp rank's share of the
     sequence (:class:`dtlib.sim.llama.Block`); each norm's weight is one on every tp rank, its gradient all-reduced.
-    ``loss_parallel``: the output head, where this stage has it, split over the vocabulary (:data:`HEAD_PLAN`): its
-    logits stay sharded into the loss (:func:`train_step`)."""
+    ``loss_parallel``: the output head, where this stage has it, split over the vocabulary (:data:`HEAD_PLAN`; with
+    sequence parallelism :data:`HEAD_SP_PLAN`, after a final norm of this rank's share): its logits stay sharded
+    into the loss (:func:`train_step`)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tp = mesh["tp"]
     if tp.size() > 1 and loss_parallel and getattr(model, "head", None) is not None:
-        parallelize_module(model, tp, HEAD_PLAN)
+        parallelize_module(model, tp, HEAD_SP_PLAN if sequence_parallel else HEAD_PLAN)
         model.loss_parallel = True  # what train_step and the pipeline's last stage read (vocabulary_sharded)
+        if sequence_parallel:  # the final norm, used on a share: its gradient is a partial sum, as the blocks' are
+            model.norm.weight = nn.Parameter(distribute_tensor(model.norm.weight, tp, [Replicate()]))
     for block in model.blocks:
         block.checkpointing = checkpointing
         if tp.size() > 1:

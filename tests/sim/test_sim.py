@@ -385,15 +385,16 @@ def test_loss_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
 
 
 @pytest.mark.timeout(120)
-def test_loss_parallelism_computes_the_loss_and_gradients_of_a_whole_head():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence-parallel"])
+def test_loss_parallelism_computes_the_loss_and_gradients_of_a_whole_head(sequence_parallel):
     """The oracle for the layout: the same weights and tokens give the same loss and every gradient, the head's
     among them (bf16 compute: to its rounding), whether the logits are gathered whole or kept split over the
-    vocabulary."""
+    vocabulary; with sequence parallelism too, the final norm's weight among them (used on a share)."""
     from dtlib.launch.spawn import spawn
 
     (whole, grads_whole), _ = spawn(_loss_and_gradients, 2, args=({},), backend="gloo", timeout=90)
-    (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=({"loss_parallel": True},), backend="gloo",
-                                    timeout=90)
+    switches = {"loss_parallel": True, "sequence_parallel": sequence_parallel}
+    (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=(switches,), backend="gloo", timeout=90)
     assert split == pytest.approx(whole, rel=1e-3)
     assert grads_split.keys() == grads_whole.keys()
     for name, grad in grads_whole.items():
