@@ -290,7 +290,7 @@ class LiveRanks:
         paused = {r for r, row in rows.items() if row.state == "paused"}
         before = {r: row.call.index for r, row in rows.items() if row.call is not None}
         view = self._stepped(("continue", None), paused, timeout, to_the_end=True)
-        return StepView(view.rows, note=ran_to_the_end(view.rows, before))
+        return StepView(view.rows, note=ran_to_the_end(view.rows, before), checked=self.check_collectives)
 
     def abort(self) -> str:
         """End the stepped cell on every rank: each paused rank raises inside its cell, and the ranks keep their
@@ -380,7 +380,7 @@ class LiveRanks:
             return values
 
     def _view(self) -> StepView:
-        return StepView(self._paused_rows("step"))
+        return StepView(self._paused_rows("step"), checked=self.check_collectives)
 
     def _stepped(self, message: tuple[str, Any], moving: set[int], timeout: float | None,
                  to_the_end: bool = False) -> StepView:
@@ -396,7 +396,8 @@ class LiveRanks:
                 self._steps = None
                 self._restart()
                 raise WorkerError(failures, note=f"this happened while the cell was paused; {LOST}.")
-            stuck = {} if to_the_end else will_wait(rows, moving) if message[0] == "step" else {}
+            stepping = message[0] == "step" and not to_the_end
+            stuck = will_wait(rows, moving, self.check_collectives) if stepping else {}
             going = moving | {r for r, row in rows.items() if row.state in ("waiting", "running")}
             limit = self.timeout if timeout is None else arguments.seconds("timeout", timeout)
             with HeldInterrupts() as held:
@@ -422,13 +423,16 @@ class LiveRanks:
                     new[r] = RankStep(r, "waiting", rows[r].call, waiting_for=stuck[r])
                 else:
                     new[r] = rows.get(r, RankStep(r, "running"))
-            if owing or ranks.dead() or (to_the_end and any(row.state == "raised" for row in new.values())):
+            if owing or ranks.dead():
                 self._steps = None
                 self._end_stepping(ranks, owing, new, limit)
             self._steps = None if all(not row.active for row in new.values()) else new
-            if self._steps is None:
+            if self._steps is None:  # the cell ended on every rank: one that raised says so, as a plain cell does
+                errors = self._errors(ranks)
                 ranks.answers.clear()
-            return StepView(new)
+                if errors:
+                    raise WorkerError(_unique(errors), note="the stepped cell ended; the ranks keep their variables.")
+            return StepView(new, checked=self.check_collectives)
 
     def _answered(self, rank: int, answer: tuple[str, Any]) -> RankStep:
         status, body = answer

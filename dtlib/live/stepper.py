@@ -79,6 +79,7 @@ class Call:
     issuer: str = ""
     transfer: str = ""
     kind: str = ""  # the dispatcher's op (``c10d.allreduce_``): one per collective, whatever name called it
+    async_op: bool = False  # returns before its peers arrive: ``async_op=True``, or a functional collective
 
     @property
     def p2p(self) -> bool:
@@ -137,16 +138,19 @@ def _group(bound: dict[str, Any]) -> Any:
     return None
 
 
-def _where(frame: FrameType | None) -> tuple[str, str, str, str]:
+def _where(frame: FrameType | None) -> tuple[str, str, str, str, bool]:
     """The innermost line of the learner's cell (``<rank cell 3>:5``, its source), the innermost torch or
-    dtlib frame below it (the one that issued the collective), and the torch.distributed function called: the
-    outermost one (``send``, which calls ``isend``), or the innermost inside ``batch_isend_irecv``."""
+    dtlib frame below it (the one that issued the collective), the torch.distributed function called: the
+    outermost one (``send``, which calls ``isend``), or the innermost inside ``batch_isend_irecv``; and whether
+    that outermost one was called with ``async_op=True``."""
     line = source = issuer = ""
     calls: list[str] = []
+    async_op = False
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.endswith("distributed_c10d.py") and not frame.f_code.co_name.startswith("_"):
             calls.append(frame.f_code.co_name)
+            async_op = frame.f_locals.get("async_op") is True
         if filename.startswith("<rank cell"):
             line = f"{filename}:{frame.f_lineno}"
             source = linecache.getline(filename, frame.f_lineno).strip()
@@ -160,7 +164,7 @@ def _where(frame: FrameType | None) -> tuple[str, str, str, str]:
                     break
         frame = frame.f_back
     called = "" if not calls else calls[0] if calls[-1] == "batch_isend_irecv" else calls[-1]
-    return line, source, issuer, called
+    return line, source, issuer, called, async_op
 
 
 def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: FrameType | None) -> Call:
@@ -186,13 +190,13 @@ def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: 
                     for tensor in _flat(value))
     if base == "barrier":
         tensors = ()  # gloo's barrier carries a placeholder tensor of its own
-    line, source, issuer, called = _where(frame)
+    line, source, issuer, called, async_op = _where(frame)
     transfer = base if base in ("send", "recv") else ""
     if called and not functional and (not transfer or called in _P2P_CALLS):
         op = called  # as the cell called it: isend rather than send, all_gather_object rather than all_gather
     return Call(index, op, getattr(group, "group_name", "?"), members, tensors, root,
                 _ROOTS.get(base, "") if root is not None else "", str(reduce_op or "").upper(), splits,
-                line, source, issuer, transfer, f"{func.namespace}.{func._opname}")
+                line, source, issuer, transfer, f"{func.namespace}.{func._opname}", async_op or functional)
 
 
 def _dtensor_in(types: Any) -> bool:

@@ -13,7 +13,9 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
-from dtlib.live.stepper import UNEQUAL_TENSORS, Call
+import torch
+
+from dtlib.live.stepper import C10D_CALLS, UNEQUAL_TENSORS, Call
 
 #: Calls that return before their peer arrives: the wait comes later, in ``work.wait()``, where no pause is.
 NON_BLOCKING = {"isend", "irecv", "batch_isend_irecv"}
@@ -47,21 +49,38 @@ def matches(call: Call, other: Call, rank: int, peer: int) -> bool:
     return call.group == other.group and (call.kind or call.op) == (other.kind or other.op)
 
 
-def will_wait(rows: dict[int, RankStep], moving: set[int]) -> dict[int, tuple[int, ...]]:
+def will_wait(rows: dict[int, RankStep], moving: set[int], checked: bool = False) -> dict[int, tuple[int, ...]]:
     """The ranks that will block inside their call once ``moving`` (paused ranks) are stepped, each with the
-    peers it waits for. A rank waits while a peer it needs is not moving too, or moves into another call."""
+    peers it waits for. A rank waits while a peer it needs is not moving too, or moves into another call.
+    ``checked`` (the collective check, torch's DETAIL mode): ranks that all move into different collectives of
+    one group do not wait; the check compares their calls and raises on each, at once."""
     going = {rank for rank in moving if rows[rank].state == "paused"} | {
         rank for rank, row in rows.items() if row.state == "waiting"}
     stuck: dict[int, tuple[int, ...]] = {}
     for rank in sorted(going):
         call = rows[rank].call
-        if call is None or call.op in NON_BLOCKING:
+        if call is None or not blocking(call):
             continue
         missing = tuple(peer for peer in call.peers if peer != rank and (
             peer not in going or rows[peer].call is None or not matches(call, rows[peer].call, rank, peer)))
+        if checked and missing and all(caught_by_the_check(call, rows[peer].call) for peer in missing
+                                       if peer in going):
+            missing = tuple(peer for peer in missing if peer not in going)
         if missing:  # a peer in the same call is no reason: whatever holds it is among this call's peers too
             stuck[rank] = missing
     return stuck
+
+
+def blocking(call: Call) -> bool:
+    """Whether ``call`` blocks until its peers arrive: not an ``isend``, ``irecv`` or ``batch_isend_irecv``,
+    nor a collective called with ``async_op=True`` (the wait comes later, in ``work.wait()``)."""
+    return call.op not in NON_BLOCKING and not call.async_op
+
+
+def caught_by_the_check(call: Call, other: Call | None) -> bool:
+    """Whether the collective check raises on both ranks when one calls ``call`` and the other ``other``: two
+    collectives of one group that differ (torch's wrapper compares them before either runs)."""
+    return other is not None and not call.p2p and not other.p2p and call.group == other.group
 
 
 def _differ(calls: dict[int, Call]) -> str:
@@ -72,7 +91,7 @@ def _differ(calls: dict[int, Call]) -> str:
     # is what i expects from r), and so do its tensors.
     for field, label in (("kind", "operations"), ("root", "roots"), ("reduce_op", "reduce ops"),
                          ("tensors", "tensors")):
-        if field == "tensors" and (first.op in UNEQUAL_TENSORS or first.splits):
+        if field == "tensors" and (_underlying(first) in UNEQUAL_TENSORS or first.splits):
             continue
         values = {rank: getattr(call, field) for rank, call in calls.items()}
         if len(set(values.values())) > 1:
@@ -81,10 +100,16 @@ def _differ(calls: dict[int, Call]) -> str:
     return ""
 
 
-def disagreements(rows: dict[int, RankStep]) -> list[str]:
+def _underlying(call: Call) -> str:
+    """The collective ``call`` runs, whatever the cell called: ``gather`` for a ``gather_object``."""
+    return C10D_CALLS.get(call.kind.removeprefix("c10d."), call.op) if call.kind.startswith("c10d.") else call.op
+
+
+def disagreements(rows: dict[int, RankStep], checked: bool = False) -> list[str]:
     """What will go wrong when the ranks' next calls run, found before any of them runs: ranks of one group
     calling different collectives, roots, reduce ops or shapes, and ranks that will wait for ever (a peer in
-    another call, finished or raised). Each problem is one sentence."""
+    another call, finished or raised). Each problem is one sentence. ``checked``: under the collective check, ranks
+    of one group in different collectives raise instead of waiting for each other (:func:`will_wait`)."""
     problems: list[str] = []
     named: set[int] = set()
     for rank, row in sorted(rows.items()):
@@ -96,14 +121,15 @@ def disagreements(rows: dict[int, RankStep]) -> list[str]:
             if peer is None or peer not in rows:
                 continue
             other = rows[peer]
-            if not other.active and call.op not in NON_BLOCKING:
+            if not other.active and blocking(call):
                 problems.append(f"rank {rank}'s {call.what()} waits for ever: rank {peer} {_ended(other)}")
             elif other.active and other.call is not None and matches(call, other.call, rank, peer) \
                     and call.tensors != other.call.tensors:
+                named |= {rank, peer}  # the pair, once
                 problems.append(f"rank {rank}'s {call.what()} and rank {peer}'s {other.call.what()} move different "
-                                "tensors: gloo aborts the receiver, NCCL reads garbage")
+                                f"tensors: {_mismatched_transfer(call, other.call)}")
             elif other.active and other.call is not None and not matches(call, other.call, rank, peer) \
-                    and call.op not in NON_BLOCKING and other.call.op not in NON_BLOCKING:
+                    and blocking(call) and blocking(other.call):
                 if other.call.p2p and other.call.root == rank and other.call.transfer == call.transfer:
                     if rank < peer:  # the pair, once: each waits in its own blocking call for the other's
                         problems.append(f"ranks {rank} and {peer} both {call.transfer} to each other before either "
@@ -127,11 +153,29 @@ def disagreements(rows: dict[int, RankStep]) -> list[str]:
                 problems.append(f"{_ranks(sorted(on_group))} will wait for ever in {_named(call)}: rank {peer} "
                                 f"{_ended(other)}")
     cycle = _cycle(_waits_for(rows))
-    if cycle and not all(rows[rank].call.p2p for rank in cycle):  # a pair of sends is named above already
+    caught = checked and all(caught_by_the_check(rows[rank].call, rows[cycle[(i + 1) % len(cycle)]].call)
+                             for i, rank in enumerate(cycle))
+    if cycle and not caught and not all(rows[rank].call.p2p for rank in cycle):  # a pair of sends: named above
         hops = "; ".join(f"rank {rank} in {_named(rows[rank].call)} for rank {cycle[(i + 1) % len(cycle)]}"
                          for i, rank in enumerate(cycle))
         problems.append(f"{_ranks(sorted(cycle))} will wait for ever, each for the next: {hops}")
     return problems
+
+
+def _bytes(call: Call) -> int:
+    """The bytes ``call``'s tensors hold: ``("float32[4]",)`` -> 16."""
+    sizes = [getattr(torch, tensor.split("[", 1)[0]).itemsize for tensor in call.tensors]
+    return sum(size * count for size, count in zip(sizes, call.elements(), strict=True))
+
+
+def _mismatched_transfer(call: Call, other: Call) -> str:
+    """What a send and a receive of different tensors do: the receiver's buffer decides."""
+    send, receive = (call, other) if call.transfer == "send" else (other, call)
+    if _bytes(send) > _bytes(receive):
+        return ("more bytes arrive than the receiving buffer holds: gloo aborts the receiver, and on NCCL the "
+                "result is undefined")
+    return ("the receiver gets the sender's bytes read as its own dtype and shape, and no error (gloo); on NCCL the "
+            "result is undefined")
 
 
 def _named(call: Call) -> str:
@@ -144,7 +188,7 @@ def _waits_for(rows: dict[int, RankStep]) -> dict[int, list[int]]:
     graph: dict[int, list[int]] = {}
     for rank, row in rows.items():
         call = row.call
-        if not row.active or call is None or call.op in NON_BLOCKING:
+        if not row.active or call is None or not blocking(call):
             continue
         graph[rank] = [peer for peer in call.peers if peer != rank and peer in rows and rows[peer].active
                        and rows[peer].call is not None and not matches(call, rows[peer].call, rank, peer)]
@@ -234,10 +278,11 @@ class StepView:
     on and what issued the call, then what the ranks disagree on. ``values``: each rank's value of the cell's
     last expression once every rank finished (else None)."""
 
-    def __init__(self, rows: dict[int, RankStep], note: str = "") -> None:
+    def __init__(self, rows: dict[int, RankStep], note: str = "", checked: bool = False) -> None:
         self.rows = dict(sorted(rows.items()))
-        self.problems = disagreements(self.rows)
+        self.problems = disagreements(self.rows, checked)
         self.note = note
+        self.checked = checked  # the ranks run under the collective check: a group's calls that differ raise
 
     @property
     def finished(self) -> bool:
@@ -263,15 +308,22 @@ class StepView:
         return rows
 
     def _verdict(self) -> str:
+        raised = [rank for rank, row in self.rows.items() if row.state == "raised"]
         if self.finished:
-            return "every rank finished the cell"
+            return "every rank finished the cell" if not raised else f"the cell ended: {_ranks(raised)} raised"
         if self.problems:
             if any(row.state == "waiting" for row in self.rows.values()):
                 return "the ranks cannot all go on: " + " | ".join(self.problems) + ". End it with %ranks abort"
-            return ("before anything is sent: " + " | ".join(self.problems) + ". End it with %ranks abort: a step "
-                    "would run these calls, and wait until the timeout restarts the ranks")
+            if self.checked and all(": different " in problem for problem in self.problems):
+                then = "the collective check would raise on every rank of the group, before anything is sent"
+            else:
+                then = "wait until the timeout restarts the ranks"
+            return (f"before anything is sent: {' | '.join(self.problems)}. End it with %ranks abort: a step would "
+                    f"run these calls, and {then}")
         if all(row.state == "paused" for row in self.rows.values()):
             return "the ranks agree: %ranks step runs these calls"
+        if not any(row.state == "waiting" for row in self.rows.values()):
+            return "the ranks agree: %ranks step runs the paused ranks' calls"
         return ("the ranks agree: %ranks step moves the paused ranks on, and the waiting ones complete their call "
                 "with them")
 

@@ -203,6 +203,12 @@ def test_will_wait_knows_which_stepped_ranks_block_before_any_rank_moves():
     assert will_wait({0: RankStep(0, "paused", send), 1: RankStep(1, "waiting", recv)}, {0}) == {}
     isend = _call("isend", root=1, transfer="send")
     assert will_wait({0: RankStep(0, "paused", isend), 1: RankStep(1, "paused", recv)}, {0}) == {}
+    late = Call(1, "all_reduce", "0", (0, 1), ("float32[2]",), async_op=True)  # async_op=True returns at once
+    assert will_wait({0: RankStep(0, "paused", late), 1: RankStep(1, "paused", _call("barrier"))}, {0}) == {}
+    differ = {0: RankStep(0, "paused", _call("barrier")), 1: RankStep(1, "paused", _call("all_reduce"))}
+    assert will_wait(differ, {0, 1}) == {0: (1,), 1: (0,)}  # unchecked: a deadlock
+    assert will_wait(differ, {0, 1}, checked=True) == {}  # checked: both raise at once, nobody waits
+    assert will_wait(differ, {0}, checked=True) == {0: (1,)}  # the peer stays paused: a wait, checked or not
 
 
 def test_disagreements_name_ranks_in_other_groups_and_calls_that_differ():
@@ -404,3 +410,46 @@ def test_an_interrupt_while_a_step_waits_restarts_the_ranks_and_says_so(capsys):
         timer.join()
         assert "interrupted while stepping" in capsys.readouterr().err
         assert not live.paused and live.run("rank") == [0, 1]
+
+
+def test_a_step_into_calls_the_check_refuses_ends_the_cell_with_its_error_and_keeps_the_variables(ranks):
+    """Under the collective check, ranks stepped into different collectives of one group raise at once: the step
+    waits for their errors instead of calling them a deadlock, and the ranks keep their variables."""
+    view = ranks.run("kept = rank + 100\nif rank == 0:\n    dist.barrier()\nelse:\n    dist.all_reduce(torch.ones(1))",
+                     step=True)
+    assert "the collective check would raise on every rank of the group" in repr(view)
+    with pytest.raises(WorkerError, match="does not match") as caught:
+        ranks.step()
+    assert "the stepped cell ended; the ranks keep their variables" in str(caught.value)
+    assert not ranks.paused and ranks.run("kept") == [100, 101]
+
+
+def test_a_cell_that_raises_after_its_collectives_raises_at_its_end_stepped_continued_or_traced(ranks):
+    """A plain cell that raises gives its traceback and keeps the ranks; so do a step, continue and trace into
+    the same raise (they said "every rank finished the cell", or restarted the ranks and lost the variables)."""
+    ranks.run("kept = rank + 100")
+    cell = "dist.all_reduce(torch.ones(1))\nraise ValueError(f'raised on {rank}')"
+    for end in (ranks.step, ranks.resume, None):
+        if end is None:
+            with pytest.raises(WorkerError, match="raised on 1"):
+                ranks.trace(cell)
+        else:
+            ranks.run(cell, step=True)
+            with pytest.raises(WorkerError, match="raised on 0") as caught:
+                end()
+            assert "ValueError" in str(caught.value)
+        assert not ranks.paused and ranks.run("kept") == [100, 101], end
+
+
+def test_object_collectives_and_a_transfer_into_another_dtype_are_judged_by_what_runs(ranks):
+    """gather_object and scatter_object_list run a gather and a scatter, whose tensors differ by rank by design;
+    a send into a buffer of another dtype is named once, with what gloo does (no error: the bytes reread)."""
+    cells = ["out = [None] * world_size if rank == 0 else None\ndist.gather_object(rank, out, dst=0)\nout",
+             "got = [None]\ndist.scatter_object_list(got, ['a', 'b'] if rank == 0 else None, src=0)\ngot[0]"]
+    for cell in cells:
+        trace = ranks.trace(cell)  # a disagreement would stop it
+        assert trace.values == ranks.run(cell)
+    view = ranks.run("if rank == 0:\n    dist.send(torch.ones(2), 1)\nelse:\n"
+                     "    dist.recv(torch.zeros(2, dtype=torch.float64), 0)", step=True)
+    assert len(view.problems) == 1 and "read as its own dtype and shape, and no error" in view.problems[0]
+    ranks.abort()
