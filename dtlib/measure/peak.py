@@ -26,6 +26,7 @@ Example (inside a rank; the optimizer is optional)::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -74,12 +75,16 @@ class PeakTracker(TorchDispatchMode):
     """Follow every storage created inside the block; :attr:`peak` is the most bytes live at once (the
     parameters' included), :meth:`categories` what held them then."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 moment: Callable[[], Hashable] | None = None) -> None:
         super().__init__()
         self.model, self.optimizer = model, optimizer
         self._refs: dict[int, tuple[weakref.ref, str]] = {}
         self.peak = 0
         self._at_peak: list[tuple[weakref.ref, str, int]] = []
+        # ``moment``: where the step is (a block's forward, say): the most bytes at each moment, and what held them
+        self._moment = moment
+        self._moments: dict[Hashable, tuple[int, list[tuple[weakref.ref, str, int]]]] = {}
         self._stepping = False
         self._hooks: list[Any] = []
         self._gradients: set[int] = set()
@@ -109,11 +114,19 @@ class PeakTracker(TorchDispatchMode):
 
     def _check_peak(self) -> None:
         total = self.live()
-        if total > self.peak:
-            self.peak = total
+        key: Hashable = None
+        if self._moment is not None:
+            key = "optimizer step" if self._stepping else self._moment()
+        highest = total > self.peak
+        highest_here = self._moment is not None and total > self._moments.get(key, (-1, []))[0]
+        if highest or highest_here:
             accumulated = self._accumulated_gradients()
-            self._at_peak = [(ref, "gradients" if id(ref()) in accumulated else category, ref().nbytes())
-                             for ref, category in list(self._refs.values()) if ref() is not None]
+            noted = [(ref, "gradients" if id(ref()) in accumulated else category, ref().nbytes())
+                     for ref, category in list(self._refs.values()) if ref() is not None]
+            if highest:
+                self.peak, self._at_peak = total, noted
+            if highest_here:
+                self._moments[key] = (total, noted)
 
     def _accumulated_gradients(self) -> set[int]:
         """Ids of the storages that hold FSDP2's unsharded gradients accumulated over the micro-batches of a step
@@ -228,8 +241,12 @@ class PeakTracker(TorchDispatchMode):
             known = self._refs.get(key)
             if known is not None and known[0]() is storage:
                 self._refs[key] = (known[0], "gradients")
-        self._at_peak = [(ref, "gradients" if id(ref()) in held and ref() is held[id(ref())] else category, nbytes)
-                         for ref, category, nbytes in self._at_peak]
+        def regraded(noted: list[tuple[weakref.ref, str, int]]) -> list[tuple[weakref.ref, str, int]]:
+            return [(ref, "gradients" if id(ref()) in held and ref() is held[id(ref())] else category, nbytes)
+                    for ref, category, nbytes in noted]
+
+        self._at_peak = regraded(self._at_peak)
+        self._moments = {key: (total, regraded(noted)) for key, (total, noted) in self._moments.items()}
 
     # -- the report ----------------------------------------------------------------------------------------
 
@@ -237,12 +254,23 @@ class PeakTracker(TorchDispatchMode):
         """Bytes by category at the peak (they add up to :attr:`peak`). A storage still alive that now
         holds a gradient or optimizer state is counted as such, whatever it was when it was created."""
         self.note_gradients()
+        return self._totals(self._at_peak)
+
+    def moments(self) -> dict[Hashable, dict[str, int]]:
+        """With ``moment``: for each moment it named (and ``"optimizer step"``), the bytes by category when the
+        most were held then. The peak is the largest of them. A simulation that scales a model's depth scales
+        each moment and takes the largest (:func:`dtlib.sim.step.simulate`): the moment of the peak can move as a
+        model deepens (from the loss to the optimizer's step, say)."""
+        self.note_gradients()
+        return {key: self._totals(noted) for key, (_, noted) in self._moments.items()}
+
+    def _totals(self, noted: list[tuple[weakref.ref, str, int]]) -> dict[str, int]:
         grads = self._gradients
         state = set()
         if self.optimizer is not None:
             state = {id(s) for st in self.optimizer.state.values() for v in st.values() for s in _storages(v)}
         totals = dict.fromkeys(CATEGORIES, 0)
-        for ref, category, nbytes in self._at_peak:
+        for ref, category, nbytes in noted:
             storage = ref()
             if storage is not None and id(storage) in grads:
                 category = "gradients"

@@ -218,13 +218,15 @@ def run_step(step: Callable[..., Any] | None, model: nn.Module, optimizer: torch
 
 def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False,
                        parallelize: Callable[..., Any] = parallelize, step: Callable[..., Any] | None = None,
-                       kernels: str = "cuda") -> tuple[dict[str, int], list[Row]]:
+                       kernels: str = "cuda") -> tuple[dict[str, int], list[Row], dict[Any, dict[str, int]]]:
     """Rank 0 of the layout's fake ranks, the first pipeline stage: lay the model out with
     ``parallelize(model, mesh, checkpointing)``, then run the step (:func:`run_step`) twice, the first to create
     Adam's state, and measure the second. The first must be the same whole step: Adam's state made from zero
     gradients after a forward alone leaves FSDP's first backward to the measured step, and a first pipeline step
     of one micro-batch, the first in a process, left one activation's worth of first-time work to the measured
-    step (with the fused RMSNorm). ``kernels``: what the model keeps for backward (:data:`dtlib.sim.llama.KERNELS`)."""
+    step (with the fused RMSNorm). ``kernels``: what the model keeps for backward (:data:`dtlib.sim.llama.KERNELS`).
+    Returns the memory at the peak by category, the collectives, and the memory at each moment (:class:`Position`;
+    :meth:`~dtlib.measure.peak.PeakTracker.moments`)."""
     with fake_world(layout.world_size):
         mesh = mesh_of(layout, "cpu")  # fails inside FakeTensorMode
         with torch.device("meta"):
@@ -235,9 +237,41 @@ def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False
             optimizer = adamw(model, kernels)
             tokens = tokens_for(shape, layout)
             run_step(step, model, optimizer, tokens, mesh)
-            with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
-                run_step(step, model, optimizer, tokens, mesh)
-        return peak.categories(), seen.rows()
+            position = Position(model)
+            try:
+                with PeakTracker(model, optimizer, moment=position) as peak, traffic(groups_of(mesh)) as seen:
+                    run_step(step, model, optimizer, tokens, mesh)
+            finally:
+                position.remove()
+        return peak.categories(), seen.rows(), peak.moments()
+
+
+class Position:
+    """Where a step of a :class:`~dtlib.sim.llama.Llama` is, called: ``("forward", i)`` from block ``i``'s forward
+    on (``-1``: the embedding, before any block; the head and the loss come after the last block),
+    ``("backward", i)`` from the gradient of block ``i``'s output on (a checkpointed block's recomputation
+    included). The tracker's moments (:class:`~dtlib.measure.peak.PeakTracker`): the most bytes held at each."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.now: tuple[str, int] = ("forward", -1)
+        self._handles = [model.register_forward_pre_hook(lambda *_: self._at("forward", -1))]
+        for index, block in enumerate(model.blocks):
+            self._handles.append(block.register_forward_pre_hook(lambda *_, i=index: self._at("forward", i)))
+            self._handles.append(block.register_forward_hook(lambda _, __, out, i=index: self._on_backward(out, i)))
+
+    def __call__(self) -> tuple[str, int]:
+        return self.now
+
+    def _at(self, phase: str, index: int) -> None:
+        self.now = (phase, index)
+
+    def _on_backward(self, output: torch.Tensor, index: int) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda _: self._at("backward", index))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def adamw(model: nn.Module, kernels: str) -> torch.optim.Optimizer:
@@ -245,6 +279,36 @@ def adamw(model: nn.Module, kernels: str) -> torch.optim.Optimizer:
     the square root of every second moment at once (a temporary of 4 bytes per parameter held, in the step), on
     this CPU one parameter at a time (torch picks foreach only for CUDA tensors)."""
     return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=kernels == "cuda")
+
+
+def _anchored(moments: dict[Any, dict[str, int]], blocks: int) -> dict[Any, dict[str, int]]:
+    """The moments of a step through ``blocks`` blocks (:class:`Position`), each named by its distance from the
+    first block and again from the last: a moment near the model's start is the same moment at any depth when
+    counted from the first block, one near its end (the loss, the start of backward) when counted from the last.
+    Neither count reaches the other end: the last block is not the first's kind (FSDP prefetches no block after
+    it, and the loss follows it), so block 2 of a model of 3 blocks is not block 2 of a model of 4."""
+    anchored: dict[Any, dict[str, int]] = {}
+    for key, memory in moments.items():
+        if isinstance(key, tuple):
+            phase, index = key
+            if index < blocks - 1:
+                anchored[(phase, "from the first block", index)] = memory
+            if 0 < index < blocks:
+                anchored[(phase, "from the last block", blocks - 1 - index)] = memory
+        else:
+            anchored[key] = memory  # the optimizer's step
+    return anchored
+
+
+def _deepest_peak(low: dict[Any, dict[str, int]], high: dict[Any, dict[str, int]], low_depth: int,
+                  high_depth: int, depth: int) -> dict[str, int]:
+    """The peak at ``depth`` layers: each moment's memory at the two depths simulated, by category, extended to
+    ``depth``, and the moment that holds the most there. The peak's own moment at a shallow depth may not be the
+    deep model's (a shallow model peaks at its loss, a deep one in the optimizer's step, whose state grows with
+    every block), so every moment is extended, not the shallow peak alone."""
+    extended = [{name: _extend(low[key][name], high[key][name], low_depth, high_depth, depth) for name in CATEGORIES}
+                for key in sorted(low.keys() & high.keys(), key=str)]  # in one order: a tie goes the same way
+    return max(extended, key=lambda memory: sum(memory.values()))
 
 
 def _extend(low: float, high: float, low_depth: int, high_depth: int, depth: int) -> int:
@@ -280,14 +344,14 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     if parallelize is _parallelize and step is None and key in _ANSWERED:  # dtlib's own layout and step, again
         return copy.deepcopy(_ANSWERED[key])  # the kept answer is never handed out: a checker reads it next
     if depths is None or shape.layers <= max(depths) * pp:
-        memory, rows = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step, kernels)
+        memory, rows, _ = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step, kernels)
         used = (shape.layers,)
     else:
         low_depth, high_depth = (depth * pp for depth in depths)  # layers in all: each stage holds depth blocks
         low = step_on_fake_ranks(shape.with_layers(low_depth), layout, checkpointing, parallelize, step, kernels)
         high = step_on_fake_ranks(shape.with_layers(high_depth), layout, checkpointing, parallelize, step, kernels)
-        memory = {name: _extend(low[0][name], high[0][name], low_depth, high_depth, shape.layers)
-                  for name in CATEGORIES}
+        memory = _deepest_peak(_anchored(low[2], depths[0]), _anchored(high[2], depths[1]), low_depth, high_depth,
+                               shape.layers)
         lows = {(row.group, row.call): row for row in low[1]}
         rows = [Row(row.group, row.call,
                     *(_extend(getattr(lows[(row.group, row.call)], name), getattr(row, name), low_depth,

@@ -53,3 +53,26 @@ def test_the_peak_is_the_most_bytes_live_at_once_and_says_what_held_them():
     assert categories["weights"] == 256 * 256 * 4
     assert peak.peak >= 4 * 2**20 + categories["weights"]  # the 4 MiB tensor was the peak's
     assert categories["gathered and temporary"] >= 4 * 2**20
+
+
+def test_each_moment_keeps_the_most_bytes_held_during_it_and_the_peak_is_the_largest():
+    """Moments named by the caller (a simulation names each block's forward and backward): each keeps what was
+    held when it held the most, the optimizer's step one of its own, and the peak is the largest of them."""
+    model = nn.Linear(256, 256, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    now = ["first"]
+    with PeakTracker(model, optimizer, moment=lambda: now[0]) as peak:
+        big = torch.ones(1024, 1024)  # 4 MiB in the first moment
+        del big
+        now[0] = "second"
+        small = torch.ones(256, 1024)  # 1 MiB in the second
+        model(torch.randn(8, 256)).sum().backward()
+        optimizer.step()  # the momentum buffer: the step's own moment
+        del small
+    moments = peak.moments()
+    assert set(moments) == {"first", "second", "optimizer step"}
+    weights = 256 * 256 * 4
+    assert moments["first"]["gathered and temporary"] == 4 * 2**20 and moments["first"]["weights"] == weights
+    assert 2**20 <= moments["second"]["gathered and temporary"] < 2 * 2**20
+    assert moments["optimizer step"]["optimizer"] == weights  # the momentum, as large as the weights
+    assert peak.peak == max(sum(memory.values()) for memory in moments.values()) == sum(peak.categories().values())
