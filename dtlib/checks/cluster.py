@@ -80,11 +80,15 @@ def smallest_pipeline(answer: Any, shape: str = "70B", tp: int = 8, seq_len: int
         return stage_0(pp).peak / 2**30
 
     def why(pp: int) -> str:
-        state, acts = stage_0(pp).model_state() / 2**30, stage_0(pp).memory["activations"] / 2**30
-        return (f"More stages divide rank 0's model state ({state:.1f} GiB at pp={pp}) but hardly its activations "
-                f"({acts:.1f} GiB): under 1F1B the first stage holds up to pp micro-batches in flight, each through "
-                f"{layers}/pp layers, so at most one micro-batch's block inputs through all {layers} layers, "
-                "whatever pp (one micro-batch fewer where the peak comes after the first backward).")
+        result = stage_0(pp)
+        state, acts = result.model_state() / 2**30, result.memory["activations"] / 2**30
+        in_step = acts < 0.01 * result.peak / 2**30  # the optimizer's step: no activation is held any more
+        when = (f"in the optimizer's step, with {state:.1f} GiB of model state (AdamW's temporary among it) and no "
+                "activations left" if in_step else f"with {state:.1f} GiB of model state and {acts:.1f} of activations")
+        return (f"At pp={pp} rank 0 peaks {when}. More stages divide the model state but hardly the activations: "
+                f"under 1F1B the first stage holds up to pp micro-batches in flight, each through {layers}/pp layers, "
+                f"so at most one micro-batch's block inputs through all {layers} layers, whatever pp (one "
+                "micro-batch fewer where the peak comes after the first backward).")
 
     def allowed(pp: int) -> str | None:
         if pp in stages:

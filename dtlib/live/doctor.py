@@ -291,7 +291,8 @@ def explain(states: dict[int, str], last: dict[int, Collective | None],
     ``checked``: the ranks ran under the collective check (``LiveRanks(check_collectives=True)``, torch's DETAIL
     mode), which can itself hold up a right program: the verdict then says so, and how to run without it.
 
-    ``states[rank]`` is ``"running"`` (still in the cell), ``"finished"``, ``"failed"`` (raised) or ``"died"``.
+    ``states[rank]`` is ``"running"`` (still in the cell), ``"paused"`` (a stepped cell's rank paused before its
+    next collective: in the cell, but in no collective), ``"finished"``, ``"failed"`` (raised) or ``"died"``.
     Example: with rank 0 running in an unfinished ``all_reduce #3`` and rank 1 finished after
     ``#2``, the verdict is ``"rank 0 is alone in collective #3: rank 1 never called it ..."``.
     """
@@ -302,6 +303,9 @@ def explain(states: dict[int, str], last: dict[int, Collective | None],
         record, state = last.get(rank), states[rank]
         if state == "died":  # its recorder died with it
             lines.append(f"rank {rank} died")
+            continue
+        if state == "paused":  # its notes may hold the call it is paused before: it has not started it
+            lines.append(f"rank {rank} is paused before its next collective (nothing sent)")
             continue
         if state == "running" and record is not None and not record.done:
             if record.op in POINT_TO_POINT:  # NCCL records them (gloo does not): said as a stack would say it
@@ -485,6 +489,10 @@ def _alone(at_first: list[int], where: str, missing: list[int], states: dict[int
     for rank, call in sorted(transfers.items()):
         said.append(f"rank {rank} waits in a blocking {call} instead, before calling it (its peer must "
                     f"{'receive' if call == 'send' else 'send'} first)")
+    paused = [rank for rank in missing if states.get(rank) == "paused"]
+    if paused:
+        said.append(f"{_ranks(paused)} {'is' if len(paused) == 1 else 'are'} paused before it: step "
+                    f"{'it' if len(paused) == 1 else 'them'} too")
     if late:
         said.append(f"rank {', '.join(map(str, late))} is late: it has not called it yet and still runs Python code "
                     "(slow work before the collective, or a loop that never reaches it: its stack is below)")

@@ -445,20 +445,46 @@ class LiveRanks:
 
     def _end_stepping(self, ranks: Generation, owing: set[int], rows: dict[int, RankStep],
                       limit: float | None) -> None:
-        """A stepped cell that hung or failed: explain it, restart every rank, raise."""
+        """A stepped cell that hung or failed: explain it, end the cell on every rank, raise. Ranks that run
+        Python code are interrupted and the paused ones aborted, keeping every rank's variables; a rank inside a
+        collective, or one that died, restarts them all."""
         __tracebackhide__ = True
         errors = self._errors(ranks)
-        states = {r: "died" if r in {f.rank for f in ranks.dead()} else "running" if rows[r].active or r in owing
-                  else "failed" if rows[r].state == "raised" else "finished" for r in range(self.world_size)}
+        dead = {failure.rank for failure in ranks.dead()}
+        states = {r: "died" if r in dead else "running" if r in owing or rows[r].state == "waiting"
+                  else "paused" if rows[r].state == "paused" else "failed" if rows[r].state == "raised"
+                  else "finished" for r in range(self.world_size)}
         stacks = ({r: self._annotate(stack) for r, stack in ranks.job.collect_stacks(ranks=sorted(owing)).items()}
-                  if owing and not ranks.dead() else {})
-        lines, verdict = doctor.explain(states, ranks.ask_doctor(), stacks, checked=self.check_collectives)
+                  if owing and not dead else {})
+        last = ranks.ask_doctor()
+        lines, verdict = doctor.explain(states, last, stacks, checked=self.check_collectives)
         failures = _unique(ranks.dead() + errors)
-        self._restart()
+        outcome = f"{LOST}."
+        if self._ended_in_python(ranks, states, last):
+            outcome = "each rank's cell was interrupted or aborted; the ranks kept their variables."
+        else:
+            self._restart()
         if failures:
-            raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {LOST[:1].upper()}{LOST[1:]}.")
+            raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {outcome[:1].upper()}{outcome[1:]}")
         raise WorkerTimeout(limit or 0.0, stacks, sorted(set(range(self.world_size)) - owing),
-                            collectives=lines, verdict=verdict, outcome=f"{LOST}.")
+                            collectives=lines, verdict=verdict, outcome=outcome)
+
+    def _ended_in_python(self, ranks: Generation, states: dict[int, str], last: dict[int, Any]) -> bool:
+        """End a stepped cell without a restart where it can be: every running rank is in Python code, not inside
+        a collective (SIGINT reaches it), and the paused ones take an abort. Whether every rank left the cell."""
+        running = {r for r, state in states.items() if state == "running"}
+        if ranks.dead() or any(last.get(r) is not None and not last[r].done for r in running):
+            return False
+        stuck = ranks.interrupt(running) if running else set()
+        paused = {r for r, state in states.items() if state == "paused"}
+        with HeldInterrupts():
+            ranks.send(("abort", None), paused)
+        stuck |= ranks.wait(paused, time.monotonic() + ABORT_WAIT_S)
+        ranks.flush_output()
+        if stuck or ranks.dead() or any(ranks.answers.get(r, ("",))[0] == "paused" for r in paused):
+            return False
+        ranks.answers.clear()
+        return True
 
     def push(self, **values: Any) -> None:
         """Copy ``values`` (pickled by value, functions included) into every rank's namespace.

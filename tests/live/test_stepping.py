@@ -6,9 +6,11 @@ oracle for what each rank calls is the code itself: each kind of collective is n
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from dtlib.errors import WorkerError
+from dtlib.errors import WorkerError, WorkerTimeout
 from dtlib.live.server import RemoteRepr
 from dtlib.live.stepper import Call
 from dtlib.live.stepping import RankStep, StepView, disagreements, will_wait
@@ -453,3 +455,18 @@ def test_object_collectives_and_a_transfer_into_another_dtype_are_judged_by_what
                      "    dist.recv(torch.zeros(2, dtype=torch.float64), 0)", step=True)
     assert len(view.problems) == 1 and "read as its own dtype and shape, and no error" in view.problems[0]
     ranks.abort()
+
+
+def test_a_step_that_times_out_on_a_slow_rank_interrupts_it_aborts_the_paused_and_keeps_the_variables(ranks):
+    """Rank 1 sleeps between two all-reduces past the step's timeout while rank 0 is paused before the second:
+    nobody is inside a collective, so the cell ends as a plain cell's would, by an interrupt (and an abort of the
+    paused rank), and the variables stay; the doctor says rank 0 is paused, not waiting in the all-reduce."""
+    ranks.run("kept = rank + 100")
+    ranks.run("import time\ndist.all_reduce(torch.ones(1))\nif rank == 1:\n    time.sleep(60)\n"
+              "dist.all_reduce(torch.ones(1))", step=True)
+    with pytest.raises(WorkerTimeout) as caught:
+        ranks.step(timeout=5)
+    said = str(caught.value)
+    assert "rank 0 is paused before its next collective (nothing sent)" in said, said
+    assert re.search(r"rank 1 runs Python code after all_reduce #\d+", said) and "kept their variables" in said, said
+    assert not ranks.paused and ranks.run("kept") == [100, 101]
