@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dtlib import calls
 
@@ -247,7 +248,24 @@ class RefuseCollectives(TorchDispatchMode):
         if is_collective(func):
             raise RuntimeError(f"peek only looks: {describe(func, args, kwargs or {}, 0, None).op} is a collective, "
                                "and a paused rank sends nothing. Step to it, or run it in a cell")
+        if _unwaited((args, kwargs)):
+            raise RuntimeError(UNWAITED)
         return func(*args, **(kwargs or {}))
+
+
+#: Why peek refuses a functional collective's result that no one has waited for.
+UNWAITED = ("peek only looks: this value is a functional collective's result, and reading it waits until every rank "
+            "has finished that collective, which a paused peer may never do. Step on until the cell reads it, then "
+            "peek")
+
+
+def _unwaited(values: Any) -> bool:
+    """Whether ``values`` hold a functional collective's result not yet waited for (an ``AsyncCollectiveTensor``
+    whose wait has not run): reading it, or sending it, waits for the collective on every rank."""
+    functional = sys.modules.get("torch.distributed._functional_collectives")
+    waiting = getattr(functional, "AsyncCollectiveTensor", None)
+    return waiting is not None and any(isinstance(value, waiting) and not value.completed
+                                       for value in tree_leaves(values))
 
 
 class StepAborted(BaseException):
@@ -310,10 +328,12 @@ class Pauses:
             local_names = dict(scope.f_locals) if scope is not None else {}
             with RefuseCollectives():
                 value = eval(body, global_names, local_names)  # noqa: S307 - the learner's expression
+            if _unwaited(value):  # sent back as it is, it would be read: the same wait
+                raise RuntimeError(UNWAITED)
             return "ok", self.answer(value)
         except Exception as exc:  # noqa: BLE001 - the learner's expression failed: say so, stay paused
             return "error", {"type": type(exc).__qualname__, "module": type(exc).__module__, "traceback": "",
-                             "message": f"{type(exc).__qualname__}: {exc}"}
+                             "message": str(exc)}
 
     def _send(self, status: str, body: Any) -> None:
         sys.stdout.flush()  # what the cell printed before the pause reaches the kernel first

@@ -470,3 +470,18 @@ def test_a_step_that_times_out_on_a_slow_rank_interrupts_it_aborts_the_paused_an
     assert "rank 0 is paused before its next collective (nothing sent)" in said, said
     assert re.search(r"rank 1 runs Python code after all_reduce #\d+", said) and "kept their variables" in said, said
     assert not ranks.paused and ranks.run("kept") == [100, 101]
+
+
+def test_peek_refuses_to_wait_for_a_functional_collectives_result(unchecked):
+    """A functional all-reduce returns at once (its wait comes when the value is read), so a rank stepped alone
+    goes on to its next pause; peeking its result would wait for the peer still paused before the all-reduce."""
+    unchecked.run("from torch.distributed._functional_collectives import all_reduce as fr\n"
+                  "a = fr(torch.ones(2) * (rank + 1), 'sum', dist.group.WORLD)\ndist.barrier()\na", step=True)
+    view = unchecked.step(rank=0)
+    assert view.states()[0].startswith("paused before barrier #2"), view.states()
+    for expression in ("a.sum()", "a"):
+        with pytest.raises(WorkerError, match="rank 0 raised RuntimeError: peek only looks: this value is a "
+                                              "functional collective's result") as caught:
+            unchecked.peek(expression)
+        assert "rank 1 raised NameError: name 'a' is not defined" in str(caught.value)  # not yet assigned there
+    assert [t.tolist() for t in unchecked.resume()] == [[3.0, 3.0]] * 2
