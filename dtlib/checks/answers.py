@@ -93,11 +93,13 @@ def fsdp_memory(answer: Any, num_params: int = 28_064, world_size: int = 4, stra
         units=BYTE_UNITS))
 
 
-#: Other names for 06's strategies, as torch's FSDP1 enums and the ZeRO paper say them (compared by typed.key).
+#: Other names for 06's strategies, as torch's FSDP1 enums, FSDP2's fully_shard (which reshards after forward by
+#: default) and the ZeRO paper say them (compared by typed.key).
 STRATEGY_SYNONYMS = {
-    **{name: "FSDP full sharding" for name in ("FULL_SHARD", "FSDP full shard", "ZeRO-3", "ZeRO 3", "ZeRO3")},
-    **{name: "FSDP, no reshard after forward" for name in ("SHARD_GRAD_OP", "ZeRO-2", "ZeRO2", "FSDP no reshard",
-                                                           "FSDP no reshard after forward")},
+    **{name: "FSDP full sharding" for name in ("FULL_SHARD", "FSDP full shard", "ZeRO-3", "ZeRO 3", "ZeRO3",
+                                               "ZeRO stage 3", "full sharding", "FSDP, full sharding", "fully_shard")},
+    **{name: "FSDP, no reshard after forward" for name in ("SHARD_GRAD_OP", "ZeRO-2", "ZeRO2", "ZeRO stage 2",
+                                                           "FSDP no reshard", "FSDP no reshard after forward")},
     "HYBRID_SHARD": "HSDP",
     "DDP + checkpointing": "DDP" + guide.CHECKPOINTING,
     "FSDP full sharding + checkpointing": "FSDP full sharding" + guide.CHECKPOINTING,

@@ -28,6 +28,11 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _PYTHON = re.compile(r"python[0-9.]*")
 _PASS_THROUGH = ("nohup", "exec", "time", "command")  # each runs the rest of its line as it is
+_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2212"  # what a word processor or a web page makes of "-" and "--"
+#: torchrun's rendezvous backends (its registry's names) besides static, what each is, and why not here.
+_RENDEZVOUS = {"c10d": "c10d ignores --node_rank and finds its store at --rdzv_endpoint, not --master_addr",
+               "etcd": "etcd needs an etcd server at --rdzv_endpoint and numbers the nodes itself",
+               "etcd-v2": "etcd-v2 needs an etcd server at --rdzv_endpoint and numbers the nodes itself"}
 #: The options the exercise is about, as torchrun's parser names them (dest).
 _SETTINGS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
              "standalone")
@@ -49,9 +54,9 @@ def _simple_command(words: list[str], variables: dict[str, str], exported: dict[
         if _ASSIGNMENT.match(words[0]):
             name, value = words.pop(0).split("=", 1)
             env[name] = value
-        elif words[0] in (*_PASS_THROUGH, "env"):
-            words.pop(0)
-            while words and words[0].startswith("-"):  # env -i, time -p
+        elif words[0] in (*_PASS_THROUGH, "env") or words[:2] == ["uv", "run"]:  # uv run: in the project's venv
+            del words[:2 if words[0] == "uv" else 1]
+            while words and words[0].startswith("-"):  # env -i, time -p, uv run --frozen
                 words.pop(0)
         else:
             break
@@ -68,6 +73,7 @@ def _shell_commands(text: str) -> list[tuple[dict[str, str], list[str]]]:
     ``"A=1 torchrun x.py; cd d"`` -> ``[({"A": "1"}, ["torchrun", "x.py"]), ({}, ["cd", "d"])]``.
     Raises ValueError where the shell would refuse the text (an unclosed quote)."""
     text = text.replace("\r\n", "\n").replace("\\\n", "")  # a backslash before a newline joins the lines
+    text = re.sub(r"(?m)^([ \t]*)!", r"\1", text)  # a notebook's !command: IPython hands the rest to the shell
     # punctuation_chars splits at operators; "\n" is doubled because a comment swallows the one that ends it
     lexer = shlex.shlex(text.replace("\n", "\n\n"), posix=True, punctuation_chars=_OPERATORS)
     lexer.whitespace, lexer.whitespace_split = " \t\r", True  # a newline is an operator, not a space
@@ -256,6 +262,21 @@ def torchrun_command(command: Any, *, nnodes: int = 2, nproc_per_node: int = 4, 
         if flags < len(script_args) and "-m" not in script_args[:flags]:
             script, script_args = script_args[flags], script_args[flags + 1:]
     runs_module = value["module"] is True
+    if value["no_python"] is True and runs_module:
+        return Feedback(False, "torchrun refuses --no-python with -m (--module): -m asks python to run a module, and "
+                               "--no-python starts no python. Leave both out and end with train.py.")
+    if value["no_python"] is True and not _PYTHON.fullmatch(os.path.basename(str(value["training_script"]))):
+        return Feedback(False, f"--no-python makes torchrun start {script} itself as a program, with no python: "
+                               "train.py is no command on the PATH, and ./train.py runs only if it is executable "
+                               "and starts with #!. Leave --no-python out, or write --no-python python train.py.")
+    if runs_module and script.endswith(".py"):
+        return Feedback(False, f"-m (--module) makes torchrun run python -m {script}, and a module's name has no "
+                               f".py: Python looks for a module named py in a package {script[:-3]!r}, and fails. "
+                               "Write -m train, or leave -m out and end with train.py.")
+    if script[:1] in _DASHES:
+        return Feedback(False, f"{script!r} starts with {'an en dash' if script[0] == chr(0x2013) else 'a dash'} "
+                               f"({script[0]}), not a hyphen (-): torchrun reads it as the script, not as an option. "
+                               "Type its two hyphens again (a web page or a word processor turns -- into a dash).")
     if os.path.basename(script) != "train.py" and not (runs_module and script == "train"):
         if "train.py" in map(os.path.basename, script_args):
             return Feedback(False, f"torchrun takes the first word after its options for the script, here "
@@ -275,10 +296,12 @@ def torchrun_command(command: Any, *, nnodes: int = 2, nproc_per_node: int = 4, 
     if value["standalone"] is True:
         return Feedback(False, "--standalone starts a private rendezvous on this machine: one node only. "
                                "Several nodes must name the same --master_addr and --master_port.")
-    if value["rdzv_backend"] != "static":
-        return Feedback(False, f"--rdzv_backend={value['rdzv_backend']}: this job numbers its nodes by hand, which is "
-                               "the static rendezvous (torchrun's default). c10d ignores --node_rank and finds its "
-                               "store at --rdzv_endpoint, not --master_addr: leave --rdzv_backend out.")
+    backend = str(value["rdzv_backend"])
+    if backend != "static":
+        known = _RENDEZVOUS.get(backend, f"torchrun has no rendezvous backend named {backend}" + (
+            " (its names are lower case)" if backend.lower() in (*_RENDEZVOUS, "static") else ""))
+        return Feedback(False, f"--rdzv_backend={backend}: this job numbers its nodes by hand, which is the static "
+                               f"rendezvous (torchrun's default). {known}: leave --rdzv_backend out.")
     job = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "node_rank": node_rank, "master_addr": master_addr,
            "master_port": master_port}
     endpoint = str(value["rdzv_endpoint"]).strip()

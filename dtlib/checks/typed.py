@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from fractions import Fraction
@@ -30,9 +31,9 @@ from typing import Any
 
 def key(text: str) -> str:
     """``text`` as a comparison key: lower case, ``_`` and ``-`` as spaces, one space between words, none before
-    a comma, one around a ``+``. Example: ``key(" FSDP_full   Sharding +CPU offload")`` is
+    a comma, one around a ``+``, no full stop at the end. Example: ``key(" FSDP_full   Sharding +CPU offload")`` is
     ``"fsdp full sharding + cpu offload"``."""
-    text = text.casefold().replace("_", " ").replace("-", " ")
+    text = text.casefold().replace("_", " ").replace("-", " ").strip().removesuffix(".")  # a sentence's full stop
     text = re.sub(r"\s*\+\s*", " + ", text)
     text = re.sub(r"\s*,\s*", ", ", text)
     return " ".join(text.split())
@@ -53,7 +54,7 @@ def choice(answer: Any, choices: Sequence[str], synonyms: Mapping[str, str] | No
     table |= {key(other): name for other, name in (synonyms or {}).items()}
     found = table.get(key(answer))
     if found is None:
-        return f"Answer with {what}, one of: {_listed(choices)}; {answer.strip()!r:.60} is none of them."
+        return f"Answer with {what}, one of: {_listed(choices)}; {quoted(answer.strip(), 60)} is none of them."
     return found
 
 
@@ -66,15 +67,33 @@ def _listed(choices: Sequence[str]) -> str:
     return ", ".join(repr(name) for name in choices)
 
 
+def quoted(text: str, limit: int) -> str:
+    """``text`` in quotes, cut to about ``limit`` characters with its closing quote kept: ``'a long ans...'``."""
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+
+
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
-_NAMED = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*\s*[=:]\s*")  # "pp=4", "answer: 4": the name before a number
+#: "pp=4", "answer: 4", "pp 4": the name before a number
+_NAMED = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*\s*([=:]\s*|\s(?=\s*[+-]?\.?\d))")
+#: Words of a unit as they are shortened or said otherwise (before plurals are read): "1780 s", "1.33x", and a
+#: sample of a language model, which is a sequence.
+_SAME_WORD = {"s": "seconds", "sec": "seconds", "secs": "seconds", "x": "times", "×": "times",
+              "sequence": "sample", "sequences": "samples", "seq": "sample", "seqs": "samples"}
+
+
+def _unit_words(text: str) -> list[str]:
+    """A unit as words, spelled one way: "micro_batches/rank" -> ["micro", "batch", "per", "rank"]."""
+    words = re.sub(r"[-_]", " ", text.casefold().replace("/", " per ").replace("×", " × ")).split()
+    return [_singular(_SAME_WORD.get(word, word)) for word in words]
 
 
 def _names_the_unit(text: str, unit: str) -> bool:
     """Whether ``text`` (what follows a number) is ``unit``, its first words or its last word, each singular or
-    plural: "samples" and "sample per rank" for "samples per rank", "stages" for "pipeline stages"."""
-    said, words = ([_singular(word) for word in part.casefold().split()] for part in (text, unit))
-    return bool(said) and (said == words[:len(said)] or said == words[-1:])
+    plural, written with spaces, ``-``, ``_`` or none between its words, ``/`` for "per", or shortened:
+    "samples" and "sample/rank" for "samples per rank", "stages" and "-stage" for "pipeline stages",
+    "microbatches" for "micro-batches", "s" for "seconds"."""
+    said, words = "".join(_unit_words(text)), _unit_words(unit)
+    return bool(said) and said in {"".join(words[:count]) for count in range(1, len(words) + 1)} | {words[-1]}
 
 
 def _singular(word: str) -> str:
@@ -103,15 +122,30 @@ def number(answer: Any, unit: str, whole: bool = False) -> float | int | str:
         if unit and found and _names_the_unit(text[found.end():], unit):
             text = found.group(0)
         if not _NUMBER.fullmatch(text):
-            return f"Answer with a {kind}, not the text {value.strip()!r:.40}."
-        value = float(text) if any(mark in text for mark in ".eE") else int(text)
+            return f"Answer with a {kind}, not the text {quoted(value.strip(), 40)}."
+        digits = text.lstrip("+-").lstrip("0") or "0"
+        if any(mark in text for mark in ".eE"):
+            value = float(text)
+        elif len(digits) > 308:  # past what a float holds (and int() reads past 4,300 digits)
+            return _too_large(kind, len(digits) - 1)
+        else:
+            value = -int(digits) if text.startswith("-") else int(digits)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Decimal)):
         return f"Answer with a {kind}, not {type(value).__name__}."
+    if isinstance(value, (Decimal, Fraction)) and not (isinstance(value, Decimal) and not value.is_finite()) \
+            and abs(value) > sys.float_info.max:
+        value = int(value)  # its digits, to say how large it is
+    if isinstance(value, numbers.Integral) and abs(int(value)) > sys.float_info.max:
+        return _too_large(kind, math.floor(math.log10(abs(int(value)))))
     if isinstance(value, (Decimal, Fraction)):
         value = float(value)
     if not math.isfinite(value):
         return f"Answer with a finite {kind}, not {value!r}."
     return int(value) if float(value).is_integer() else float(value)
+
+
+def _too_large(kind: str, power: int) -> str:
+    return f"Answer with a {kind} that a float can hold (below 1.8e308), not one of about 10^{power}."
 
 
 def _item(answer: Any) -> Any:

@@ -96,6 +96,8 @@ STRATEGY = [
     ("FSDP full sharding", True, ["Right: FSDP full sharding", "26.0 GB per GPU"]),
     ("ZeRO-3", True, ["Right"]),  # the ZeRO paper's name (dtlib.checks.answers.STRATEGY_SYNONYMS)
     ("FULL_SHARD", True, ["Right"]),  # FSDP1's enum
+    *((name, True, ["Right"]) for name in ("fully_shard", "ZeRO stage 3", "FSDP, full sharding", "FSDP full sharding.",
+                                           "full sharding")),  # review: refused; FSDP2's call, the ZeRO paper's stage
     ("DDP", False, ["DDP needs 286.0 GB of model state per GPU, more than the 48.0 GB budget"]),
     ("ZeRO-2", False, ["FSDP, no reshard after forward needs 52.0 GB"]),  # a synonym, read as its strategy
     ("FSDP full sharding + activation checkpointing", False, ["fits without recomputing every block's forward"]),

@@ -45,6 +45,11 @@ def _right_by_softmax(out1, lse1, out2, lse2):  # right, written another way: a 
     return weights[0] * out1 + weights[1] * out2, torch.logsumexp(torch.stack([lse1, lse2]), dim=0)
 
 
+def _clamped_merge(out1, lse1, out2, lse2):  # review: passed; "keeps exp in float32's range", lse 920 too low
+    d = torch.clamp(lse2 - lse1, -80, 80)
+    return (1 - torch.sigmoid(d)) * out1 + torch.sigmoid(d) * out2, lse1 + torch.nn.functional.softplus(d)
+
+
 def _max_lse_merge(out1, lse1, out2, lse2):
     lse = torch.logaddexp(lse1, lse2)
     return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, torch.maximum(lse1, lse2)
@@ -73,6 +78,9 @@ MERGES = [
                                            "overflows even float64"]),
     (_safe_output_naive_lse, False, ["your merged lse holds inf or nan"]),
     (_max_lse_merge, False, ["three in a chain do not", "torch.logaddexp(lse1, lse2)"]),
+    (_clamped_merge, False, ["With one block's scores 1000 above the other's, your output is right but your lse is "
+                             "off by up to 92"]),
+    (lambda *args: (*_right_merge(*args), 0), False, ["your merge returned 3 values"]),  # review: "got tuple"
     (_size_weighted_merge, False, ["you averaged the two outputs"]),
     (lambda out1, lse1, out2, lse2: (out1.add_(out2).div_(2), torch.logaddexp(lse1, lse2)), False,
      ["you averaged the two outputs"]),  # in place: the checker's own blocks stay as they were
@@ -101,4 +109,5 @@ def test_the_merge_bank_holds_many_kinds_and_its_large_scores_pass_float64s_rang
 
     assert sum(ok for _, ok, _ in MERGES) >= 3 and sum(not ok for _, ok, _ in MERGES) >= 8
     lses = [lse for sizes, offsets, _, _ in MERGE_CASES for _, lse in _merge_case(sizes, offsets)[1]]
+    assert any(len(sizes) == 3 and max(offsets) - min(offsets) >= 1000 for sizes, offsets, _, _ in MERGE_CASES)
     assert max(float(lse.max()) for lse in lses) > 709.8 and min(float(lse.min()) for lse in lses) < -745.2

@@ -44,6 +44,9 @@ RIGHT = [
     (f"python3 -u -m torch.distributed.run {OPTIONS} -m train", True),  # python's own flag, the script as a module
     (f"/opt/conda/bin/torchrun {OPTIONS} train.py", False),
     (f"/usr/bin/python3.11 -m torch.distributed.run {OPTIONS} train.py", False),
+    (f"!torchrun {OPTIONS} train.py", False),  # a notebook cell's shell escape
+    (f"uv run torchrun {OPTIONS} train.py", False),  # torchrun of the project's environment
+    (f"torchrun {OPTIONS} --no-python python3 -u train.py", True),  # torchrun starts python itself, as told
 ]
 
 #: (command, what the message must say, whether bash can run it against the stand-ins)
@@ -101,6 +104,14 @@ WRONG = [
      "--master_port=29400 should be 29500", True),
     ("PET_NODE_RANK=one torchrun --nnodes=2 --nproc_per_node=4 --master_addr=10.0.0.1 train.py",
      "PET_NODE_RANK=one in front sets its options, and argument --node-rank/--node_rank: invalid int value", True),
+    (f"torchrun {OPTIONS} -m train.py", "a module's name has no .py", True),
+    (f"torchrun {OPTIONS} --no-python train.py", "start train.py itself as a program, with no python", True),
+    (f"torchrun {OPTIONS} --no-python -m train", "torchrun refuses --no-python with -m", True),
+    (f"torchrun --rdzv_backend=etcd {OPTIONS} train.py", "etcd needs an etcd server", True),
+    (f"torchrun --rdzv_backend=STATIC {OPTIONS} train.py", "no rendezvous backend named STATIC (its names are lower",
+     True),
+    (f"torchrun \u2013-nnodes=2 {OPTIONS.removeprefix('--nnodes=2 ')} train.py", "starts with an en dash (\u2013)",
+     True),
 ]
 
 
@@ -114,6 +125,23 @@ def test_right_answers_in_every_form_the_shell_and_torchrun_accept(command):
 def test_wrong_answers_are_refused_saying_what_is_wrong(command, says):
     verdict = checks.torchrun_command(command, **JOB)
     assert not verdict.ok and says in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize("command", [
+    f"torchrun {OPTIONS} --module train.py", f"PET_MODULE=1 torchrun {OPTIONS} train.py",
+    f"python -m torch.distributed.run {OPTIONS} -m ./train.py"])
+def test_a_module_named_with_its_py_is_refused_in_every_form(command):
+    """Review: torchrun -m train.py passed, with a note naming -m train; python then finds no module train.py."""
+    verdict = checks.torchrun_command(command, **JOB)
+    assert not verdict.ok and "a module's name has no .py" in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize("command", [f"torchrun {OPTIONS} --no_python ./train.py",
+                                     f"PET_NO_PYTHON=1 torchrun {OPTIONS} train.py"])
+def test_no_python_before_the_script_itself_is_refused_in_every_form(command):
+    """Review: --no-python train.py passed; torchrun then starts train.py as a program, not with python."""
+    verdict = checks.torchrun_command(command, **JOB)
+    assert not verdict.ok and "itself as a program, with no python" in verdict.message, verdict.message
 
 
 def test_the_banks_hold_many_kinds_and_forms():
@@ -171,10 +199,19 @@ def _oracle(command: str, folder: Path, monkeypatch) -> bool:
         nodes = [int(part) for part in args.nnodes.split(":")]
     except ValueError:
         return False
-    script = "train.py" if args.module and args.training_script == "train" else Path(args.training_script).name
+    if args.no_python and args.module:
+        return False  # torchrun refuses the two together
+    # what torchrun starts: the script itself under --no-python, else python with the script (-m: as a module)
+    started = [args.training_script, *args.training_script_args] if args.no_python else \
+        ["python", *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+    words = started[1:] if Path(started[0]).name.startswith("python") else ["not python"]
+    while words and words[0].startswith("-") and words[0] != "-m":  # python's own flags
+        words = words[1:]
+    runs_train = words[:2] == ["-m", "train"] or (words[:1] not in ([], ["-m"]) and Path(words[0]).name == "train.py")
+    rest = words[2:] if words[:1] == ["-m"] else words[1:]
     return (args.rdzv_backend == "static" and not args.standalone and set(nodes) == {2} and args.node_rank == 1
-            and args.nproc_per_node in ("4", "gpu", "auto") and store == ("10.0.0.1", 29500) and script == "train.py"
-            and not any(word.lstrip("-").split("=")[0].replace("-", "_") in JOB for word in args.training_script_args))
+            and args.nproc_per_node in ("4", "gpu", "auto") and store == ("10.0.0.1", 29500) and runs_train
+            and not any(word.lstrip("-").split("=")[0].replace("-", "_") in JOB for word in rest))
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash, the shell the oracle runs")

@@ -4,6 +4,7 @@ checks it against simulated jobs) and Young's and Daly's published formulas."""
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -41,12 +42,25 @@ def test_right_intervals_pass_on_every_draw(answer):
         assert feedback.ok, (seed, feedback.message)
 
 
+@pytest.mark.parametrize("answer", [
+    lambda *job: datetime.timedelta(seconds=young(*job)), lambda *job: f"{young(*job):.0f} s",
+    lambda *job: f"{young(*job):.0f} sec", lambda *job: f"{young(*job):,.0f} seconds"])
+def test_right_intervals_with_their_unit_or_as_a_timedelta_pass(answer):
+    """Review: "1780 s" and a timedelta were refused as no number of seconds."""
+    for seed in range(5):
+        feedback = checkpoint_interval(answer, seed=seed)
+        assert feedback.ok, (seed, feedback.message)
+
+
 WRONG = [
     (lambda rate, gpus, c, r: math.sqrt(2 * c * 3600 / rate), "one GPU's failures"),
-    (lambda rate, gpus, c, r: young(rate, gpus, c, r) / 60, "in minutes"),
-    (lambda rate, gpus, c, r: young(rate, gpus, c, r) / 3600, "in hours"),
+    (lambda rate, gpus, c, r: young(rate, gpus, c, r) / 60, "the interval in minutes"),
+    (lambda rate, gpus, c, r: young(rate, gpus, c, r) / 3600, "the interval in hours"),
+    (lambda rate, gpus, c, r: math.sqrt(2 * c / (rate * gpus)), "the MTBF in hours with the checkpoint in seconds"),
     (lambda rate, gpus, c, r: math.sqrt(c * 3600 / (rate * gpus)), "sqrt(1 * checkpoint_s * mtbf)"),
     (lambda rate, gpus, c, r: math.sqrt(1.5 * c * 3600 / (rate * gpus)), "sqrt(1.5 * checkpoint_s * mtbf)"),
+    (lambda rate, gpus, c, r: math.sqrt(1.7 * c * 3600 / (rate * gpus)), "sqrt(1.7 * checkpoint_s * mtbf)"),
+    (lambda rate, gpus, c, r: math.sqrt(2 * c * 4000 / (rate * gpus)), "sqrt(2.2 * checkpoint_s * mtbf)"),
     (lambda rate, gpus, c, r: math.sqrt(2 * (c + r) * 3600 / (rate * gpus)), "puts the restart inside the root"),
     (lambda rate, gpus, c, r: math.sqrt(2 * c * (3600 / (rate * gpus) - r)), "takes the restart from the MTBF"),
     (lambda rate, gpus, c, r: math.sqrt(2 * c * (3600 / (rate * gpus) + r)), "adds the restart to the MTBF"),
@@ -56,6 +70,10 @@ WRONG = [
     (lambda rate, gpus, c, r: -young(rate, gpus, c, r), "positive number of seconds"),
     (lambda rate, gpus, c, r: None, "returned None: return the interval's seconds"),
     (lambda rate, gpus, c, r: 1 / 0, "raised ZeroDivisionError"),
+    (lambda rate, gpus, c, r: 1e-300, "an interval this short does nothing but checkpoint"),
+    (lambda rate, gpus, c, r: 1e300, "returned 1e+300 s: the job then fails long before each checkpoint"),
+    (lambda rate, gpus, c, r: 10**400, "that a float can hold (below 1.8e308), not one of about 10^400"),
+    (lambda rate, gpus, c, r: 1e-9, "returned 1e-09 s for every job"),
 ]
 
 
@@ -67,6 +85,18 @@ def test_wrong_intervals_are_refused_with_their_slip_on_every_draw(answer, said)
     for seed in range(30):
         feedback = checkpoint_interval(answer, seed=seed)
         assert not feedback.ok and said in feedback.message, (seed, feedback.message)
+
+
+def test_the_wrong_bank_holds_many_kinds():
+    assert len({said for _, said in WRONG}) == len(WRONG) >= 8
+
+
+def test_a_wrong_factor_is_refused_on_every_draw_however_it_was_written():
+    """Review: sqrt(1.7 c M) and Young's rule with 3,000 s per hour passed every draw, and with 4,000 s per hour 15
+    of 20: a third job whose checkpoints are short (first-order ground) shows a factor on every call."""
+    for answer in (lambda rate, gpus, c, r: math.sqrt(2 * c * 3000 / (rate * gpus)),
+                   lambda rate, gpus, c, r: math.sqrt(2.4 * c * 3600 / (rate * gpus))):
+        assert not any(checkpoint_interval(answer, seed=seed).ok for seed in range(30))
 
 
 def test_what_is_no_function_is_refused():

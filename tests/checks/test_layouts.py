@@ -24,6 +24,9 @@ from dtlib import checks
     (True, False, ["whole number"]),
     (float("nan"), False, ["whole number"]),
     (128, False, ["do not split 64 samples evenly"]),
+    ("32 microbatches", True, ["32 micro-batches of 2 samples"]),  # review: refused, the unit spelled as one word
+    ("32 micro batches", True, ["32 micro-batches of 2 samples"]),
+    pytest.param(10**400, False, ["that a float can hold"], id="10**400"),  # review: raised OverflowError
 ])
 def test_pipeline_micro_batches(answer, ok, fragments):
     feedback = checks.pipeline_micro_batches(answer)

@@ -88,11 +88,11 @@ def test_moe_copies_are_three_quarters_of_the_assignments_and_leave_the_kernels_
     assert copies == pytest.approx(measured.MOE_TOKENS * 2 * 3 / 4, rel=0.05)  # 3 of 4 ranks hold 3/4 of experts
 
 
-def test_the_simulated_jobs_waste_is_within_a_point_of_the_exact_expectation():
+def test_the_simulated_jobs_waste_is_within_a_third_of_a_point_of_the_exact_expectation():
     from dtlib.sim import failures
 
     exact = 100 * failures.waste(3600, 4 * 3600, checkpoint_s=60, restart_s=300)
-    assert PREDICTIONS["job waste"].measure() == pytest.approx(exact, abs=1.0)
+    assert PREDICTIONS["job waste"].measure() == pytest.approx(exact, abs=0.3)  # a fifth of the smallest cost
     assert judge(PREDICTIONS["job waste"], "15%", PREDICTIONS["job waste"].measure()).ok  # a percent sign is read
 
 

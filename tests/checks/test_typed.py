@@ -101,6 +101,12 @@ def test_a_number_without_a_unit_is_read_and_refused_without_naming_one():
     ("3 samples", "samples per rank", 3), ("3 sample per rank", "samples per rank", 3), ("pp=4", "pipeline stages", 4),
     ("4 stages", "pipeline stages", 4), ("answer: 3", "samples per rank", 3), ("4 micro-batch", "micro-batches", 4),
     ("micro_batch = 3", "samples per rank", 3),
+    # review: refused as text, though the unit is spelled as a choice's name may be (typed.key)
+    ("32 microbatches", "micro-batches", 32), ("32 micro batches", "micro-batches", 32),
+    ("32 micro_batches", "micro-batches", 32), ("3 sequences", "samples per rank", 3),
+    ("3 sequences per rank", "samples per rank", 3), ("3 samples/rank", "samples per rank", 3),
+    ("pp 4", "pipeline stages", 4), ("4-stage", "pipeline stages", 4), ("1780 s", "seconds", 1780),
+    ("1780 sec", "seconds", 1780),
 ])
 def test_a_number_is_read_with_a_name_before_it_and_its_unit_in_a_word_or_two(answer, unit, value):
     """14's right answers were refused as text: "3 samples", "4 stages", "pp=4"."""
@@ -108,6 +114,22 @@ def test_a_number_is_read_with_a_name_before_it_and_its_unit_in_a_word_or_two(an
 
 
 @pytest.mark.parametrize(("answer", "unit"), [("32 GPUs", "pipeline stages"), ("3 per rank", "samples per rank"),
-                                              ("112 MB", "bytes"), ("4 stages of 8", "pipeline stages")])
+                                              ("112 MB", "bytes"), ("4 stages of 8", "pipeline stages"),
+                                              ("27-32", "micro-batches"), ("3 s", "samples per rank")])
 def test_another_unit_or_more_words_are_not_read(answer, unit):
     assert isinstance(typed.number(answer, unit, whole=True), str)
+
+
+@pytest.mark.parametrize("answer", [10**400, -(10**400), "9" * 400, "9" * 5000, Decimal(10**400)],
+                         ids=["10**400", "-10**400", "400 digits", "5000 digits", "Decimal(10**400)"])
+def test_a_number_past_what_a_float_holds_is_refused_not_raised(answer):
+    """Review: 10**400 and a 400-digit string raised OverflowError (math.isfinite on an int past a float)."""
+    read = typed.number(answer, "micro-batches", whole=True)
+    assert isinstance(read, str) and "that a float can hold (below 1.8e308)" in read, read
+
+
+def test_a_long_answer_is_cut_with_its_closing_quote():
+    """Review: a refusal cut the quoted answer at 60 characters, its closing quote with it."""
+    said = typed.choice("FSDP full sharding (ZeRO-3) and then some more words that run on", CHOICES, {}, "a strategy")
+    assert said.endswith("'FSDP full sharding (ZeRO-3) and then some more words that...' is none of them."), said
+    assert typed.number("x" * 60, "bytes").endswith("'" + "x" * 37 + "...'."), typed.number("x" * 60, "bytes")
