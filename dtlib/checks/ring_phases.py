@@ -219,6 +219,14 @@ def _not_a_ring(values: Sequence[dict[str, Any]], size: int, which: str) -> str 
     return None
 
 
+def _steps_said(values: Sequence[dict[str, Any]]) -> str:
+    """How the right phase passed its chunks, as the answer wrote it: with ring_shift, or with sends and receives
+    of its own (``batch_isend_irecv``, say), one each per step either way."""
+    if all(report.get("shifts", 0) for report in values):
+        return "one ring_shift per step"
+    return "one chunk sent and one received per step, with sends and receives of your own instead of ring_shift"
+
+
 def _exercise(which: str, length: int) -> RankExercise:
     """The ring exercise for one phase, ``which``, on buffers of ``length`` numbers."""
     name = which.replace("_", "-")
@@ -252,7 +260,7 @@ def _exercise(which: str, length: int) -> RankExercise:
             "with ring_shift."),
         right=lambda first, second, values: (
             f"Equal to the sum of every rank's buffer, with {first} ranks (uneven chunks) and with {second}, on new "
-            f"numbers each time, one ring_shift per step: your {name} phase works."),
+            f"numbers each time, {_steps_said(values)}: your {name} phase works."),
         hang=lambda err, fn_name: (
             "The ring hung: on every step each rank must call ring_shift exactly once, sending one chunk and "
             "receiving one, and all ranks must take the same number of steps (world_size - 1)."),

@@ -317,8 +317,11 @@ def gradient_hook(hook: Callable[[Any], Any], world_size: int = 2, timeout: floa
         return Feedback(False, "Right in fp32, but in fp16 two gradients of 40000 summed make 80000, past fp16's "
                                "largest number (65504), so your average is inf. DDP divides each gradient by the "
                                "world size first, then sums: do the same.")
-    return Feedback(True, f"{equal}, and fp16 does not overflow: divide by world_size, then all-reduce (SUM), is what "
-                          "DDP does, bucket by bucket.")
+    summed = all(half["summed"] for half in halves)
+    return Feedback(True, f"{equal}, and fp16 does not overflow" + (
+        ": divide by world_size, then all-reduce (SUM), is what DDP does, bucket by bucket." if summed else
+        f". Your hook called {', '.join(halves[0]['calls']) or 'no collective'}; DDP itself divides by world_size, "
+        "then all-reduces (SUM), bucket by bucket: one collective, which on NCCL sends the least."))
 
 
 def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -> Any:
@@ -337,8 +340,11 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
     if not isinstance(returned, torch.Tensor):
         raise TypeError(f"your hook returned a {type(returned).__name__}: return the gradient tensor (or None "
                         "after changing it in place)")
+    ops = [op for launch in posted for op in launch]
     return {"grad": returned.float().cpu(),
-            "avg": any(op.reduce_op == "AVG" for ops in posted for op in ops) or any(functional_avg)}
+            "avg": any(op.reduce_op == "AVG" for op in ops) or any(functional_avg),
+            "summed": any(op.reduce_op == "SUM" for op in ops) or bool(functional_avg),
+            "calls": sorted({op.call for op in ops})}
 
 
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it

@@ -200,6 +200,19 @@ def _gather_by_send_and_recv_without_copy(chunks, rank, world_size):
             work.wait()
 
 
+def _gather_by_batched_sends_and_receives(chunks, rank, world_size):  # right: the ring, by its own transfers
+    import torch.distributed as dist
+
+    for step in range(world_size - 1):
+        send, receive = (rank - step) % world_size, (rank - 1 - step) % world_size
+        incoming = torch.empty_like(chunks[receive])
+        ops = [dist.P2POp(dist.isend, chunks[send], (rank + 1) % world_size),
+               dist.P2POp(dist.irecv, incoming, (rank - 1) % world_size)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        chunks[receive].copy_(incoming)
+
+
 def _gather_sending_copies(chunks, rank, world_size):  # right: a copy of the chunk carries the same numbers
 
     from dtlib.ring import send_recv
@@ -266,7 +279,9 @@ RING = [
     (_gather_by_data_assignment, "all_gather", False, ["chunks[i].data = ...", "never landed in the buffer"]),
     (_gather_wrong_chunks_by_a_name_imported, "all_gather", False, ["In ring step 2 of 3, rank 3 sent chunk 0 "
                                                                     "(3 elements) to rank 0"]),
-    (_gather_sending_copies, "all_gather", True, ["all-gather phase works"]),
+    (_gather_sending_copies, "all_gather", True, ["all-gather phase works", "one ring_shift per step"]),
+    (_gather_by_batched_sends_and_receives, "all_gather", True, ["with sends and receives of your own instead of "
+                                                                 "ring_shift", "all-gather phase works"]),
     (send_recv.ring_all_gather_phase, "all_gather", True, ["with 4 ranks (uneven chunks) and with 5",
                                                              "on new numbers each time"]),
     (send_recv.ring_reduce_scatter_phase, "reduce_scatter", True, ["reduce-scatter phase works"]),

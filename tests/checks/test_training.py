@@ -128,6 +128,12 @@ def gathered_and_took_rank_1(grad):  # neighbour: one rank's gradient handed to 
     return pieces[1] / dist.get_world_size()
 
 
+def right_by_all_gather(grad):  # right, by another collective: every rank's gradient gathered, then averaged
+    pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, grad)
+    return torch.stack(pieces).float().mean(0).to(grad.dtype)
+
+
 def through_fp16(grad):  # review: was told to "return the averaged gradient", which it did, rounded
     half = grad.half() / dist.get_world_size()
     dist.all_reduce(half)
@@ -258,6 +264,14 @@ def test_gradient_hook_accepts_right_hooks_written_several_ways(hook):
     feedback = checks.gradient_hook(hook)
     assert feedback.ok, feedback.message
     assert "one process" in feedback.message
+
+
+def test_a_right_hook_by_another_collective_is_told_what_it_called_not_what_ddp_does():
+    feedback = checks.gradient_hook(right_by_all_gather)
+    assert feedback.ok, feedback.message
+    assert "Your hook called all_gather; DDP itself divides by world_size" in feedback.message, feedback.message
+    assert "divide by world_size, then all-reduce (SUM), is what DDP does" in checks.gradient_hook(
+        right_divide_first).message
 
 
 @pytest.mark.parametrize(("hook", "fragments"), WRONG)
