@@ -35,7 +35,7 @@ from dtlib.live import doctor, server
 from dtlib.live.generation import Generation, close_quietly
 from dtlib.live.pushed import MeshSpec, ShardsByRank, to_send
 from dtlib.live.server import RemoteRepr
-from dtlib.live.stepping import RankStep, StepView, Trace, ran_to_the_end, will_wait
+from dtlib.live.stepping import RankStep, StepView, Trace, ran_to_the_end, step_past, will_wait
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -95,6 +95,7 @@ class LiveRanks:
         self._busy = threading.RLock()  # held by the thread inside a call: only it drives the ranks' event loop
         self._closing = threading.Event()  # close() from another thread asked that call to stop
         self._steps: dict[int, RankStep] | None = None  # while a stepped cell runs: each rank's state
+        self._posted: dict[int, list[Any]] = {}  # ...and the isends and irecvs stepped past, not yet met (step_past)
         self.started_in_s = self._start()
 
     @staticmethod
@@ -211,6 +212,7 @@ class LiveRanks:
         self._sources[filename] = code.splitlines()
         if step:
             self._steps = {rank: RankStep(rank, "running") for rank in range(self.world_size)}
+            self._posted = {}
             return self._stepped(("run", (code, self._cells, True)), set(range(self.world_size)), timeout)
         return self._call(("run", (code, self._cells)), timeout, "run")
 
@@ -313,10 +315,17 @@ class LiveRanks:
             ranks.flush_output()
             self._steps = None
             inside = sorted(r for r, row in rows.items() if row.state == "waiting") + sorted(owing)
+            unmet = [f"rank {r}'s {call.what()}" for r, calls in sorted(self._posted.items()) for call in calls]
+            self._posted = {}
             if inside or ranks.dead():
                 self._restart()
                 who = f"rank {inside[0]} waited" if len(inside) == 1 else f"ranks {inside} waited"
                 return f"aborted; {who} inside a collective, where nothing reaches it: {LOST}"
+            if unmet:  # a posted isend or irecv cannot be taken back: the next transfer between the pair would
+                self._restart()  # meet it instead of its own
+                return (f"aborted; {', '.join(unmet)} {'was' if len(unmet) == 1 else 'were'} posted and never met, "
+                        f"and a process group cannot take a posted transfer back (the pair's next transfer would meet "
+                        f"it): {LOST}")
             ranks.answers.clear()
             return "aborted the cell on every rank; the ranks keep their variables"
 
@@ -380,7 +389,7 @@ class LiveRanks:
             return values
 
     def _view(self) -> StepView:
-        return StepView(self._paused_rows("step"), checked=self.check_collectives)
+        return StepView(self._paused_rows("step"), checked=self.check_collectives, posted=self._posted)
 
     def _stepped(self, message: tuple[str, Any], moving: set[int], timeout: float | None,
                  to_the_end: bool = False) -> StepView:
@@ -397,9 +406,12 @@ class LiveRanks:
                 self._restart()
                 raise WorkerError(failures, note=f"this happened while the cell was paused; {LOST}.")
             stepping = message[0] == "step" and not to_the_end
-            stuck = will_wait(rows, moving, self.check_collectives) if stepping else {}
+            stuck = will_wait(rows, moving, self.check_collectives, self._posted) if stepping else {}
             going = moving | {r for r, row in rows.items() if row.state in ("waiting", "running")}
             limit = self.timeout if timeout is None else arguments.seconds("timeout", timeout)
+            if stepping:
+                for rank in sorted(moving):
+                    step_past(self._posted, rank, rows[rank].call)
             with HeldInterrupts() as held:
                 ranks.send(message, moving)
             try:
@@ -432,7 +444,7 @@ class LiveRanks:
                 ranks.answers.clear()
                 if errors:
                     raise WorkerError(_unique(errors), note="the stepped cell ended; the ranks keep their variables.")
-            return StepView(new, checked=self.check_collectives)
+            return StepView(new, checked=self.check_collectives, posted=self._posted)
 
     def _answered(self, rank: int, answer: tuple[str, Any]) -> RankStep:
         status, body = answer

@@ -49,17 +49,19 @@ def matches(call: Call, other: Call, rank: int, peer: int) -> bool:
     return call.group == other.group and (call.kind or call.op) == (other.kind or other.op)
 
 
-def will_wait(rows: dict[int, RankStep], moving: set[int], checked: bool = False) -> dict[int, tuple[int, ...]]:
+def will_wait(rows: dict[int, RankStep], moving: set[int], checked: bool = False,
+              posted: dict[int, list[Call]] | None = None) -> dict[int, tuple[int, ...]]:
     """The ranks that will block inside their call once ``moving`` (paused ranks) are stepped, each with the
     peers it waits for. A rank waits while a peer it needs is not moving too, or moves into another call.
     ``checked`` (the collective check, torch's DETAIL mode): ranks that all move into different collectives of
-    one group do not wait; the check compares their calls and raises on each, at once."""
+    one group do not wait; the check compares their calls and raises on each, at once. ``posted``: a transfer whose
+    other end the peer posted earlier (:func:`step_past`) does not wait either."""
     going = {rank for rank in moving if rows[rank].state == "paused"} | {
         rank for rank, row in rows.items() if row.state == "waiting"}
     stuck: dict[int, tuple[int, ...]] = {}
     for rank in sorted(going):
         call = rows[rank].call
-        if call is None or not blocking(call):
+        if call is None or not blocking(call) or posted_end(posted or {}, rank, call) is not None:
             continue
         missing = tuple(peer for peer in call.peers if peer != rank and (
             peer not in going or rows[peer].call is None or not matches(call, rows[peer].call, rank, peer)))
@@ -105,11 +107,34 @@ def _underlying(call: Call) -> str:
     return C10D_CALLS.get(call.kind.removeprefix("c10d."), call.op) if call.kind.startswith("c10d.") else call.op
 
 
-def disagreements(rows: dict[int, RankStep], checked: bool = False) -> list[str]:
+def posted_end(posted: dict[int, list[Call]], rank: int, call: Call) -> Call | None:
+    """The other end of ``rank``'s transfer ``call`` among the non-blocking transfers its peer posted earlier and
+    no call has met yet (``posted``: rank -> its isends and irecvs stepped past, oldest first), or None."""
+    if not call.p2p or call.root is None:
+        return None
+    return next((other for other in posted.get(call.root, []) if matches(call, other, rank, call.root)), None)
+
+
+def step_past(posted: dict[int, list[Call]], rank: int, call: Call | None) -> None:
+    """Note that ``rank`` steps past ``call``: a transfer meets its peer's posted other end (both are done with),
+    or, non-blocking, stays posted until a later call of the peer meets it."""
+    if call is None or not call.p2p:
+        return
+    other = posted_end(posted, rank, call)
+    if other is not None and call.root is not None:
+        posted[call.root].remove(other)
+    elif not blocking(call):
+        posted.setdefault(rank, []).append(call)
+
+
+def disagreements(rows: dict[int, RankStep], checked: bool = False,
+                  posted: dict[int, list[Call]] | None = None) -> list[str]:
     """What will go wrong when the ranks' next calls run, found before any of them runs: ranks of one group
     calling different collectives, roots, reduce ops or shapes, and ranks that will wait for ever (a peer in
     another call, finished or raised). Each problem is one sentence. ``checked``: under the collective check, ranks
-    of one group in different collectives raise instead of waiting for each other (:func:`will_wait`)."""
+    of one group in different collectives raise instead of waiting for each other (:func:`will_wait`).
+    ``posted``: the isends and irecvs the ranks stepped past that no call has met yet (:func:`step_past`): a
+    transfer's other end posted earlier, inside ``batch_isend_irecv`` say, is compared too."""
     problems: list[str] = []
     named: set[int] = set()
     for rank, row in sorted(rows.items()):
@@ -119,6 +144,12 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False) -> list[str]
         if call.p2p:
             peer = call.root
             if peer is None or peer not in rows:
+                continue
+            earlier = posted_end(posted or {}, rank, call)
+            if earlier is not None:  # the other end is posted already: it waits for this one
+                if earlier.tensors != call.tensors:
+                    problems.append(f"rank {rank}'s {call.what()} and rank {peer}'s {earlier.what()}, posted "
+                                    f"earlier, move different tensors: {_mismatched_transfer(call, earlier)}")
                 continue
             other = rows[peer]
             if not other.active and blocking(call):
@@ -278,9 +309,10 @@ class StepView:
     on and what issued the call, then what the ranks disagree on. ``values``: each rank's value of the cell's
     last expression once every rank finished (else None)."""
 
-    def __init__(self, rows: dict[int, RankStep], note: str = "", checked: bool = False) -> None:
+    def __init__(self, rows: dict[int, RankStep], note: str = "", checked: bool = False,
+                 posted: dict[int, list[Call]] | None = None) -> None:
         self.rows = dict(sorted(rows.items()))
-        self.problems = disagreements(self.rows, checked)
+        self.problems = disagreements(self.rows, checked, posted)
         self.note = note
         self.checked = checked  # the ranks run under the collective check: a group's calls that differ raise
 

@@ -485,3 +485,25 @@ def test_peek_refuses_to_wait_for_a_functional_collectives_result(unchecked):
             unchecked.peek(expression)
         assert "rank 1 raised NameError: name 'a' is not defined" in str(caught.value)  # not yet assigned there
     assert [t.tolist() for t in unchecked.resume()] == [[3.0, 3.0]] * 2
+
+
+def test_a_transfer_is_compared_with_its_other_end_posted_earlier_in_a_batch(ranks):
+    """Inside batch_isend_irecv each rank posts its isend, then its irecv: the two ends of one transfer are never
+    paused at once, so the posted end is kept and compared when its peer comes to the other (rank 1 received into
+    a buffer of 4 what rank 0 sent as 2, silently, before)."""
+    cell = ("s, v = torch.full((2,), rank + 1.0), torch.zeros(2 + 2 * rank)\n"
+            "ops = [dist.P2POp(dist.isend, s, 1 - rank), dist.P2POp(dist.irecv, v, 1 - rank)]\n"
+            "for work in dist.batch_isend_irecv(ops):\n    work.wait()\nv")
+    view = ranks.run(cell, step=True)
+    assert view.problems == [], view.problems  # two isends: each waits for an irecv to come
+    view = ranks.step()
+    assert view.states()[1].startswith("paused before irecv"), view.states()
+    assert ["rank 1's irecv #2 (src=0, float32[4]) and rank 0's isend #1 (dst=1, float32[2]), posted earlier, move "
+            "different tensors: the receiver gets the sender's bytes read as its own dtype and shape, and no error "
+            "(gloo); on NCCL the result is undefined"] == view.problems, view.problems
+    said = ranks.abort()  # the isends are posted: a process group cannot take them back
+    assert "rank 0's isend #1 (dst=1, float32[2]), rank 1's isend #1 (dst=0, float32[2]) were posted and never met" \
+        in said and "restarted" in said, said
+    right = cell.replace("torch.zeros(2 + 2 * rank)", "torch.zeros(2)")
+    traced = ranks.trace(right)  # the same calls, the same shapes: no disagreement
+    assert [t.tolist() for t in traced.values] == [[2.0, 2.0], [1.0, 1.0]]
