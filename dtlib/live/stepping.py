@@ -81,7 +81,8 @@ def blocking(call: Call) -> bool:
 
 def caught_by_the_check(call: Call, other: Call | None) -> bool:
     """Whether the collective check raises on both ranks when one calls ``call`` and the other ``other``: two
-    collectives of one group that differ (torch's wrapper compares them before either runs)."""
+    different collectives of one group (torch's wrapper compares each call's operation and its tensors' shapes
+    and dtypes before either runs; not its root or reduce op)."""
     return other is not None and not call.p2p and not other.p2p and call.group == other.group
 
 
@@ -346,7 +347,8 @@ class StepView:
         if self.problems:
             if any(row.state == "waiting" for row in self.rows.values()):
                 return "the ranks cannot all go on: " + " | ".join(self.problems) + ". End it with %ranks abort"
-            if self.checked and all(": different " in problem for problem in self.problems):
+            caught = (": different operations", ": different tensors")  # what the check compares: not roots, ops
+            if self.checked and all(any(kind in problem for kind in caught) for problem in self.problems):
                 then = "the collective check would raise on every rank of the group, before anything is sent"
             else:
                 then = "wait until the timeout restarts the ranks"

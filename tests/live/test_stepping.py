@@ -507,3 +507,14 @@ def test_a_transfer_is_compared_with_its_other_end_posted_earlier_in_a_batch(ran
     right = cell.replace("torch.zeros(2 + 2 * rank)", "torch.zeros(2)")
     traced = ranks.trace(right)  # the same calls, the same shapes: no disagreement
     assert [t.tolist() for t in traced.values] == [[2.0, 2.0], [1.0, 1.0]]
+
+
+def test_under_the_check_only_differing_operations_or_shapes_are_said_to_raise(ranks):
+    """torch's collective check compares each call's operation and its tensors' shapes and dtypes, not its root
+    or reduce op: different roots are still a wait until the timeout."""
+    view = ranks.run("dist.broadcast(torch.ones(2), src=rank)", step=True)
+    assert repr(view).endswith("a step would run these calls, and wait until the timeout restarts the ranks")
+    ranks.abort()
+    view = ranks.run("dist.all_reduce(torch.ones(2 + rank))", step=True)
+    assert repr(view).endswith("the collective check would raise on every rank of the group, before anything is sent")
+    ranks.abort()
