@@ -97,15 +97,18 @@ class Generation:
             except OSError:  # BrokenPipeError and the like: the rank is gone
                 pass
 
-    def wait(self, ranks: set[int], until: float, stop_early: bool = False) -> set[int]:
+    def wait(self, ranks: set[int], until: float, stop_early: bool = False, stop_on: str = "") -> set[int]:
         """Run the event loop until ``ranks`` have answered, a rank died, or ``until``; the ranks still owing.
 
-        With ``stop_early``, an error answer shortens the wait to ``ERROR_GRACE_S``.
+        With ``stop_early``, an error answer shortens the wait to ``ERROR_GRACE_S``. With ``stop_on``, an answer of
+        that status (``"paused"``) ends it at once.
         """
         while True:
             owing = {rank for rank in ranks if rank not in self.answers}
             now = time.monotonic()
             if not owing or self.dead() or now >= until:
+                return owing
+            if stop_on and any(self.answers[rank][0] == stop_on for rank in ranks if rank in self.answers):
                 return owing
             if stop_early and any(self.answers[r][0] == "error" for r in ranks if r in self.answers):
                 until = min(until, now + ERROR_GRACE_S)

@@ -418,8 +418,16 @@ class LiveRanks:
                 held.deliver()
                 # While stepping, a rank pauses before any collective, so it cannot block on a peer that raised:
                 # wait for every answer. Run to the end, a rank can: an error then shortens the wait.
-                owing = ranks.wait(going - set(stuck), time.monotonic() + (limit or float("inf")),
-                                   stop_early=to_the_end)
+                deadline = time.monotonic() + (limit or float("inf"))
+                owing = ranks.wait(going - set(stuck), deadline, stop_early=to_the_end,
+                                   stop_on="paused" if to_the_end else "")
+                while to_the_end:  # a rank that waited inside a call when continue came pauses at its next: on
+                    again = {r for r in going if ranks.answers.get(r, ("",))[0] == "paused"}
+                    if not again:
+                        break
+                    with HeldInterrupts():
+                        ranks.send(message, again)
+                    owing = ranks.wait(going, deadline, stop_early=True, stop_on="paused")
             except KeyboardInterrupt:
                 self._steps = None
                 with HeldInterrupts():

@@ -61,7 +61,7 @@ def will_wait(rows: dict[int, RankStep], moving: set[int], checked: bool = False
     stuck: dict[int, tuple[int, ...]] = {}
     for rank in sorted(going):
         call = rows[rank].call
-        if call is None or not blocking(call) or posted_end(posted or {}, rank, call) is not None:
+        if call is None or not blocking(call, checked) or posted_end(posted or {}, rank, call) is not None:
             continue
         missing = tuple(peer for peer in call.peers if peer != rank and (
             peer not in going or rows[peer].call is None or not matches(call, rows[peer].call, rank, peer)))
@@ -73,10 +73,12 @@ def will_wait(rows: dict[int, RankStep], moving: set[int], checked: bool = False
     return stuck
 
 
-def blocking(call: Call) -> bool:
+def blocking(call: Call, checked: bool = False) -> bool:
     """Whether ``call`` blocks until its peers arrive: not an ``isend``, ``irecv`` or ``batch_isend_irecv``,
-    nor a collective called with ``async_op=True`` (the wait comes later, in ``work.wait()``)."""
-    return call.op not in NON_BLOCKING and not call.async_op
+    nor a collective called with ``async_op=True`` or a functional one (the wait comes later, in ``work.wait()``
+    or when the result is read), unless ``checked``: the collective check compares every collective across the
+    ranks before it starts, async or not, so there a collective blocks."""
+    return call.op not in NON_BLOCKING and (not call.async_op or (checked and not call.p2p))
 
 
 def caught_by_the_check(call: Call, other: Call | None) -> bool:

@@ -518,3 +518,16 @@ def test_under_the_check_only_differing_operations_or_shapes_are_said_to_raise(r
     view = ranks.run("dist.all_reduce(torch.ones(2 + rank))", step=True)
     assert repr(view).endswith("the collective check would raise on every rank of the group, before anything is sent")
     ranks.abort()
+
+
+def test_under_the_check_an_async_collective_blocks_a_rank_stepped_alone_and_continue_finishes(ranks):
+    """The collective check compares every collective before it starts, async_op=True or not: rank 0 stepped alone
+    waits inside its all-reduce (it hung, and restarted the ranks, when taken for non-blocking), and continue
+    carries the waiting rank on too, past the pause its next collective makes."""
+    ranks.run("kept = rank + 100")
+    cell = "t = torch.ones(2)\nw = dist.all_reduce(t, async_op=True)\ndist.barrier()\nw.wait()\nt.sum()"
+    ranks.run(cell, step=True)
+    view = ranks.step(rank=0)
+    assert view.states()[0].startswith("waits in all_reduce #1 (SUM, float32[2]) for rank 1"), view.states()
+    assert [value.item() for value in ranks.resume()] == [4.0, 4.0]
+    assert not ranks.paused and ranks.run("kept") == [100, 101]
