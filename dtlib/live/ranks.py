@@ -236,6 +236,14 @@ class LiveRanks:
             for rank, row in list(self._steps.items()):
                 if row.state == "waiting" and rank in ranks.answers:
                     self._steps[rank] = self._answered(rank, ranks.answers[rank])
+            if all(not row.active for row in self._steps.values()):  # the cell ended by itself (a timeout): say so
+                self._steps, self._posted = None, {}
+                errors = self._errors(ranks)
+                ranks.answers.clear()
+                if errors:
+                    raise WorkerError(_unique(errors), note="the stepped cell ended; the ranks keep their variables.")
+                raise RuntimeError(f"nothing is paused, so there is nothing to {what}: the stepped cell has ended on "
+                                   "every rank")
         return self._steps
 
     def step(self, count: int = 1, *, rank: int | None = None, timeout: float | None = None) -> StepView:
@@ -254,7 +262,10 @@ class LiveRanks:
             if not moving and done:
                 break  # the steps so far left no rank paused: the view says why
             if not moving:
-                state = view.states()[rank] if rank is not None else "no rank is paused"
+                waiting = "; ".join(f"rank {r} {state}" for r, state in view.states().items()
+                                    if rows[r].state == "waiting")
+                state = view.states()[rank] if rank is not None else "no rank is paused" + (
+                    f" ({waiting})" if waiting else "")
                 raise RuntimeError(f"nothing to step: {f'rank {rank} ' if rank is not None else ''}{state}")
             view = self._stepped(("step", None), moving, timeout)
             if view.finished:
@@ -431,8 +442,8 @@ class LiveRanks:
             except KeyboardInterrupt:
                 self._steps = None
                 with HeldInterrupts():
-                    self._restart()
-                print(f"dtlib.LiveRanks: interrupted while stepping; {LOST}.", file=sys.stderr)
+                    said = self._interrupted(ranks, going, rows)
+                print(f"dtlib.LiveRanks: interrupted while stepping; {said}", file=sys.stderr)
                 raise
             ranks.flush_output()
             new: dict[int, RankStep] = {}
@@ -488,6 +499,21 @@ class LiveRanks:
             raise WorkerError(failures, note=f"{'; '.join(lines)}: {verdict}. {outcome[:1].upper()}{outcome[1:]}")
         raise WorkerTimeout(limit or 0.0, stacks, sorted(set(range(self.world_size)) - owing),
                             collectives=lines, verdict=verdict, outcome=outcome)
+
+    def _interrupted(self, ranks: Generation, going: set[int], rows: dict[int, RankStep]) -> str:
+        """A Ctrl-C while a step or continue waits: end the cell as a plain cell's interrupt does, keeping the
+        variables where every rank still in the cell runs Python code or is paused; else restart. What became."""
+        self._posted = {}
+        states = {}
+        for r in range(self.world_size):
+            status = ranks.answers.get(r, ("",))[0]
+            states[r] = ("paused" if status == "paused" else "failed" if status == "error" else "finished" if status
+                         else "running" if r in going else "paused" if rows.get(r, RankStep(r, "")).state == "paused"
+                         else "finished")
+        if self._ended_in_python(ranks, states, ranks.ask_doctor()):
+            return "each rank's cell was interrupted or aborted, and the ranks kept their variables."
+        self._restart()
+        return f"{LOST}."
 
     def _ended_in_python(self, ranks: Generation, states: dict[int, str], last: dict[int, Any]) -> bool:
         """End a stepped cell without a restart where it can be: every running rank is in Python code, not inside

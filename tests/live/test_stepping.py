@@ -396,7 +396,9 @@ def test_a_pipeline_schedules_sends_and_receives_are_seen_too(ranks):
     assert trace.values == [0, 2]  # the last stage holds the two micro-batches' losses
 
 
-def test_an_interrupt_while_a_step_waits_restarts_the_ranks_and_says_so(capsys):
+def test_an_interrupt_while_a_step_waits_ends_the_cell_as_a_plain_cells_does(capsys):
+    """Ctrl-C while a step waits for ranks spinning in Python: they are interrupted and keep their variables, as
+    in a plain cell; while continue waits and a rank is inside a collective, nothing reaches it: a restart."""
     import os
     import signal
     import threading
@@ -404,14 +406,22 @@ def test_an_interrupt_while_a_step_waits_restarts_the_ranks_and_says_so(capsys):
     import dtlib
 
     with dtlib.LiveRanks(2, backend="gloo", timeout=60) as live:
-        live.run("dist.all_reduce(torch.ones(1))\nwhile True:\n    pass", step=True)
-        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            live.step()  # both ranks run the all-reduce, then spin: the step waits until the Ctrl-C
-        timer.join()
-        assert "interrupted while stepping" in capsys.readouterr().err
-        assert not live.paused and live.run("rank") == [0, 1]
+        live.run("kept = rank + 100")
+        for cell, end, said in [
+            ("dist.all_reduce(torch.ones(1))\nwhile True:\n    pass", live.step, "kept their variables"),
+            ("dist.all_reduce(torch.ones(1))\nif rank == 1:\n    while True:\n        pass\n"
+             "dist.all_reduce(torch.ones(1))", live.resume, "restarted"),
+        ]:
+            live.run(cell, step=True)
+            timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                end()  # both ranks, or rank 1, spin: the step or continue waits until the Ctrl-C
+            timer.join()
+            err = capsys.readouterr().err
+            assert "interrupted while stepping" in err and said in err, err
+            assert not live.paused and live.run("rank") == [0, 1]
+        assert live.run("'kept' in globals()") == [False, False]  # the restart took them
 
 
 def test_a_step_into_calls_the_check_refuses_ends_the_cell_with_its_error_and_keeps_the_variables(ranks):
@@ -530,4 +540,26 @@ def test_under_the_check_an_async_collective_blocks_a_rank_stepped_alone_and_con
     view = ranks.step(rank=0)
     assert view.states()[0].startswith("waits in all_reduce #1 (SUM, float32[2]) for rank 1"), view.states()
     assert [value.item() for value in ranks.resume()] == [4.0, 4.0]
+    assert not ranks.paused and ranks.run("kept") == [100, 101]
+
+
+def test_a_waiting_rank_whose_call_ends_by_itself_ends_the_cell_at_the_next_command(ranks):
+    """monitored_barrier raises after its own timeout on the rank left waiting: the next command says the cell
+    ended, with that error, and the ranks keep their variables (it stayed 'paused', and nothing said why)."""
+    import time
+
+    ranks.run("kept = rank + 100")
+    ranks.run("if rank == 0:\n    dist.monitored_barrier(timeout=__import__('datetime').timedelta(seconds=1))",
+              step=True)
+    deadline = time.monotonic() + 60
+    while True:  # the first step: rank 1 finishes the cell; rank 0 waits inside the barrier until its 1 s
+        try:
+            ranks.step()
+            continue
+        except WorkerError as ended:  # (a RuntimeError too: caught first)
+            assert "failed to pass monitoredBarrier" in str(ended) and "the stepped cell ended" in str(ended)
+            break
+        except RuntimeError as still:  # "nothing to step: rank 0 waits in monitored_barrier ...", until it raises
+            assert "waits in monitored_barrier" in str(still) and time.monotonic() < deadline, str(still)
+            time.sleep(0.2)
     assert not ranks.paused and ranks.run("kept") == [100, 101]
