@@ -35,7 +35,7 @@ from dtlib.live import doctor, server
 from dtlib.live.generation import Generation, close_quietly
 from dtlib.live.pushed import MeshSpec, ShardsByRank, to_send
 from dtlib.live.server import RemoteRepr
-from dtlib.live.stepping import RankStep, StepView, Trace, ran_to_the_end, step_past, will_wait
+from dtlib.live.stepping import Posts, RankStep, StepView, Trace, ran_to_the_end, step_past, unmet, will_wait
 
 START_TIMEOUT_S = 120.0  # a hang guard for starting the ranks (a cold start imports torch in each)
 CLOSE_WAIT_S = 30.0  # close() from another thread: how long it waits for the running call to stop its ranks
@@ -95,7 +95,7 @@ class LiveRanks:
         self._busy = threading.RLock()  # held by the thread inside a call: only it drives the ranks' event loop
         self._closing = threading.Event()  # close() from another thread asked that call to stop
         self._steps: dict[int, RankStep] | None = None  # while a stepped cell runs: each rank's state
-        self._posted: dict[int, list[Any]] = {}  # ...and the isends and irecvs stepped past, not yet met (step_past)
+        self._posted: Posts = {}  # ...and the calls stepped past that peers have still to meet (step_past)
         self.started_in_s = self._start()
 
     @staticmethod
@@ -322,21 +322,26 @@ class LiveRanks:
                 paused = {r for r in paused - owing if ranks.answers[r][0] == "paused"}
                 if not paused:
                     break
-            owing |= paused
+            swallowed = sorted(paused)  # paused again after every abort: the cell catches it (a bare except)
             ranks.flush_output()
             self._steps = None
             inside = sorted(r for r, row in rows.items() if row.state == "waiting") + sorted(owing)
-            unmet = [f"rank {r}'s {call.what()}" for r, calls in sorted(self._posted.items()) for call in calls]
+            never = unmet(self._posted)
             self._posted = {}
+            if swallowed:
+                self._restart()
+                who = f"rank {swallowed[0]}'s cell" if len(swallowed) == 1 else f"the cells of ranks {swallowed}"
+                return (f"aborted; {who} caught the abort three times and paused again (an `except BaseException` "
+                        f"or a bare `except:` around a collective?): {LOST}")
             if inside or ranks.dead():
                 self._restart()
                 who = f"rank {inside[0]} waited" if len(inside) == 1 else f"ranks {inside} waited"
                 return f"aborted; {who} inside a collective, where nothing reaches it: {LOST}"
-            if unmet:  # a posted isend or irecv cannot be taken back: the next transfer between the pair would
-                self._restart()  # meet it instead of its own
-                return (f"aborted; {', '.join(unmet)} {'was' if len(unmet) == 1 else 'were'} posted and never met, "
-                        f"and a process group cannot take a posted transfer back (the pair's next transfer would meet "
-                        f"it): {LOST}")
+            if never:  # a posted call cannot be taken back: the peers' next call of its kind would meet it
+                self._restart()
+                return (f"aborted; {', '.join(never)} {'was' if len(never) == 1 else 'were'} posted and never met, "
+                        f"and a process group cannot take a posted call back (the peers' next call of its kind would "
+                        f"meet it instead of its own): {LOST}")
             ranks.answers.clear()
             return "aborted the cell on every rank; the ranks keep their variables"
 
@@ -421,8 +426,7 @@ class LiveRanks:
             going = moving | {r for r, row in rows.items() if row.state in ("waiting", "running")}
             limit = self.timeout if timeout is None else arguments.seconds("timeout", timeout)
             if stepping:
-                for rank in sorted(moving):
-                    step_past(self._posted, rank, rows[rank].call)
+                step_past(self._posted, rows, moving, self.check_collectives)
             with HeldInterrupts() as held:
                 ranks.send(message, moving)
             try:

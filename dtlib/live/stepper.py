@@ -17,6 +17,7 @@ if torch carries the mode's thread-local state there.
 
 from __future__ import annotations
 
+import ast
 import linecache
 import os
 import pickle
@@ -105,15 +106,18 @@ class Call:
             counts.append(count)
         return tuple(counts)
 
-    def details(self) -> str:
-        """``SUM, float32[4]``: the root, reduce op, split sizes and tensors, as far as the call has them."""
+    def details(self, every: bool = False) -> str:
+        """``SUM, float32[4]``: the root, reduce op, split sizes and tensors, as far as the call has them (the
+        first three tensors, or ``every`` one)."""
+        shown = self.tensors if every else self.tensors[:3]
         extras = [f"{self.root_name}={self.root}" if self.root_name and self.root is not None else "",
-                  self.reduce_op, self.splits, ", ".join(self.tensors[:3]) + (" …" if len(self.tensors) > 3 else "")]
+                  self.reduce_op, self.splits, ", ".join(shown) + (" …" if len(self.tensors) > len(shown) else "")]
         return ", ".join(extra for extra in extras if extra)
 
-    def what(self) -> str:
-        """``all_reduce #2 (SUM, float32[4])``: the call in one phrase."""
-        return f"{self.op} #{self.index}" + (f" ({self.details()})" if self.details() else "")
+    def what(self, every: bool = False) -> str:
+        """``all_reduce #2 (SUM, float32[4])``: the call in one phrase (``every``: with all its tensors)."""
+        details = self.details(every)
+        return f"{self.op} #{self.index}" + (f" ({details})" if details else "")
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
@@ -248,7 +252,8 @@ class RefuseCollectives(TorchDispatchMode):
         if is_collective(func):
             raise RuntimeError(f"peek only looks: {describe(func, args, kwargs or {}, 0, None).op} is a collective, "
                                "and a paused rank sends nothing. Step to it, or run it in a cell")
-        if _unwaited((args, kwargs)):
+        if _unwaited((args, kwargs)) or (getattr(func, "namespace", "") == "_c10d_functional"
+                                         and func._opname == "wait_tensor"):
             raise RuntimeError(UNWAITED)
         return func(*args, **(kwargs or {}))
 
@@ -323,6 +328,11 @@ class Pauses:
                 if body not in self.namespace:
                     raise NameError(f"name {body!r} is not defined on this rank")
                 return "ok", self.answer(self.namespace[body])
+            if any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "wait"
+                   for node in ast.walk(ast.parse(body, mode="eval"))):
+                raise RuntimeError("peek only looks: .wait() waits until every rank has finished the collective "
+                                   "the work belongs to, which a paused peer may never do. Step on until the cell "
+                                   "waits, then peek")
             scope = cell if cell is not None else None
             global_names = scope.f_globals if scope is not None else self.namespace
             local_names = dict(scope.f_locals) if scope is not None else {}

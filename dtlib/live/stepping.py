@@ -50,21 +50,22 @@ def matches(call: Call, other: Call, rank: int, peer: int) -> bool:
 
 
 def will_wait(rows: dict[int, RankStep], moving: set[int], checked: bool = False,
-              posted: dict[int, list[Call]] | None = None) -> dict[int, tuple[int, ...]]:
+              posted: Posts | None = None) -> dict[int, tuple[int, ...]]:
     """The ranks that will block inside their call once ``moving`` (paused ranks) are stepped, each with the
     peers it waits for. A rank waits while a peer it needs is not moving too, or moves into another call.
     ``checked`` (the collective check, torch's DETAIL mode): ranks that all move into different collectives of
-    one group do not wait; the check compares their calls and raises on each, at once. ``posted``: a transfer whose
-    other end the peer posted earlier (:func:`step_past`) does not wait either."""
+    one group do not wait; the check compares their calls and raises on each, at once. ``posted``: a peer that
+    posted its part earlier (:func:`step_past`) is there already."""
     going = {rank for rank in moving if rows[rank].state == "paused"} | {
         rank for rank, row in rows.items() if row.state == "waiting"}
     stuck: dict[int, tuple[int, ...]] = {}
     for rank in sorted(going):
         call = rows[rank].call
-        if call is None or not blocking(call, checked) or posted_end(posted or {}, rank, call) is not None:
+        if call is None or not blocking(call, checked):
             continue
-        missing = tuple(peer for peer in call.peers if peer != rank and (
-            peer not in going or rows[peer].call is None or not matches(call, rows[peer].call, rank, peer)))
+        missing = tuple(peer for peer in call.peers if peer != rank and posted_by(posted, peer, rank, call) is None
+                        and (peer not in going or rows[peer].call is None
+                             or not matches(call, rows[peer].call, rank, peer)))
         if checked and missing and all(caught_by_the_check(call, rows[peer].call) for peer in missing
                                        if peer in going):
             missing = tuple(peer for peer in missing if peer not in going)
@@ -100,7 +101,7 @@ def _differ(calls: dict[int, Call]) -> str:
             continue
         values = {rank: getattr(call, field) for rank, call in calls.items()}
         if len(set(values.values())) > 1:
-            return f"different {label}: " + ", ".join(f"rank {rank} calls {calls[rank].what()}"
+            return f"different {label}: " + ", ".join(f"rank {rank} calls {calls[rank].what(field == 'tensors')}"
                                                       for rank in sorted(calls))
     return ""
 
@@ -110,34 +111,66 @@ def _underlying(call: Call) -> str:
     return C10D_CALLS.get(call.kind.removeprefix("c10d."), call.op) if call.kind.startswith("c10d.") else call.op
 
 
-def posted_end(posted: dict[int, list[Call]], rank: int, call: Call) -> Call | None:
-    """The other end of ``rank``'s transfer ``call`` among the non-blocking transfers its peer posted earlier and
-    no call has met yet (``posted``: rank -> its isends and irecvs stepped past, oldest first), or None."""
-    if not call.p2p or call.root is None:
-        return None
-    return next((other for other in posted.get(call.root, []) if matches(call, other, rank, call.root)), None)
+@dataclass
+class Posted:
+    """A call a rank stepped past that returned before its peers came to theirs (an isend or irecv, a collective
+    with ``async_op=True``, a functional one): ``awaiting``, the peers whose part of it is still to come."""
+
+    call: Call
+    awaiting: set[int]
 
 
-def step_past(posted: dict[int, list[Call]], rank: int, call: Call | None) -> None:
-    """Note that ``rank`` steps past ``call``: a transfer meets its peer's posted other end (both are done with),
-    or, non-blocking, stays posted until a later call of the peer meets it."""
-    if call is None or not call.p2p:
-        return
-    other = posted_end(posted, rank, call)
-    if other is not None and call.root is not None:
-        posted[call.root].remove(other)
-    elif not blocking(call):
-        posted.setdefault(rank, []).append(call)
+Posts = dict[int, list[Posted]]  # rank -> the calls it posted that peers have still to meet, oldest first
 
 
-def disagreements(rows: dict[int, RankStep], checked: bool = False,
-                  posted: dict[int, list[Call]] | None = None) -> list[str]:
+def posted_by(posted: Posts | None, peer: int, rank: int, call: Call) -> Call | None:
+    """``peer``'s posted call that ``rank``'s ``call`` is its part of (the other end of a transfer, the same
+    collective), or None."""
+    return next((entry.call for entry in (posted or {}).get(peer, [])
+                 if rank in entry.awaiting and matches(call, entry.call, rank, peer)), None)
+
+
+def step_past(posted: Posts, rows: dict[int, RankStep], moving: set[int], checked: bool) -> None:
+    """Note that the ``moving`` ranks step past their calls: each meets its peers' posted calls that it completes,
+    and a call that returns before its peers come (:func:`blocking`) is posted, awaiting the peers not yet at
+    theirs (a peer waiting inside its part, moving now, or posted before, is there)."""
+    calls = {rank: rows[rank].call for rank in moving if rows[rank].call is not None}
+    there = {rank: row.call for rank, row in rows.items() if row.state == "waiting" and row.call is not None}
+    there.update(calls)
+    met: dict[int, set[int]] = {}
+    for rank, call in calls.items():
+        for peer in call.peers:
+            entry = next((entry for entry in posted.get(peer, []) if peer != rank and rank in entry.awaiting
+                          and matches(call, entry.call, rank, peer)), None)
+            if entry is not None:
+                entry.awaiting.discard(rank)
+                met.setdefault(rank, set()).add(peer)
+    for rank, call in calls.items():
+        if blocking(call, checked) or (call.p2p and call.root is None):  # a recv from any: the first sender meets it
+            continue
+        awaiting = {peer for peer in call.peers if peer != rank and peer not in met.get(rank, set())
+                    and not (peer in there and matches(call, there[peer], rank, peer))}
+        if awaiting:
+            posted.setdefault(rank, []).append(Posted(call, awaiting))
+    for rank in list(posted):
+        posted[rank] = [entry for entry in posted[rank] if entry.awaiting]
+        if not posted[rank]:
+            del posted[rank]
+
+
+def unmet(posted: Posts) -> list[str]:
+    """Each posted call still awaiting a peer, in words: ``rank 0's isend #1 (dst=1, float32[2])``."""
+    return [f"rank {rank}'s {entry.call.what()}" for rank, entries in sorted(posted.items()) for entry in entries]
+
+
+def disagreements(rows: dict[int, RankStep], checked: bool = False, posted: Posts | None = None) -> list[str]:
     """What will go wrong when the ranks' next calls run, found before any of them runs: ranks of one group
     calling different collectives, roots, reduce ops or shapes, and ranks that will wait for ever (a peer in
     another call, finished or raised). Each problem is one sentence. ``checked``: under the collective check, ranks
     of one group in different collectives raise instead of waiting for each other (:func:`will_wait`).
-    ``posted``: the isends and irecvs the ranks stepped past that no call has met yet (:func:`step_past`): a
-    transfer's other end posted earlier, inside ``batch_isend_irecv`` say, is compared too."""
+    ``posted``: the calls the ranks stepped past that their peers have still to meet (:func:`step_past`): a
+    transfer's other end posted earlier, inside ``batch_isend_irecv`` say, or a peer's part of a collective it
+    posted with ``async_op=True``, is compared in place of the peer's next call."""
     problems: list[str] = []
     named: set[int] = set()
     for rank, row in sorted(rows.items()):
@@ -148,7 +181,7 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False,
             peer = call.root
             if peer is None or peer not in rows:
                 continue
-            earlier = posted_end(posted or {}, rank, call)
+            earlier = posted_by(posted, peer, rank, call)
             if earlier is not None:  # the other end is posted already: it waits for this one
                 if earlier.tensors != call.tensors:
                     problems.append(f"rank {rank}'s {call.what()} and rank {peer}'s {earlier.what()}, posted "
@@ -174,7 +207,12 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False,
             continue
         on_group = {peer: rows[peer].call for peer in call.members if peer in rows and rows[peer].active
                     and rows[peer].call is not None and not rows[peer].call.p2p
-                    and rows[peer].call.group == call.group}
+                    and rows[peer].call.group == call.group
+                    and posted_by(posted, rank, peer, rows[peer].call) is None}  # not its part of an earlier one
+        for peer in call.members:  # a peer's part posted earlier (async_op=True) stands for it
+            earlier_part = posted_by(posted, peer, rank, call) if peer != rank else None
+            if earlier_part is not None:
+                on_group[peer] = earlier_part
         elsewhere = [peer for peer in call.members if peer in rows and peer not in on_group]
         named |= set(on_group)
         difference = _differ(on_group)  # type: ignore[arg-type]
@@ -186,7 +224,7 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False,
             if not other.active:
                 problems.append(f"{_ranks(sorted(on_group))} will wait for ever in {_named(call)}: rank {peer} "
                                 f"{_ended(other)}")
-    cycle = _cycle(_waits_for(rows))
+    cycle = _cycle(_waits_for(rows, posted))
     caught = checked and all(caught_by_the_check(rows[rank].call, rows[cycle[(i + 1) % len(cycle)]].call)
                              for i, rank in enumerate(cycle))
     if cycle and not caught and not all(rows[rank].call.p2p for rank in cycle):  # a pair of sends: named above
@@ -217,15 +255,17 @@ def _named(call: Call) -> str:
     return call.what() + (f" on group {call.group}" if call.group != WORLD_NAME else "")
 
 
-def _waits_for(rows: dict[int, RankStep]) -> dict[int, list[int]]:
-    """Each paused or waiting rank -> the peers its blocking call needs that are in another call now."""
+def _waits_for(rows: dict[int, RankStep], posted: Posts | None = None) -> dict[int, list[int]]:
+    """Each paused or waiting rank -> the peers its blocking call needs that are in another call now (and did not
+    post their part earlier)."""
     graph: dict[int, list[int]] = {}
     for rank, row in rows.items():
         call = row.call
         if not row.active or call is None or not blocking(call):
             continue
         graph[rank] = [peer for peer in call.peers if peer != rank and peer in rows and rows[peer].active
-                       and rows[peer].call is not None and not matches(call, rows[peer].call, rank, peer)]
+                       and rows[peer].call is not None and not matches(call, rows[peer].call, rank, peer)
+                       and posted_by(posted, peer, rank, call) is None]
     return graph
 
 
@@ -313,7 +353,7 @@ class StepView:
     last expression once every rank finished (else None)."""
 
     def __init__(self, rows: dict[int, RankStep], note: str = "", checked: bool = False,
-                 posted: dict[int, list[Call]] | None = None) -> None:
+                 posted: Posts | None = None) -> None:
         self.rows = dict(sorted(rows.items()))
         self.problems = disagreements(self.rows, checked, posted)
         self.note = note
@@ -349,9 +389,13 @@ class StepView:
         if self.problems:
             if any(row.state == "waiting" for row in self.rows.values()):
                 return "the ranks cannot all go on: " + " | ".join(self.problems) + ". End it with %ranks abort"
-            caught = (": different operations", ": different tensors")  # what the check compares: not roots, ops
-            if self.checked and all(any(kind in problem for kind in caught) for problem in self.problems):
+            if self.checked and all(": different operations" in problem for problem in self.problems):
                 then = "the collective check would raise on every rank of the group, before anything is sent"
+            elif self.checked and all(": different operations" in problem or ": different tensors" in problem
+                                      for problem in self.problems):
+                then = ("the collective check raises where it compares the tensors that differ (most collectives' "
+                        "inputs), gloo where it checks their sizes; elsewhere they wait until the timeout restarts "
+                        "the ranks")
             else:
                 then = "wait until the timeout restarts the ranks"
             return (f"before anything is sent: {' | '.join(self.problems)}. End it with %ranks abort: a step would "

@@ -213,6 +213,16 @@ def test_will_wait_knows_which_stepped_ranks_block_before_any_rank_moves():
     assert will_wait(differ, {0}, checked=True) == {0: (1,)}  # the peer stays paused: a wait, checked or not
 
 
+def test_a_difference_in_the_fourth_tensor_is_shown_whole():
+    """The table cuts a call's tensors after three; a disagreement on them names every one, or the one that
+    differs would hide behind the '…'."""
+    rows = {rank: RankStep(rank, "paused", Call(1, "all_gather", "0", (0, 1),
+                                                 ("float32[2]",) * 3 + (f"float32[{2 + rank}]",)))
+            for rank in (0, 1)}
+    (problem,) = disagreements(rows)
+    assert "float32[2], float32[2], float32[2], float32[3]" in problem and "…" not in problem, problem
+
+
 def test_disagreements_name_ranks_in_other_groups_and_calls_that_differ():
     rows = {0: RankStep(0, "paused", _call("all_reduce", group="1")), 1: RankStep(1, "paused", _call("all_reduce"))}
     rows[0] = RankStep(0, "paused", _call("all_reduce", group="1", members=(0, 1)))
@@ -489,12 +499,18 @@ def test_peek_refuses_to_wait_for_a_functional_collectives_result(unchecked):
                   "a = fr(torch.ones(2) * (rank + 1), 'sum', dist.group.WORLD)\ndist.barrier()\na", step=True)
     view = unchecked.step(rank=0)
     assert view.states()[0].startswith("paused before barrier #2"), view.states()
+    with pytest.raises(WorkerError, match=r"peek only looks: .wait\(\) waits until every rank has finished"):
+        unchecked.peek("a.wait().sum()")
     for expression in ("a.sum()", "a"):
         with pytest.raises(WorkerError, match="rank 0 raised RuntimeError: peek only looks: this value is a "
                                               "functional collective's result") as caught:
             unchecked.peek(expression)
         assert "rank 1 raised NameError: name 'a' is not defined" in str(caught.value)  # not yet assigned there
-    assert [t.tolist() for t in unchecked.resume()] == [[3.0, 3.0]] * 2
+    unchecked.abort()
+    unchecked.run("t = torch.ones(2)\nw = dist.all_reduce(t, async_op=True)\ndist.barrier()\nw.wait()", step=True)
+    unchecked.step(rank=0)
+    with pytest.raises(WorkerError, match=r"peek only looks: .wait\(\) waits until every rank has finished"):
+        unchecked.peek("w.wait()")
 
 
 def test_a_transfer_is_compared_with_its_other_end_posted_earlier_in_a_batch(ranks):
@@ -526,7 +542,7 @@ def test_under_the_check_only_differing_operations_or_shapes_are_said_to_raise(r
     assert repr(view).endswith("a step would run these calls, and wait until the timeout restarts the ranks")
     ranks.abort()
     view = ranks.run("dist.all_reduce(torch.ones(2 + rank))", step=True)
-    assert repr(view).endswith("the collective check would raise on every rank of the group, before anything is sent")
+    assert "the collective check raises where it compares the tensors that differ" in repr(view)
     ranks.abort()
 
 
@@ -563,3 +579,33 @@ def test_a_waiting_rank_whose_call_ends_by_itself_ends_the_cell_at_the_next_comm
             assert "waits in monitored_barrier" in str(still) and time.monotonic() < deadline, str(still)
             time.sleep(0.2)
     assert not ranks.paused and ranks.run("kept") == [100, 101]
+
+
+def test_an_abort_the_cell_keeps_catching_is_named_as_such(ranks):
+    """A cell that catches everything around its collective pauses again after each abort: the ranks are
+    restarted, and the message says why (it said they waited inside a collective)."""
+    cell = ("n = 0\nwhile n < 100:\n    try:\n        dist.all_reduce(torch.ones(1))\n        break\n"
+            "    except BaseException:\n        n += 1")
+    ranks.run(cell, step=True)
+    said = ranks.abort()
+    assert "caught the abort three times and paused again" in said and "restarted" in said, said
+    assert not ranks.paused and ranks.run("rank") == [0, 1]
+
+
+def test_a_collective_posted_with_async_op_stands_for_its_rank_until_the_peers_come(unchecked):
+    """Unchecked, rank 0 stepped alone past its async all-reduce goes on to the barrier: rank 1's all-reduce is
+    compared with rank 0's posted one, not called a disagreement with rank 0's barrier, and does not wait; a
+    posted collective never met makes an abort restart the ranks."""
+    cell = "t = torch.ones(2) * (rank + 1)\nw = dist.all_reduce(t, async_op=True)\ndist.barrier()\nw.wait()\nt.sum()"
+    unchecked.run(cell, step=True)
+    view = unchecked.step(rank=0)
+    assert view.states()[0].startswith("paused before barrier #2") and view.problems == [], view.problems
+    view = unchecked.step(rank=1)  # its all-reduce meets rank 0's: both now before the barrier
+    assert set(view.states().values()) == {"paused before barrier #2"}, view.states()
+    assert [value.item() for value in unchecked.resume()] == [6.0, 6.0]
+    unchecked.run("t = torch.ones(2 + rank)\nw = dist.all_reduce(t, async_op=True)\ndist.barrier()", step=True)
+    view = unchecked.step(rank=0)
+    assert any("different tensors" in problem for problem in view.problems), view.problems  # against the posted
+    said = unchecked.abort()
+    assert "rank 0's all_reduce #1 (SUM, float32[2]) was posted and never met" in said, said
+    assert unchecked.run("rank") == [0, 1]
