@@ -103,6 +103,35 @@ def _differ(calls: dict[int, Call]) -> str:
         if len(set(values.values())) > 1:
             return f"different {label}: " + ", ".join(f"rank {rank} calls {calls[rank].what(field == 'tensors')}"
                                                       for rank in sorted(calls))
+    return _splits_disagree(calls)
+
+
+def _splits(call: Call) -> tuple[list[int], list[int]] | None:
+    """An all-to-all's output and input split sizes, from ``"splits out [1, 3] in [2, 2]"`` (None: not given)."""
+    if not call.splits.startswith("splits out "):
+        return None
+    out, _, into = call.splits.removeprefix("splits out ").partition(" in ")
+    try:
+        return [int(size) for size in out.strip("[]").split(",") if size.strip()], \
+            [int(size) for size in into.strip("[]").split(",") if size.strip()]
+    except ValueError:
+        return None
+
+
+def _splits_disagree(calls: dict[int, Call]) -> str:
+    """Where an uneven all-to-all's split sizes do not pair up: what rank r expects from rank j
+    (``output_split_sizes[j]`` on r) must be what j sends to r (``input_split_sizes[r]`` on j), or ''."""
+    members = next(iter(calls.values())).members
+    given = {rank: _splits(call) for rank, call in calls.items()}
+    if set(calls) != set(members) or any(split is None or not split[0] or not split[1] for split in given.values()):
+        return ""  # not every rank here, or even splits (empty lists): nothing to pair
+    for r in members:
+        for j in members:
+            expects, sends = given[r][0][members.index(j)], given[j][1][members.index(r)]  # type: ignore[index]
+            if expects != sends:
+                return (f"split sizes that do not pair up: rank {r} expects {expects} from rank {j} "
+                        f"(output_split_sizes[{members.index(j)}]), and rank {j} sends it {sends} "
+                        f"(input_split_sizes[{members.index(r)}])")
     return ""
 
 

@@ -213,6 +213,19 @@ def test_will_wait_knows_which_stepped_ranks_block_before_any_rank_moves():
     assert will_wait(differ, {0}, checked=True) == {0: (1,)}  # the peer stays paused: a wait, checked or not
 
 
+def test_an_all_to_all_whose_split_sizes_do_not_pair_up_is_named():
+    """What rank r expects from rank j must be what j sends to r: splits differ by rank by design, but must pair up
+    (a mismatch returned wrong numbers with no error, checked or not)."""
+    def row(rank, out, into):
+        return RankStep(rank, "paused", Call(1, "all_to_all_single", "0", (0, 1), ("float32[4]", "float32[4]"),
+                                             splits=f"splits out {out} in {into}", kind="c10d.alltoall_base_"))
+
+    assert disagreements({0: row(0, [1, 3], [1, 3]), 1: row(1, [3, 1], [3, 1])}) == []  # pairs up
+    (problem,) = disagreements({0: row(0, [1, 3], [2, 2]), 1: row(1, [2, 2], [3, 1])})
+    assert problem.endswith("split sizes that do not pair up: rank 0 expects 1 from rank 0 (output_split_sizes[0]), "
+                            "and rank 0 sends it 2 (input_split_sizes[0])"), problem
+
+
 def test_a_difference_in_the_fourth_tensor_is_shown_whole():
     """The table cuts a call's tensors after three; a disagreement on them names every one, or the one that
     differs would hide behind the '…'."""
