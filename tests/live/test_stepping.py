@@ -524,6 +524,7 @@ def test_peek_refuses_to_wait_for_a_functional_collectives_result(unchecked):
     unchecked.step(rank=0)
     with pytest.raises(WorkerError, match=r"peek only looks: .wait\(\) waits until every rank has finished"):
         unchecked.peek("w.wait()")
+    assert "posted and never met" in unchecked.abort()  # rank 0's all-reduce: the ranks are restarted
 
 
 def test_a_transfer_is_compared_with_its_other_end_posted_earlier_in_a_batch(ranks):
