@@ -507,7 +507,6 @@ class LiveRanks:
     def _interrupted(self, ranks: Generation, going: set[int], rows: dict[int, RankStep]) -> str:
         """A Ctrl-C while a step or continue waits: end the cell as a plain cell's interrupt does, keeping the
         variables where every rank still in the cell runs Python code or is paused; else restart. What became."""
-        self._posted = {}
         states = {}
         for r in range(self.world_size):
             status = ranks.answers.get(r, ("",))[0]
@@ -521,9 +520,11 @@ class LiveRanks:
 
     def _ended_in_python(self, ranks: Generation, states: dict[int, str], last: dict[int, Any]) -> bool:
         """End a stepped cell without a restart where it can be: every running rank is in Python code, not inside
-        a collective (SIGINT reaches it), and the paused ones take an abort. Whether every rank left the cell."""
+        a collective (SIGINT reaches it), the paused ones take an abort, and no call was posted that a peer never
+        met (a process group cannot take it back). Whether every rank left the cell."""
         running = {r for r, state in states.items() if state == "running"}
-        if ranks.dead() or any(last.get(r) is not None and not last[r].done for r in running):
+        never, self._posted = unmet(self._posted), {}
+        if never or ranks.dead() or any(last.get(r) is not None and not last[r].done for r in running):
             return False
         stuck = ranks.interrupt(running) if running else set()
         paused = {r for r, state in states.items() if state == "paused"}
