@@ -344,7 +344,7 @@ def _your_hook_in_fp16(rank: int, world_size: int, hook: Callable[[Any], Any]) -
     return {"grad": returned.float().cpu(),
             "avg": any(op.reduce_op == "AVG" for op in ops) or any(functional_avg),
             "summed": any(op.reduce_op == "SUM" for op in ops) or bool(functional_avg),
-            "calls": sorted({op.call.removeprefix("dist.") for op in ops})}  # as strict mode or the notes name it
+            "calls": sorted({op.call for op in ops})}
 
 
 WRAP_MESH_DIMS = ("shard",)  # fsdp_wrap's mesh is named, so that a default mesh is never taken for it

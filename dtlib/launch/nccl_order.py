@@ -18,7 +18,7 @@ Example::
 
     ring = [[("send", 1), ("recv", 2)], [("send", 2), ("recv", 0)], [("send", 0), ("recv", 1)]]
     deadlock([[launch(kind, peer) for kind, peer in rank] for rank in ring])
-    # 'On NCCL these transfers hang: rank 0 waits in send to rank 1, ...'
+    # 'On NCCL these transfers hang: rank 0 waits in dist.send to rank 1, ...'
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ Group = tuple[int, ...]
 @dataclass(frozen=True)
 class Op:
     """One transfer or collective as posted: ``kind`` is "send", "recv" or a collective's name; ``peer`` the other
-    rank of a transfer (global), None for a collective; ``call`` what the learner wrote ("isend", "send", ...)."""
+    rank of a transfer (global), None for a collective; ``call`` the call the learner wrote, as :mod:`dtlib.calls`
+    spells it ("isend", "all_reduce", "batch_isend_irecv's isend"): messages add the ``dist.`` themselves."""
 
     kind: str
     peer: int | None
@@ -73,9 +74,9 @@ def launch(kind: str, peer: int | None = None, group: Group = (), call: str = ""
 
 def _said(rank: int, op: Op) -> str:
     if op.peer is None:
-        return f"rank {rank} waits in {op.call}"
+        return f"rank {rank} waits in dist.{op.call}"
     towards = "to" if op.kind == "send" else "from"
-    return f"rank {rank} waits in {op.call} {towards} rank {op.peer}"
+    return f"rank {rank} waits in dist.{op.call} {towards} rank {op.peer}"
 
 
 def deadlock(ranks: Sequence[Sequence[Launch]]) -> str | None:
@@ -130,8 +131,8 @@ def deadlock(ranks: Sequence[Sequence[Launch]]) -> str | None:
         rank, op = unmatched[0]
         side = "receive" if op.kind == "send" else "send"
         towards = "to" if op.kind == "send" else "from"
-        return (f"Rank {rank}'s {op.call} {towards} rank {op.peer} is never matched: rank {op.peer} posts no {side} "
-                "for it. gloo lets the job end with it pending; on NCCL it waits forever.")
+        return (f"Rank {rank}'s dist.{op.call} {towards} rank {op.peer} is never matched: rank {op.peer} posts no "
+                f"{side} for it. gloo lets the job end with it pending; on NCCL it waits forever.")
     shown = ", ".join(_said(rank, op) for rank, (op, _) in waiting[:6]) + (", ..." if len(waiting) > 6 else "")
     return (f"On NCCL these transfers hang: {shown}. NCCL runs a rank's transfers one after another, in the order "
             "posted, and a send ends only while its receive runs. Post each rank's sends and receives together, in "

@@ -212,7 +212,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
         _refuse_non_contiguous(name, arguments)
         _concatenated(name, arguments)
-        nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), f"dist.{name}", op_name))
+        nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), name, op_name))
         rank = dist.get_rank()
         undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
         if not arguments.get("async_op"):
@@ -342,7 +342,7 @@ class _PointToPoint:
                                  f"Name the sender: dist.{name}(tensor, src=...)")
             _refuse_non_contiguous(name, arguments)
             nccl_order.note(nccl_order.Op("send" if name in ("send", "isend") else "recv", peer,
-                                          _group_ranks(arguments.get("group")), f"dist.{name}"))
+                                          _group_ranks(arguments.get("group")), name))
             if arguments.get("tag"):
                 self._warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): NCCL ignores tags and matches "
                                 "two ranks' messages in the order they were posted; strict mode does the same "
@@ -441,7 +441,7 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
         return original(p2p_op_list)
     ops = list(p2p_op_list)
     kinds = ["send" if "send" in getattr(op.op, "__name__", "") else "recv" for op in ops]
-    nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"dist.batch_isend_irecv's i{kind}")
+    nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"batch_isend_irecv's i{kind}")
                       for kind, op in zip(kinds, ops, strict=True)))
     return [_track(_Posted(work, "a work of dist.batch_isend_irecv")) for work in original(ops)]
 

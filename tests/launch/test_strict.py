@@ -307,9 +307,9 @@ def _posted_and_left(rank, world_size):
 def test_strict_mode_notes_what_each_rank_posts_and_the_work_it_never_waited_for():
     (notes0, batch0, single0, left0, got0), (notes1, *_rest, got1) = dtlib.spawn(_posted_and_left, 2, strict=True,
                                                                                    timeout=60)
-    assert notes0 == [[("send", 1, "dist.batch_isend_irecv's isend"), ("recv", 1, "dist.batch_isend_irecv's irecv")],
-                      [("all_reduce", None, "dist.all_reduce")], [("send", 1, "dist.isend")]]
-    assert notes1[-1] == [("recv", 0, "dist.irecv")]
+    assert notes0 == [[("send", 1, "batch_isend_irecv's isend"), ("recv", 1, "batch_isend_irecv's irecv")],
+                      [("all_reduce", None, "all_reduce")], [("send", 1, "isend")]]
+    assert notes1[-1] == [("recv", 0, "irecv")]
     assert batch0 and set(batch0) == {"a work of dist.batch_isend_irecv"}  # one work per transfer on gloo
     assert single0 == ["dist.isend to rank 1"] and left0 == []
     assert (got0, got1) == ([1.0, 1.0], [0.0, 0.0])
