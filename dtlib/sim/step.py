@@ -49,7 +49,8 @@ SP_PLAN = {**TP_PLAN, "o": RowwiseParallel(output_layouts=Shard(1)), "down": Row
 #: share of the vocabulary's rows and computing that share of the logits, kept sharded into the loss.
 HEAD_PLAN = {"head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)}
 #: The same with sequence parallelism, torchtitan's plan: the final norm runs on this rank's share of the sequence,
-#: and the head gathers its output (in backward, reduce-scatters its gradient back to a share).
+#: and the head all-gathers its input, the norm's output, along the sequence (in backward it reduce-scatters that
+#: input's gradient back to a share).
 HEAD_SP_PLAN = {"head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
@@ -304,8 +305,9 @@ def _deepest_peak(low: dict[Any, dict[str, int]], high: dict[Any, dict[str, int]
                   high_depth: int, depth: int) -> dict[str, int]:
     """The peak at ``depth`` layers: each moment's memory at the two depths simulated, by category, extended to
     ``depth``, and the moment that holds the most there. The peak's own moment at a shallow depth may not be the
-    deep model's (a shallow model peaks at its loss, a deep one in the optimizer's step, whose state grows with
-    every block), so every moment is extended, not the shallow peak alone."""
+    deep model's (a shallow model peaks where its activations are largest, in the loss or in backward, a deep one
+    in the optimizer's step, whose state grows with every block), so every moment is extended, not the shallow
+    peak alone."""
     extended = [{name: _extend(low[key][name], high[key][name], low_depth, high_depth, depth) for name in CATEGORIES}
                 for key in sorted(low.keys() & high.keys(), key=str)]  # in one order: a tie goes the same way
     return max(extended, key=lambda memory: sum(memory.values()))
