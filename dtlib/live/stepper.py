@@ -121,6 +121,11 @@ class Call:
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:
+    """``float32[4]``; a complex tensor as the cell passed it, though c10d sends its real view (``complex64[2]``,
+    not ``float32[2, 2]``)."""
+    base = tensor._base
+    if base is not None and base.is_complex() and tuple(tensor.shape) == (*base.shape, 2):
+        tensor = base
     return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(str(size) for size in tensor.shape)}]"
 
 
@@ -193,8 +198,8 @@ def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: 
         splits = f"splits out {out} in {into}"
     tensors = tuple(_tensor_text(tensor) for name, value in bound.items() if name != "sparse_indices"
                     for tensor in _flat(value))
-    if base == "barrier":
-        tensors = ()  # gloo's barrier carries a placeholder tensor of its own
+    if base in ("barrier", "monitored_barrier"):
+        tensors = ()  # gloo's barriers carry a placeholder tensor of their own
     line, source, issuer, called, async_op = _where(frame)
     transfer = base if base in ("send", "recv") else ""
     if called and not functional and (not transfer or called in _P2P_CALLS):

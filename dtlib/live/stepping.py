@@ -202,6 +202,8 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False, posted: Post
     posted with ``async_op=True``, is compared in place of the peer's next call."""
     problems: list[str] = []
     named: set[int] = set()
+    cycle = _cycle(_waits_for(rows, posted))
+    ring = _blocking_ring(rows, cycle)  # named once, below, rather than as one unmatched transfer per rank
     for rank, row in sorted(rows.items()):
         call = row.call
         if not row.active or call is None or rank in named:
@@ -230,7 +232,7 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False, posted: Post
                     if rank < peer:  # the pair, once: each waits in its own blocking call for the other's
                         problems.append(f"ranks {rank} and {peer} both {call.transfer} to each other before either "
                                         f"{'receives' if call.transfer == 'send' else 'sends'}: a deadlock")
-                else:
+                elif rank not in ring:
                     problems.append(f"rank {rank}'s {call.what()} is not matched: rank {peer} calls "
                                     f"{other.call.what()}")
             continue
@@ -253,14 +255,29 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False, posted: Post
             if not other.active:
                 problems.append(f"{_ranks(sorted(on_group))} will wait for ever in {_named(call)}: rank {peer} "
                                 f"{_ended(other)}")
-    cycle = _cycle(_waits_for(rows, posted))
     caught = checked and all(caught_by_the_check(rows[rank].call, rows[cycle[(i + 1) % len(cycle)]].call)
                              for i, rank in enumerate(cycle))
-    if cycle and not caught and not all(rows[rank].call.p2p for rank in cycle):  # a pair of sends: named above
-        hops = "; ".join(f"rank {rank} in {_named(rows[rank].call)} for rank {cycle[(i + 1) % len(cycle)]}"
-                         for i, rank in enumerate(cycle))
+    hops = "; ".join(f"rank {rank} in {_named(rows[rank].call)} for rank {cycle[(i + 1) % len(cycle)]}"
+                     for i, rank in enumerate(cycle))
+    if ring:
+        first, then = ("send", "receive") if rows[cycle[0]].call.transfer == "send" else ("receive", "send")
+        problems.append(f"{_ranks(sorted(cycle))} each {first} before they {then}, in a ring: a deadlock, each "
+                        f"waiting for the next: {hops}. Post both ends in one dist.batch_isend_irecv, or let even "
+                        f"ranks send first and odd ranks receive first")
+    elif cycle and not caught and not all(rows[rank].call.p2p for rank in cycle):  # a pair of sends: named above
         problems.append(f"{_ranks(sorted(cycle))} will wait for ever, each for the next: {hops}")
     return problems
+
+
+def _blocking_ring(rows: dict[int, RankStep], cycle: list[int]) -> set[int]:
+    """The ranks of ``cycle`` when it is a ring of three or more blocking transfers of one kind (each rank sends
+    to the next, or each receives from the next, and nobody the other way), else none."""
+    calls = [rows[rank].call for rank in cycle]
+    if len(cycle) < 3 or any(call is None or not call.p2p or not blocking(call) for call in calls):
+        return set()
+    if len({call.transfer for call in calls}) != 1:  # type: ignore[union-attr]
+        return set()
+    return set(cycle)
 
 
 def _bytes(call: Call) -> int:

@@ -192,6 +192,26 @@ def _call(op, members=(0, 1), tensors=("float32[4]",), root=None, transfer="", g
                 transfer)
 
 
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("transfer", ["send", "recv"])
+def test_a_ring_of_blocking_transfers_is_named_once_as_a_deadlock(world_size, transfer):
+    """Each rank sends to the next (or receives from the previous) with a blocking call: on gloo it hangs (each
+    send waits for its receive, checked with dtlib.spawn), and it is one deadlock, not one unmatched call per rank."""
+    step = 1 if transfer == "send" else -1
+    rows = {rank: RankStep(rank, "paused", _call(transfer, members=tuple(range(world_size)),
+                                                 root=(rank + step) % world_size, transfer=transfer))
+            for rank in range(world_size)}
+    problems = disagreements(rows)
+    first, then = ("send", "receive") if transfer == "send" else ("receive", "send")
+    ranks = ", ".join(map(str, range(world_size)))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"ranks {ranks} each {first} before they {then}, in a ring: a deadlock"), problems
+    assert "dist.batch_isend_irecv" in problems[0] and problems[0].count(f"{transfer} #1") == world_size
+    rows[0] = RankStep(0, "paused", _call("i" + transfer, members=tuple(range(world_size)), root=step % world_size,
+                                          transfer=transfer))
+    assert not any("a deadlock" in problem for problem in disagreements(rows))  # a posted isend breaks the ring
+
+
 def test_will_wait_knows_which_stepped_ranks_block_before_any_rank_moves():
     rows = {0: RankStep(0, "paused", _call("all_reduce")), 1: RankStep(1, "paused", _call("all_reduce")),
             2: RankStep(2, "paused", _call("all_reduce", members=(0, 1, 2)))}
@@ -573,14 +593,25 @@ def test_under_the_check_an_async_collective_blocks_a_rank_stepped_alone_and_con
     assert not ranks.paused and ranks.run("kept") == [100, 101]
 
 
+def test_a_complex_tensor_is_shown_as_the_cell_passed_it(ranks):
+    """c10d all-reduces a complex tensor as its real view (float32[2, 2] for complex64[2]); the table shows what
+    the cell wrote, and the values equal a plain run's."""
+    cell = "z = torch.ones(2, dtype=torch.complex64) * (1 + rank * 1j)\ndist.all_reduce(z)\nz"
+    view = ranks.run(cell, step=True)
+    assert view.states() == {0: "paused before all_reduce #1 (SUM, complex64[2])",
+                             1: "paused before all_reduce #1 (SUM, complex64[2])"}, view.states()
+    assert [z.tolist() for z in ranks.resume()] == [z.tolist() for z in ranks.run(cell)]
+
+
 def test_a_waiting_rank_whose_call_ends_by_itself_ends_the_cell_at_the_next_command(ranks):
     """monitored_barrier raises after its own timeout on the rank left waiting: the next command says the cell
     ended, with that error, and the ranks keep their variables (it stayed 'paused', and nothing said why)."""
     import time
 
     ranks.run("kept = rank + 100")
-    ranks.run("if rank == 0:\n    dist.monitored_barrier(timeout=__import__('datetime').timedelta(seconds=1))",
-              step=True)
+    view = ranks.run("if rank == 0:\n    dist.monitored_barrier(timeout=__import__('datetime').timedelta(seconds=1))",
+                     step=True)
+    assert view.states()[0] == "paused before monitored_barrier #1", view.states()  # no placeholder tensor shown
     deadline = time.monotonic() + 60
     while True:  # the first step: rank 1 finishes the cell; rank 0 waits inside the barrier until its 1 s
         try:
