@@ -16,14 +16,18 @@ from typing import Any
 from dtlib.checks.feedback import Feedback
 from dtlib.live.ranks import LiveRanks
 
-#: The model: three blocks of different sizes, so that each collective's element count names its block.
+#: The model: three blocks of different sizes, so that each collective's element count names its block. The
+#: checker's ranks are gloo's on the CPU wherever it runs, so the mesh is named: ``fully_shard``'s default mesh is
+#: a CUDA one on a machine with a GPU ("invalid device ordinal" on rank 1 of a one-GPU machine).
 SETUP = """
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 torch.manual_seed(0)
+mesh = init_device_mesh("cpu", (world_size,))
 model = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 6), nn.Linear(6, 4))
 for block in model:
-    fully_shard(block, reshard_after_forward=True)
-fully_shard(model, reshard_after_forward=True)
+    fully_shard(block, mesh=mesh, reshard_after_forward=True)
+fully_shard(model, mesh=mesh, reshard_after_forward=True)
 """
 STEP = "model(torch.randn(4, 8)).sum().backward()"
 #: Each block's parameter count (weight and bias): the size of its all-gather's output, of its reduce-scatter's input.

@@ -16,6 +16,18 @@ def test_the_truth_is_traced_not_held_and_each_block_is_named_by_its_size():
                                         for item in RIGHT)
 
 
+def test_the_traced_model_names_a_cpu_mesh_so_that_a_gpu_machine_traces_the_same():
+    """The checker's ranks are gloo's on the CPU; fully_shard's default mesh is a CUDA one wherever torch sees a
+    GPU, and rank 1 of a one-GPU machine then fails ("invalid device ordinal"). Every fully_shard names the mesh."""
+    import ast
+
+    calls = [node for node in ast.walk(ast.parse(collective_order.SETUP)) if isinstance(node, ast.Call)]
+    meshes = [call for call in calls if getattr(call.func, "id", "") == "init_device_mesh"]
+    assert [ast.literal_eval(call.args[0]) for call in meshes] == ["cpu"]
+    shards = [call for call in calls if getattr(call.func, "id", "") == "fully_shard"]
+    assert shards and all(any(keyword.arg == "mesh" for keyword in call.keywords) for call in shards)
+
+
 @pytest.mark.parametrize("answer", [
     RIGHT,
     [("all_gather" if item[:2] == "AG" else "reduce_scatter", int(item[2])) for item in RIGHT],
