@@ -597,6 +597,29 @@ def test_what_the_docs_say_ran_on_a_gpu_names_its_commit_and_every_notebook_chan
     assert changed_numbers <= said, f"changed since {run}, not said: {sorted(changed_numbers - said)}"
 
 
+#: A notebook's words about the course's own GPU run (not a published run's, nor a GPU in general).
+GPU_RUN_CLAIM = re.compile(r"(ran|has run|have run) on (one|an?|a single) (H100|H200|GPU)|the (one )?GPU run so far"
+                           r"|no GPU has drawn|no notebook run has", re.IGNORECASE)
+
+
+def test_a_notebook_that_speaks_of_the_gpu_run_cites_where_it_is_recorded():
+    """The GPU run is true of one commit, and notebooks change after it: a notebook cell that says what ran on a
+    GPU gives the run's date or commit, or cites its table in docs/results/ (which has both), so that a reader can
+    tell which code ran. "Every notebook has run on one H100", citing docs/gpu_status.md alone, stayed in 00 for
+    250 commits after the notebooks changed."""
+    date = re.search(r"first ran on a GPU on (\d{4}-\d{2}-\d{2})", (ROOT / "docs" / "gpu_status.md").read_text())
+    run = re.search(r"<!-- gpu-run: ([0-9a-f]{7,40}) -->", (ROOT / "docs" / "gpu_status.md").read_text())
+    assert date and run, "docs/gpu_status.md says the GPU run's date ('first ran on a GPU on YYYY-MM-DD') and commit"
+    uncited = []
+    for path in NOTEBOOKS:
+        for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+            text = " ".join("".join(cell["source"]).split())
+            if cell["cell_type"] == "markdown" and GPU_RUN_CLAIM.search(text) and not any(
+                    citation in text for citation in ("docs/results/", date.group(1), run.group(1))):
+                uncited.append(f"{path.name} cell {index}: {GPU_RUN_CLAIM.search(text).group(0)!r}")
+    assert not uncited, uncited
+
+
 @pytest.mark.parametrize(("code", "formula"), [
     ("share = (world - 1) / world", "the ring's share (n - 1) / n"),
     ("sent = 2 * (n - 1) / n * size", "the ring's share (n - 1) / n"),  # the multiplication hid it once
