@@ -455,6 +455,19 @@ def _readme_figure_script():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_asks_for_a_prediction_in_a_widget_it_stores(path):
+    """Predict, then measure: each notebook has a prediction widget (``dtlib.checks.predict``) with its view
+    stored, which the browser test then types into. That test runs over the notebooks that have one, so a
+    notebook that lost its widget would pass there: this holds the rule itself."""
+    widget = "application/vnd.jupyter.widget-view+json"
+    cells = [cell for cell in json.loads(path.read_text())["cells"] if cell["cell_type"] == "code"
+             and "dtlib.checks.predict(" in "".join(cell["source"])]
+    assert cells, f"{path.name} asks for no prediction (dtlib.checks.predict)"
+    assert all(any(widget in output.get("data", {}) for output in cell.get("outputs", [])) for cell in cells), (
+        f"{path.name}: a prediction cell without its stored widget (re-execute the notebook)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_notebook_has_a_readme_row_with_its_figure_as_stored(path):
     """The README's table of contents has a row per notebook, and its picture is the notebook's marked figure as
     stored now (scripts/readme_figures.py copies it after a notebook is executed again)."""

@@ -92,17 +92,27 @@ def _valid_env(env: Mapping[str, str] | None) -> dict[str, str]:
     return dict(env)
 
 
+#: NCCL's once-per-process warning that an unbatched send or recv is serialised with the group's other calls
+#: (dtlib's NCCL ranks initialise eagerly, with ``device_id``). The course teaches the same in its own words
+#: (notebooks 02 and 03, strict mode's note), and torch's text would land in the stderr of checked cells.
+NCCL_P2P_WARNING = "TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING"
+
+
 def rank_environment(requested: str, resolved: str) -> dict[str, str]:
     """Variables every rank gets for this choice of backend: where ``backend="auto"`` chose gloo on a machine
     with GPUs (fewer than ranks), the ranks compute on the CPU and see no GPU (``CUDA_VISIBLE_DEVICES=""``), so
     torch's own defaults agree with them: ``fully_shard``'s default mesh would otherwise be a CUDA mesh that
     sets GPU ``LOCAL_RANK`` (absent on rank 1 of a one-GPU machine), and PowerSGD's hook would synchronise a
     GPU for CPU tensors. A job that names ``backend="gloo"`` keeps the GPUs (gloo reduces CUDA tensors too).
+    NCCL ranks get :data:`NCCL_P2P_WARNING` off, unless the caller's environment sets it.
 
     Example: ``rank_environment("auto", "gloo")`` is ``{"CUDA_VISIBLE_DEVICES": ""}`` on a one-GPU machine.
     """
     if requested == "auto" and resolved == "gloo" and torch.cuda.device_count() > 0:
         return {"CUDA_VISIBLE_DEVICES": ""}
+    if resolved == "nccl" and NCCL_P2P_WARNING not in os.environ:
+        # GPU run must confirm: with this set, 02's send/recv cells on NCCL ranks print nothing on stderr
+        return {NCCL_P2P_WARNING: "false"}
     return {}
 
 

@@ -789,8 +789,13 @@ def test_auto_gloo_ranks_on_a_gpu_machine_see_no_gpu(monkeypatch):
     assert dtlib.spawn(visible_gpus, world_size=2, timeout=60) == [("", 0), ("", 0)]
     named = dtlib.spawn(visible_gpus, world_size=2, backend="gloo", timeout=60)
     assert [visible for visible, _ in named] == ["0", "0"]
-    from dtlib.launch.spawn import rank_environment
-    assert rank_environment("auto", "nccl") == {} and rank_environment("gloo", "gloo") == {}
+    from dtlib.launch.spawn import NCCL_P2P_WARNING, rank_environment
+    assert rank_environment("gloo", "gloo") == {}
+    # NCCL's unbatched-send warning would reach checked cells' stderr: off, unless the caller set it
+    monkeypatch.delenv(NCCL_P2P_WARNING, raising=False)
+    assert rank_environment("auto", "nccl") == rank_environment("nccl", "nccl") == {NCCL_P2P_WARNING: "false"}
+    monkeypatch.setenv(NCCL_P2P_WARNING, "true")
+    assert rank_environment("auto", "nccl") == {}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert rank_environment("auto", "gloo") == {}  # a laptop: nothing to hide
 
