@@ -160,6 +160,33 @@ def test_bad_input_while_stepping_gets_a_clear_message_and_leaves_no_rank_blocke
     assert ranks.resume() == ranks.run(TWO_CALLS)
 
 
+def test_peek_reads_a_functions_locals_and_gives_a_dtensor_as_each_ranks_shard(ranks):
+    """The paused frame is the innermost one of the cell: a function's locals are there; a DTensor comes back as
+    the rank's LocalShard, as pull gives it."""
+    from dtlib.launch.shards import LocalShard
+
+    ranks.run("def scaled(t):\n    inside = t * 10\n    dist.all_reduce(inside)\n    return inside\n"
+              "scaled(torch.ones(2) * (rank + 1))", step=True)
+    assert [t.tolist() for t in ranks.peek("inside")] == [[10.0, 10.0], [20.0, 20.0]]
+    assert [t.tolist() for t in ranks.resume()] == [[30.0, 30.0], [30.0, 30.0]]
+    ranks.run("from torch.distributed.device_mesh import init_device_mesh\n"
+              "from torch.distributed.tensor import Shard, distribute_tensor\n"
+              "mesh = init_device_mesh('cpu', (world_size,))\n"
+              "d = distribute_tensor(torch.arange(4.0).reshape(4, 1), mesh, [Shard(0)])")
+    ranks.run("dist.barrier()", step=True)
+    shards = ranks.peek("d")
+    assert all(isinstance(shard, LocalShard) for shard in shards), shards
+    assert [shard.local.flatten().tolist() for shard in shards] == [[0.0, 1.0], [2.0, 3.0]]
+    ranks.resume()
+
+
+def test_a_dtype_alone_differing_is_named_before_anything_is_sent(ranks):
+    view = ranks.run("dist.all_reduce(torch.ones(2, dtype=torch.float64 if rank else torch.float32))", step=True)
+    assert any("different tensors" in problem and "float32[2]" in problem and "float64[2]" in problem
+               for problem in view.problems), view.problems
+    ranks.abort()
+
+
 def test_a_rank_that_raises_while_its_peer_is_paused_is_shown_and_abort_restarts_the_waiting_one(ranks):
     view = ranks.run("if rank == 1:\n    raise ValueError('boom')\ndist.all_reduce(torch.ones(1))", step=True)
     assert view.states()[1] == "raised ValueError: boom"
@@ -272,6 +299,9 @@ def test_the_magics_step_peek_continue_and_abort_from_cells(capsys):
 
     shell = get_ipython()
     shell.run_line_magic("load_ext", "dtlib")
+    capsys.readouterr()
+    shell.run_cell("%%ranks --step\n" + TWO_CALLS)  # before any ranks: said, not raised from inside dtlib
+    assert "no live ranks: start them first with %ranks start 2" in capsys.readouterr().err
     shell.run_line_magic("ranks", "start 2 --backend gloo --timeout 30")
     try:
         capsys.readouterr()
