@@ -55,6 +55,7 @@ def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int,
     for ax, (name, (shape, placement)) in zip(axes[0], layout.items(), strict=True):
         rows, cols = _dims(shape)
         kind, dim = _placement(placement)
+        turn = 90 if len(shape) == 1 else 0  # a vector is drawn as a narrow strip: its words run along it
         said = {"shard": f"Shard({dim})", "partial": "Partial(sum)", "replicate": "Replicate()"}[kind]
         if kind == "shard":
             by_rows = len(shape) == 1 or dim in (0, -2)
@@ -67,19 +68,25 @@ def placements(layout: Mapping[str, tuple[Sequence[int], Any]], world_size: int,
                 x, y, w, h = (0, start, cols, stop - start) if by_rows else (start, 0, stop - start, rows)
                 ax.add_patch(Rectangle((x, y), w, h, color=RANK_COLORS[rank % len(RANK_COLORS)], alpha=0.85))
                 ax.text(x + w / 2, y + h / 2, f"rank {rank}", ha="center", va="center", color="white", fontsize=9,
-                        rotation=0 if by_rows else 90)
+                        rotation=turn if by_rows else 90)
         elif kind == "partial":
             ax.add_patch(Rectangle((0, 0), cols, rows, facecolor=COLORS["store"], hatch="//", edgecolor="black",
                                    alpha=0.6))
-            ax.text(cols / 2, rows / 2, "a summand\non every rank", ha="center", va="center", fontsize=9)
+            ax.text(cols / 2, rows / 2, "a summand\non every rank", ha="center", va="center", fontsize=9, rotation=turn)
         else:
             ax.add_patch(Rectangle((0, 0), cols, rows, color=COLORS["off"]))
-            ax.text(cols / 2, rows / 2, "whole on\nevery rank", ha="center", va="center", fontsize=9)
+            ax.text(cols / 2, rows / 2, "whole on\nevery rank", ha="center", va="center", fontsize=9, rotation=turn)
         ax.set_xlim(0, cols)
         ax.set_ylim(rows, 0)
         ax.set_aspect("equal" if max(rows, cols) <= 8 * min(rows, cols) else "auto")
-        ax.set_xlabel(f"columns ({cols})")
-        ax.set_ylabel(f"rows ({rows})")
+        if len(shape) == 1:  # a vector (a bias): a tall strip, whose one column has no width to count
+            ax.set_xticks([])
+            ax.set_box_aspect(4)
+            ax.set_xlabel("columns (none: 1-D)")
+            ax.set_ylabel(f"elements ({rows})")
+        else:
+            ax.set_xlabel(f"columns ({cols})")
+            ax.set_ylabel(f"rows ({rows})")
         ax.set_title(f"{name}\n{said}", fontsize=10)
     handles = [Patch(color=RANK_COLORS[r % len(RANK_COLORS)], label=f"rank {r}") for r in range(world_size)]
     fig.legend(handles=handles, loc="lower center", ncol=min(world_size, 8), fontsize=8)
