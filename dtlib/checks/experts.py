@@ -1,6 +1,6 @@
 """The expert-parallel exercise of notebook 13: a mixture-of-experts layer whose experts live round-robin.
 
-Every rank gets the same router, ``nn.Linear(DIM, EXPERTS, bias=False)``, its own :data:`TOKENS` tokens, and its
+Every rank gets the same router, ``nn.Linear(DIM, E, bias=False)``, its own :data:`TOKENS` tokens, and its
 own experts as a dict ``{e: expert}``: expert ``e`` lives on rank ``e % p``, so with 8 experts on 3 ranks rank 0
 holds experts 0, 3 and 6 and rank 2 holds 2 and 5. The learner's ``fn(x, router, experts, top_k, group)`` routes
 each token to its ``top_k`` experts (softmax over the router's logits, the ``top_k`` largest, renormalised to sum
@@ -11,10 +11,11 @@ Right: on every rank, the output, the gradient of ``x``, this rank's share of th
 gradients of this rank's experts equal one process applying the whole layer to every rank's tokens; the
 tokens travelled by all-to-all only, each assignment out once and each output home once.
 
-Each check draws a new seed for the weights and tokens, and with it ``top_k`` (2 or 3, :func:`top_k_of`), so no
-answer can rebuild another rank's experts or tokens for itself or hard-code top-2, and rank 0's tokens never
-choose experts 1, 4, 5 or 7: with 3 ranks it sends nothing to rank 1 (experts 1, 4, 7), with 4 ranks nothing to
-rank 1 (1, 5), an empty split that a plan assuming every pair of ranks exchanges tokens gets wrong.
+Each check draws a new seed for the weights and tokens, and with it ``top_k`` (2 or 3, :func:`top_k_of`) and the
+number of experts E (10, 14 or 16, :func:`experts_of`; the lesson's inputs keep 8), so no answer can rebuild another
+rank's experts or tokens for itself or hard-code top-2 or 8 experts. Rank 0's tokens never choose the experts that
+rank 1 holds at 3 ranks or at 4 (:func:`quiet_of`: 1, 4, 5 and 7 of 8), so with either it sends rank 1 nothing: an
+empty split, which a plan assuming every pair of ranks exchanges tokens gets wrong.
 
 Example: ``expert_parallel_moe(fn)``.
 """
@@ -39,8 +40,21 @@ from dtlib.launch.device import rank_device
 from dtlib.measure.counting import watching
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 8, 16, 8, 2, 12
-QUIET = (1, 4, 5, 7)  # experts rank 0's tokens never choose (an empty split at 3 ranks and at 4)
 _SEED = 13  # moe_inputs' default; each check draws its own
+
+
+def experts_of(seed: int) -> int:
+    """How many experts the check drawn from ``seed`` has: the lesson's 8 for its own inputs, else 10, 14 or 16.
+    Always more than 8: an answer that hard-codes the lesson's 8 then files two experts' tokens under one key,
+    and fails every check (with fewer experts than it assumes, its grid of counts would only be larger). None
+    divides by 3, so 3 ranks always hold uneven shares."""
+    return EXPERTS if seed == _SEED else random.Random(seed + 1).choice((10, 14, 16))
+
+
+def quiet_of(experts: int) -> tuple[int, ...]:
+    """The experts rank 0's tokens never choose: those rank 1 holds at 3 ranks or at 4 (``e % p == 1``), so that
+    at either size rank 0 sends rank 1 nothing. Of 8: (1, 4, 5, 7)."""
+    return tuple(e for e in range(experts) if e % 3 == 1 or e % 4 == 1)
 
 
 def top_k_of(seed: int) -> int:
@@ -57,11 +71,12 @@ def owner(expert: int, world_size: int) -> int:
 def _build(world_size: int, device: torch.device | str, seed: int) -> tuple[torch.Tensor, nn.Linear, list[nn.Module]]:
     """Every rank's tokens, the router and all the experts, the same in every process for one seed."""
     torch.manual_seed(seed)
-    router = nn.Linear(DIM, EXPERTS, bias=False)
-    experts = [nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(EXPERTS)]
+    count = experts_of(seed)
+    router = nn.Linear(DIM, count, bias=False)
+    experts = [nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(count)]
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randn(world_size * TOKENS, DIM, generator=generator)
-    quiet = torch.tensor(QUIET)
+    quiet = torch.tensor(quiet_of(count))
     with torch.no_grad():
         fits = torch.empty(0, DIM)
         while len(fits) < TOKENS:  # about one random token in five avoids the quiet experts
@@ -269,7 +284,7 @@ def _misplaced_kept(size: int, seed: int, how: str) -> list[torch.Tensor]:
             gates, chosen = router(x).softmax(-1).topk(top_k, dim=-1)
             gates = gates / gates.sum(-1, keepdim=True)
             flat = chosen.flatten()
-            order = ((flat % size) * EXPERTS + flat).argsort(stable=True)
+            order = ((flat % size) * len(experts) + flat).argsort(stable=True)
             outputs = torch.stack([experts[int(e)](x[a // top_k]) for a, e in enumerate(flat)])
             arrived = outputs[order]  # what comes home, in the order it was sent
             y_flat = arrived if how == "kept sorted" else arrived[order]
@@ -416,7 +431,8 @@ def _your_line(traceback: str) -> str:
     return f" (at {mine[-1]})" if mine else ""
 
 
-def _failure(err: WorkerError) -> str:
+def _failure(err: WorkerError, experts: int = EXPERTS) -> str:
+    """What a raising answer did wrong, with ``experts``, the number this check drew, in its examples."""
     failure = err.cause()
     said = failure.headline()
     last = said.splitlines()[-1] if said else ""
@@ -428,9 +444,10 @@ def _failure(err: WorkerError) -> str:
     # gloo's own words before torch 2.15; 2.15's functional all-to-all refuses the tensor first, in its own
     if any(words in said for words in ("in->size % context->size", "divisible", "does not divide equally")):
         return (f"An all-to-all without split sizes needs a first dimension that divides by the ranks ({last})"
-                f"{where}: a rank's tensor did not (8 counts, one per expert, do not split over 3 ranks). Lay the "
-                "counts out as a grid, one row of E counts per destination rank (p x E numbers, zeros included), "
-                "so that each rank receives E counts from every rank.")
+                f"{where}: a rank's tensor did not (this check's {experts} experts give {experts} counts, which do "
+                "not split over 3 ranks). Lay the counts out as a grid, one row of E counts per "
+                "destination rank (p x E numbers, zeros included, E = router.out_features), so that each rank "
+                "receives E counts from every rank.")
     if "split" in said.lower() or "alltoall" in said.lower() or "all_to_all" in said.lower():
         return (f"The all-to-all's sizes did not fit on a rank ({last}){where}. What rank i sends to rank j must be "
                 "what j expects from i: exchange the counts first (all_to_all_single of a tensor of counts), and "
@@ -460,7 +477,9 @@ EXPERT_PARALLEL_MOE = RankExercise(
         f"With {a.size} ranks, rank {a.rank}'s outputs differ from one process's by up to "
         f"{(a.value['y'] - a.expected[a.rank]['y']).abs().max().item():.3g}. Check the three steps: each token goes "
         "to the ranks of its top-k experts (expert e on rank e % p), each arriving token meets its own expert "
-        "there, and each output comes home to its token's row, weighted by its gate."),
+        "there, and each output comes home to its token's row, weighted by its gate. This check drew "
+        f"{experts_of(a.expected[0]['seed'])} experts and top_k={top_k_of(a.expected[0]['seed'])}: take them from "
+        "router.out_features and top_k, not from the lesson's 8 and 2."),
     no_collective=lambda rank, expected, calls: (
         f"Rank {rank} has the right outputs but communicated nothing: it cannot hold every expert. Send the tokens "
         "to the experts' ranks with an all-to-all."),
@@ -477,8 +496,8 @@ EXPERT_PARALLEL_MOE = RankExercise(
 def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: float = 60.0,
                         seed: int | None = None) -> Feedback:
     """Notebook 13: ``fn(x, router, experts, top_k, group)`` is the expert-parallel layer of this module's
-    docstring; it runs on ``world_size`` ranks and on one more (by default 3 ranks, which hold 3, 3 and 2 of the 8
-    experts, then 4, which hold 2 each).
+    docstring; it runs on ``world_size`` ranks and on one more (by default 3 and 4), with a number of experts and a
+    ``top_k`` drawn for each check (:func:`experts_of`, :func:`top_k_of`), so the ranks hold uneven shares.
 
     Each wrong answer is named: outputs without gradients (``dist.all_to_all_single`` for the tokens), gradients
     that miss the experts or the tokens, outputs in sorted order, gates left out or not renormalised, an expert
@@ -489,5 +508,6 @@ def expert_parallel_moe(fn: Callable[..., Any], world_size: int = 3, timeout: fl
     seed = random.randrange(2**31) if seed is None else seed
     exercise = dataclasses.replace(
         EXPERT_PARALLEL_MOE, expected=lambda inputs: _expected(len(inputs), seed),
-        inputs=lambda size, generator: [_given(rank, size, seed) for rank in range(size)])
+        inputs=lambda size, generator: [_given(rank, size, seed) for rank in range(size)],
+        failure=lambda err: _failure(err, experts_of(seed)))
     return judge(functools.partial(_run, fn), exercise, world_size, timeout)

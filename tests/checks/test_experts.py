@@ -33,7 +33,7 @@ def _move(tokens, out_splits, in_splits, group, autograd):
 
 def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates=False, unsort="inverse",
         gated=True, renormalise=True, layout="round robin", equal_splits=False, detach_output=False,
-        score_detached=False):
+        score_detached=False, num_experts=None):
     """The expert-parallel layer, with one switch per mistake a learner makes (the defaults are right)."""
     p = dist.get_world_size(group)
     gates, chosen = router(x.detach() if score_detached else x).softmax(-1).topk(top_k, dim=-1)
@@ -42,10 +42,11 @@ def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates
     if detach_gates:
         gates = gates.detach()
     flat = chosen.flatten()
-    destination = flat % p if layout == "round robin" else flat // -(-EXPERTS // p)  # contiguous: 3, 3, 2
-    key = destination * EXPERTS + flat
+    count = num_experts or router.out_features  # a number of its own: an answer that hard-codes one
+    destination = flat % p if layout == "round robin" else flat // -(-count // p)  # contiguous: 3, 3, 2
+    key = destination * count + flat
     order = key.argsort(stable=True)
-    send = torch.bincount(key, minlength=p * EXPERTS)
+    send = torch.bincount(key, minlength=p * count)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     send_splits = send.view(p, -1).sum(1).tolist()
@@ -53,7 +54,7 @@ def moe(x, router, experts, top_k, group, *, there=True, back=True, detach_gates
     if equal_splits:
         send_splits = recv_splits = [len(flat) // p] * p
     arrived = _move(x[order // top_k], recv_splits, send_splits, group, there)
-    expert_of = torch.arange(EXPERTS, device=x.device).repeat(p).repeat_interleave(recv)
+    expert_of = torch.arange(count, device=x.device).repeat(p).repeat_interleave(recv)
     out = torch.zeros_like(arrived)
     for e in expert_of.unique().tolist():
         rows = (expert_of == e).nonzero(as_tuple=True)[0]
@@ -270,6 +271,22 @@ def test_top_k_is_drawn_with_each_check_so_a_hard_coded_top_2_fails():
     feedback = checks.expert_parallel_moe(top_2_hard_coded, seed=three, timeout=60)
     assert not feedback.ok and "sent each token to 2 experts, but this check asked for top_k=3" in feedback.message, \
         feedback.message
+
+
+def eight_experts_hard_coded(x, router, experts, top_k, group):
+    return moe(x, router, experts, top_k, group, num_experts=8)  # the lesson's 8, whatever the router says
+
+
+def test_the_number_of_experts_is_drawn_with_each_check_so_a_hard_coded_8_fails():
+    from dtlib.checks.experts import experts_of, quiet_of
+
+    assert {experts_of(seed) for seed in range(14, 54)} == {10, 14, 16} and quiet_of(8) == (1, 4, 5, 7)
+    for seed in (next(seed for seed in range(14, 54) if experts_of(seed) == count) for count in (10, 16)):
+        assert checks.expert_parallel_moe(moe, seed=seed, timeout=60).ok
+        feedback = checks.expert_parallel_moe(eight_experts_hard_coded, seed=seed, timeout=60)
+        assert not feedback.ok, feedback.message
+        assert f"this check's {experts_of(seed)} experts" in feedback.message or f"drew {experts_of(seed)} experts" in \
+            feedback.message, feedback.message
 
 
 def _source_lines(fn):
