@@ -111,7 +111,9 @@ class FusedRMSNorm(torch.autograd.Function):
         grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
         grad_weight = None
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            # summed over every dimension but the last, not flattened first: under sequence parallelism x is a
+            # DTensor sharded along the sequence, which torch 2.11 refuses to flatten (2.13 redistributes it)
+            grad_weight = (grad * normed).sum(dim=tuple(range(x.dim() - 1))).to(weight.dtype)
         return grad_x.to(x.dtype), grad_weight, None
 
 

@@ -321,15 +321,17 @@ def test_sequence_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
 
 def _loss_and_gradients(rank: int, world_size: int, switches: dict[str, bool]) -> tuple[float, dict[str, torch.Tensor]]:
     """One forward and backward of a tiny Llama on tp=2 ranks, every rank starting from the same weights, laid out
-    with ``switches`` (``sequence_parallel``, ``loss_parallel``): the loss and every gradient, whole."""
+    with ``switches`` (``sequence_parallel``, ``loss_parallel``, and ``fused_norm``: the RMSNorm that keeps what
+    CUDA's kernel keeps, which the simulator runs by default): the loss and every gradient, whole."""
     from dtlib.sim.llama import next_token_loss, vocabulary_sharded
     from dtlib.sim.step import check_layout, lay_out, mesh_of, parallelize, tokens_for
 
     shape = LLAMA["tiny"]
+    fused = switches.pop("fused_norm", False)
     layout = check_layout(shape, dp=1, tp=2, seq_len=64, micro_batch=2, **switches)
     mesh = mesh_of(layout, "cpu")
     torch.manual_seed(0)
-    model = lay_out(parallelize, Llama(shape), mesh, layout, checkpointing=False)
+    model = lay_out(parallelize, Llama(shape, fused_norm=fused), mesh, layout, checkpointing=False)
     tokens = tokens_for(shape, layout, torch.Generator().manual_seed(0))
     with vocabulary_sharded(model):
         loss = next_token_loss(model(tokens), tokens)
@@ -400,15 +402,18 @@ def test_loss_parallelism_simulated_equals_it_on_live_ranks(layout, shape):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence-parallel"])
-def test_loss_parallelism_computes_the_loss_and_gradients_of_a_whole_head(sequence_parallel):
+@pytest.mark.parametrize(("sequence_parallel", "fused_norm"), [(False, False), (True, False), (True, True)],
+                         ids=["tp", "sequence-parallel", "sequence-parallel-fused-norm"])
+def test_loss_parallelism_computes_the_loss_and_gradients_of_a_whole_head(sequence_parallel, fused_norm):
     """The oracle for the layout: the same weights and tokens give the same loss and every gradient, the head's
     among them (bf16 compute: to its rounding), whether the logits are gathered whole or kept split over the
-    vocabulary; with sequence parallelism too, the final norm's weight among them (used on a share)."""
+    vocabulary; with sequence parallelism too, the final norm's weight among them (used on a share), also with
+    the fused norm's own backward (torch 2.11 refused to flatten its sequence-sharded input there)."""
     from dtlib.launch.spawn import spawn
 
-    (whole, grads_whole), _ = spawn(_loss_and_gradients, 2, args=({},), backend="gloo", timeout=90)
-    switches = {"loss_parallel": True, "sequence_parallel": sequence_parallel}
+    (whole, grads_whole), _ = spawn(_loss_and_gradients, 2, args=({"fused_norm": fused_norm},), backend="gloo",
+                                    timeout=90)
+    switches = {"loss_parallel": True, "sequence_parallel": sequence_parallel, "fused_norm": fused_norm}
     (split, grads_split), _ = spawn(_loss_and_gradients, 2, args=(switches,), backend="gloo", timeout=90)
     assert split == pytest.approx(whole, rel=1e-3)
     assert grads_split.keys() == grads_whole.keys()
