@@ -34,7 +34,7 @@ from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dtlib import calls
+from dtlib import calls, compat
 
 #: The dispatcher's c10d op -> the torch.distributed call a learner knows it by, as every observer names it
 #: (:data:`dtlib.calls.C10D`).
@@ -204,6 +204,8 @@ def describe(func: Any, args: tuple, kwargs: dict[str, Any], index: int, frame: 
     transfer = base if base in ("send", "recv") else ""
     if called and not functional and (not transfer or called in _P2P_CALLS):
         op = called  # as the cell called it: isend rather than send, all_gather_object rather than all_gather
+        if issuer:  # torch's own call (FSDP's), under the name the course teaches: 2.11's all_gather_into_tensor
+            op = compat.current_name(op)
     return Call(index, op, getattr(group, "group_name", "?"), members, tensors, root,
                 _ROOTS.get(base, "") if root is not None else "", str(reduce_op or "").upper(), splits,
                 line, source, issuer, transfer, f"{func.namespace}.{func._opname}", async_op or functional)

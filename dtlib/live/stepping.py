@@ -214,7 +214,7 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False, posted: Post
                 continue
             earlier = posted_by(posted, peer, rank, call)
             if earlier is not None:  # the other end is posted already: it waits for this one
-                if earlier.tensors != call.tensors:
+                if not _alike(earlier, call):
                     problems.append(f"rank {rank}'s {call.what()} and rank {peer}'s {earlier.what()}, posted "
                                     f"earlier, move different tensors: {_mismatched_transfer(call, earlier)}")
                 continue
@@ -222,7 +222,7 @@ def disagreements(rows: dict[int, RankStep], checked: bool = False, posted: Post
             if not other.active and blocking(call):
                 problems.append(f"rank {rank}'s {call.what()} waits for ever: rank {peer} {_ended(other)}")
             elif other.active and other.call is not None and matches(call, other.call, rank, peer) \
-                    and call.tensors != other.call.tensors:
+                    and not _alike(call, other.call):
                 named |= {rank, peer}  # the pair, once
                 problems.append(f"rank {rank}'s {call.what()} and rank {peer}'s {other.call.what()} move different "
                                 f"tensors: {_mismatched_transfer(call, other.call)}")
@@ -278,6 +278,13 @@ def _blocking_ring(rows: dict[int, RankStep], cycle: list[int]) -> set[int]:
     if len({call.transfer for call in calls}) != 1:  # type: ignore[union-attr]
         return set()
     return set(cycle)
+
+
+def _alike(send: Call, receive: Call) -> bool:
+    """Whether a transfer's two ends move the same bytes as the same dtype: the same tensors, or tensors that
+    differ in shape alone (a 0-d tensor into one of one element, as torch 2.11's pipeline schedules send)."""
+    dtypes = [[tensor.split("[", 1)[0] for tensor in call.tensors] for call in (send, receive)]
+    return send.tensors == receive.tensors or (dtypes[0] == dtypes[1] and send.elements() == receive.elements())
 
 
 def _bytes(call: Call) -> int:

@@ -244,12 +244,11 @@ ASYNC_THEN_SEND = ("x = torch.ones(4) * (rank + 1)\n"
                    "x.tolist()\n")
 
 
-def test_the_check_names_itself_and_no_check_where_it_holds_a_right_program_up(ranks):
+def test_the_check_names_itself_and_no_check_where_it_holds_a_right_program_up(ranks, needs_the_check):
     """Rank 0 posts an async all-reduce and sends; rank 1 receives, then all-reduces: right, and it runs unchecked.
     Under the check, rank 0's all-reduce waits for rank 1 to reach it first, and rank 1 waits for the send. The
     doctor said rank 1 "still runs Python code" and nothing of the check; it now says rank 1 waits in recv, and
     that the check holds the program up, with the way to run it unchecked."""
-    assert ranks.check_collectives
     message = _hang(ranks, ASYNC_THEN_SEND)
     assert "rank 1 waits in a blocking recv instead, before calling it" in message, message
     assert "runs Python code" not in message, message
