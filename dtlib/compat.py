@@ -27,7 +27,12 @@ MAX_TORCH = (2, 15)
 
 #: Collectives torch 2.13 renamed: the name the course teaches -> the name older torch has.
 RENAMED_COLLECTIVES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
-_OLD_TO_NEW = {old: new for new, old in RENAMED_COLLECTIVES.items()}
+#: The functional collectives' functions that 2.13 renamed alike (``torch.distributed._functional_collectives``,
+#: where DTensor's redistributions come from): only ever named, never supplied.
+RENAMED_FUNCTIONAL = {"all_gather_single": "all_gather_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
+                      "all_gather_single_autograd": "all_gather_tensor_autograd",
+                      "reduce_scatter_single_autograd": "reduce_scatter_tensor_autograd"}
+_OLD_TO_NEW = {old: new for renamed in (RENAMED_COLLECTIVES, RENAMED_FUNCTIONAL) for new, old in renamed.items()}
 _installed: list[str] = []
 
 
@@ -55,7 +60,8 @@ def supported(version: tuple[int, int] | None = None) -> str | None:
 def current_name(call: str) -> str:
     """The name the course teaches for a ``torch.distributed`` call, whichever spelling ran.
 
-    Example: ``current_name("all_gather_into_tensor")`` is ``"all_gather_single"``; other names are unchanged.
+    Example: ``current_name("all_gather_into_tensor")`` is ``"all_gather_single"``, and so is the functional
+    ``current_name("all_gather_tensor")``; other names are unchanged.
     """
     return _OLD_TO_NEW.get(call, call)
 

@@ -151,6 +151,11 @@ def test_old_spellings_are_counted_under_the_names_the_course_teaches():
     assert compat.current_name("all_gather_into_tensor") == "all_gather_single"
     assert compat.current_name("reduce_scatter_tensor") == "reduce_scatter_single"
     assert compat.current_name("all_reduce") == "all_reduce"
+    # the functional collectives' functions, which the stepper names as the frame that issued a DTensor's gather
+    assert compat.current_name("all_gather_tensor") == "all_gather_single"
+    assert compat.current_name("reduce_scatter_tensor_autograd") == "reduce_scatter_single_autograd"
+    from torch.distributed import _functional_collectives as functional
+    assert all(hasattr(functional, name) for name in compat.RENAMED_FUNCTIONAL) == (compat.torch_version() >= (2, 13))
 
 
 def test_install_gives_the_course_its_names_once():

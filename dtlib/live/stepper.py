@@ -169,8 +169,9 @@ def _where(frame: FrameType | None) -> tuple[str, str, str, str, bool]:
             for package in ("torch", "dtlib"):
                 marker = os.sep + package + os.sep
                 if marker in filename:
-                    issuer = f"{package}/{filename.rsplit(marker, 1)[1]} in {frame.f_code.co_name}"  # no line:
-                    # the line moves with every torch release, the file and function rarely
+                    issuer = (f"{package}/{filename.rsplit(marker, 1)[1]} in "
+                              f"{compat.current_name(frame.f_code.co_name)}")  # no line: the line moves with
+                    # every torch release, the file and function rarely (a renamed one: as 2.13 names it)
                     break
         frame = frame.f_back
     called = "" if not calls else calls[0] if calls[-1] == "batch_isend_irecv" else calls[-1]
