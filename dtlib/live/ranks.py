@@ -507,12 +507,15 @@ class LiveRanks:
     def _interrupted(self, ranks: Generation, going: set[int], rows: dict[int, RankStep]) -> str:
         """A Ctrl-C while a step or continue waits: end the cell as a plain cell's interrupt does, keeping the
         variables where every rank still in the cell runs Python code or is paused; else restart. What became."""
-        states = {}
-        for r in range(self.world_size):
+        def state(r: int) -> str:  # what it answered last; else what it was doing when the step began
             status = ranks.answers.get(r, ("",))[0]
-            states[r] = ("paused" if status == "paused" else "failed" if status == "error" else "finished" if status
-                         else "running" if r in going else "paused" if rows.get(r, RankStep(r, "")).state == "paused"
-                         else "finished")
+            if status:
+                return {"paused": "paused", "error": "failed"}.get(status, "finished")
+            if r in going:
+                return "running"
+            return "paused" if r in rows and rows[r].state == "paused" else "finished"
+
+        states = {r: state(r) for r in range(self.world_size)}
         if self._ended_in_python(ranks, states, ranks.ask_doctor()):
             return "each rank's cell was interrupted or aborted, and the ranks kept their variables."
         self._restart()
