@@ -27,7 +27,13 @@ _OPERATORS = "();<>|&\n"
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _PYTHON = re.compile(r"python[0-9.]*")
-_PASS_THROUGH = ("nohup", "exec", "time", "command")  # each runs the rest of its line as it is
+_PASS_THROUGH = ("nohup", "exec", "time", "command", "sudo")  # each runs the rest of its line as it is
+#: Tools that run the rest of the line inside an environment (``conda run -n train torchrun ...``), and their
+#: options that take a value, which is not the command.
+_RUNNERS = ("uv", "conda", "mamba", "micromamba", "pixi", "poetry", "pipenv")
+_VALUED = ("-n", "--name", "-p", "--prefix", "-e", "--environment", "-u", "--user", "-g", "--group", "--cwd",
+           "--with", "--python")
+_SHELLS = ("bash", "sh", "zsh", "dash")  # bash -c '...': the string is a command line of its own
 _DASHES = "\u2010\u2011\u2012\u2013\u2014\u2212"  # what a word processor or a web page makes of "-" and "--"
 #: torchrun's rendezvous backends (its registry's names) besides static, what each is, and why not here.
 _RENDEZVOUS = {"c10d": "c10d ignores --node_rank and finds its store at --rdzv_endpoint, not --master_addr",
@@ -54,10 +60,12 @@ def _simple_command(words: list[str], variables: dict[str, str], exported: dict[
         if _ASSIGNMENT.match(words[0]):
             name, value = words.pop(0).split("=", 1)
             env[name] = value
-        elif words[0] in (*_PASS_THROUGH, "env") or words[:2] == ["uv", "run"]:  # uv run: in the project's venv
-            del words[:2 if words[0] == "uv" else 1]
-            while words and words[0].startswith("-"):  # env -i, time -p, uv run --frozen
-                words.pop(0)
+        elif words[0] in (*_PASS_THROUGH, "env") or (words[0] in _RUNNERS and words[1:2] == ["run"]):
+            del words[:2 if words[0] in _RUNNERS else 1]  # uv run, conda run -n NAME: in an environment
+            while words and words[0].startswith("-"):  # env -i, time -p, uv run --frozen, sudo -E, -n NAME
+                option = words.pop(0)
+                if option in _VALUED and words:
+                    words.pop(0)
         else:
             break
     if not words or words[0] == "export":
@@ -93,7 +101,10 @@ def _shell_commands(text: str) -> list[tuple[dict[str, str], list[str]]]:
                 words.pop()
         elif token.strip("()"):  # ; && || | & or a newline: the command ends
             command = _simple_command(words, variables, exported)
-            commands += [command] if command else []
+            if command and command[1][0] in _SHELLS and command[1][1:2] == ["-c"] and len(command[1]) > 2:
+                commands += [({**command[0], **env}, inner) for env, inner in _shell_commands(command[1][2])]
+            else:
+                commands += [command] if command else []
             words = []
     return commands
 

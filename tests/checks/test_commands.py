@@ -47,6 +47,10 @@ RIGHT = [
     (f"!torchrun {OPTIONS} train.py", False),  # a notebook cell's shell escape
     (f"uv run torchrun {OPTIONS} train.py", False),  # torchrun of the project's environment
     (f"torchrun {OPTIONS} --no-python python3 -u train.py", True),  # torchrun starts python itself, as told
+    (f"conda run -n train --no-capture-output torchrun {OPTIONS} train.py", False),  # a conda environment's
+    (f"sudo -E -u trainer torchrun {OPTIONS} train.py", False),  # as another user, keeping the environment
+    (f"bash -c 'torchrun {OPTIONS} train.py'", True),  # a command line of its own, as a SLURM script writes it
+    (f"OMP_NUM_THREADS=8 sh -c \"torchrun {OPTIONS} train.py > log.txt\"", True),
 ]
 
 #: (command, what the message must say, whether bash can run it against the stand-ins)
