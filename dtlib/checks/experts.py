@@ -439,8 +439,8 @@ def _failure(err: WorkerError, experts: int = EXPERTS) -> str:
     where = _your_line(failure.traceback)
     if "KeyError" in said:
         return (f"A rank looked up an expert it does not hold ({last}){where}. Here expert e lives on rank e % p "
-                "(with 8 experts on 3 ranks, rank 0 holds 0, 3 and 6): send each token to owner = expert % "
-                "world_size, and on arrival look its expert up by its global number.")
+                f"(with this check's {experts} experts on 3 ranks, rank 0 holds 0, 3, 6, ...): send each token to "
+                "owner = expert % world_size, and on arrival look its expert up by its global number.")
     # gloo's own words before torch 2.15; 2.15's functional all-to-all refuses the tensor first, in its own
     if any(words in said for words in ("in->size % context->size", "divisible", "does not divide equally")):
         return (f"An all-to-all without split sizes needs a first dimension that divides by the ranks ({last})"
@@ -451,8 +451,9 @@ def _failure(err: WorkerError, experts: int = EXPERTS) -> str:
     if "split" in said.lower() or "alltoall" in said.lower() or "all_to_all" in said.lower():
         return (f"The all-to-all's sizes did not fit on a rank ({last}){where}. What rank i sends to rank j must be "
                 "what j expects from i: exchange the counts first (all_to_all_single of a tensor of counts), and "
-                "pass them as output_split_sizes; with 8 experts on 3 ranks the ranks hold 3, 3 and 2 experts, and a "
-                "rank may send nothing to another, so no count may assume an equal or a nonzero share.")
+                f"pass them as output_split_sizes; with this check's {experts} experts on 3 ranks the ranks hold "
+                f"{', '.join(str(len(range(r, experts, 3))) for r in range(3))}, and a rank may send nothing to "
+                "another, so no count may assume an equal or a nonzero share.")
     return f"Your function raised on a rank{where}:\n{said}"
 
 
