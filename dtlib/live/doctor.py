@@ -141,8 +141,10 @@ def _record(entry: dict[str, Any], arguments: dict | None, members: dict[str, tu
     seq = int((entry.get("p2p_seq_id") if p2p else entry.get("collective_seq_id")) or 0)
 
     def tensors(sizes: str, dtypes: str) -> tuple[str, ...]:
-        return tuple(_tensor(size, dtype) for size, dtype in zip(entry.get(sizes, []), entry.get(dtypes, []),
-                                                                  strict=False))
+        shapes, kinds = entry.get(sizes, []), entry.get(dtypes, [])
+        if isinstance(kinds, str):  # one dtype for every tensor, as torch's own Flight Recorder tests write it
+            kinds = [kinds] * len(shapes)
+        return tuple(_tensor(size, dtype) for size, dtype in zip(shapes, kinds, strict=False))
     outputs = tensors("output_sizes", "output_dtypes") if "output_sizes" in entry else None
     noted = None if arguments is None or p2p else arguments.get((str(group_id), seq))
     return Collective(_call(entry), seq, str(group), tensors("input_sizes", "input_dtypes"), _done(entry),
@@ -258,9 +260,10 @@ def merge_nccl(noted: list[dict[str, Any]], nccl: list[dict[str, Any]]) -> list[
     for a call NCCL never recorded (one that raised before NCCL started it). GPU run must confirm: that DETAIL's
     wrapped group keeps the group name and numbering NCCL's recorder uses.
     """
-    def key(entry: dict[str, Any]) -> tuple[str, int, bool]:
-        return (str(entry.get("process_group", ("0",))[0]), int(entry.get("collective_seq_id") or 0),
-                bool(entry.get("is_p2p")))
+    def key(entry: dict[str, Any]) -> tuple[str, int, bool]:  # a transfer by its own count, a collective by its
+        p2p = bool(entry.get("is_p2p"))
+        return (str(entry.get("process_group", ("0",))[0]),
+                int(entry.get("p2p_seq_id" if p2p else "collective_seq_id") or 0), p2p)
 
     recorded = {key(entry) for entry in nccl}
     return [*nccl, *(entry for entry in noted if key(entry) not in recorded)]

@@ -445,6 +445,27 @@ def _nccl_entry(record_id: int, name: str, seq: int, state: str, p2p: bool = Tru
             "process_group": ("0", "default_pg")}
 
 
+def _as_torchs_tests_write_it(name: str, seq: int, state: str, p2p: bool = False) -> dict:
+    """A record shaped as torch's own Flight Recorder tests build one (test/distributed/flight_recorder): sequence
+    numbers as strings, one dtype string for every tensor, output sizes, and no frames."""
+    return {"profiling_name": f"nccl:{name}", "state": state, "process_group": ("0", "default"),
+            "input_sizes": [[4, 4]], "output_sizes": [[4, 4]], "input_dtypes": "float32", "output_dtypes": "float32",
+            "collective_seq_id": "0" if p2p else str(seq), "p2p_seq_id": str(seq) if p2p else "0",
+            "time_created_ns": 0, "frames": [], "is_p2p": p2p}
+
+
+def test_records_in_the_shape_torchs_own_tests_give_them_are_read_and_merged():
+    nccl = [_as_torchs_tests_write_it("all_reduce", 1, "completed"),
+            _as_torchs_tests_write_it("all_reduce", 2, "scheduled"),
+            _as_torchs_tests_write_it("send 0->1", 1, "completed", p2p=True)]
+    assert _core(doctor.from_flight_recorder({"entries": nccl})) == ("all_reduce", 2, "default",
+                                                                     ("float32[4, 4]",), False)
+    noted_send = {"process_group": ("0", "default"), "profiling_name": "send", "is_p2p": True, "p2p_seq_id": 2,
+                  "collective_seq_id": 0, "input_sizes": [[4]], "input_dtypes": ["float32"], "retired": False}
+    merged = doctor.merge_nccl([noted_send], nccl)
+    assert merged[-1] is noted_send  # transfer #2, which NCCL never recorded, though it recorded transfer #1
+
+
 def test_under_nccl_the_oldest_unfinished_record_is_where_the_rank_waits():
     """Under NCCL the CPU queues a send and a recv and runs on; the GPU is held by the send, the older one."""
     dump = {"entries": [_nccl_entry(0, "nccl:all_reduce", 1, "completed", p2p=False),
