@@ -260,7 +260,7 @@ def merge_nccl(noted: list[dict[str, Any]], nccl: list[dict[str, Any]]) -> list[
     for a call NCCL never recorded (one that raised before NCCL started it). GPU run must confirm: that DETAIL's
     wrapped group keeps the group name and numbering NCCL's recorder uses.
     """
-    def key(entry: dict[str, Any]) -> tuple[str, int, bool]:  # a transfer by its own count, a collective by its
+    def key(entry: dict[str, Any]) -> tuple[str, int, bool]:  # a transfer by the group's count of transfers
         p2p = bool(entry.get("is_p2p"))
         return (str(entry.get("process_group", ("0",))[0]),
                 int(entry.get("p2p_seq_id" if p2p else "collective_seq_id") or 0), p2p)
