@@ -154,8 +154,11 @@ class LabServer:
 
 
 # Images that have loaded (naturalWidth > 0), outside ipywidgets views, in one cell's outputs.
-_COUNT_IMAGES = """cell => [...cell.querySelectorAll('.jp-OutputArea-output img')]
-    .filter(img => !img.closest('.jupyter-widgets') && img.complete && img.naturalWidth > 0).length"""
+#: Loaded images per code cell of a notebook panel, one count per cell in the page's order (markdown cells 0),
+#: widgets' own images left out: one call for the whole notebook instead of two per cell.
+_COUNT_IMAGES = """panel => [...panel.querySelectorAll('.jp-Notebook .jp-Cell')].map(cell =>
+    !cell.classList.contains('jp-CodeCell') ? 0 : [...cell.querySelectorAll('.jp-OutputArea-output img')]
+        .filter(img => !img.closest('.jupyter-widgets') && img.complete && img.naturalWidth > 0).length)"""
 
 
 class NotebookPage:
@@ -227,12 +230,7 @@ class NotebookPage:
     def images_per_cell(self) -> dict[int, int]:
         """Loaded images per code cell now on the page, by cell index (markdown cells counted in the index);
         cells without images left out."""
-        counts = {}
-        for index in range(self.cells.count()):
-            cell = self.cells.nth(index)
-            if "jp-CodeCell" in (cell.get_attribute("class") or "") and (images := cell.evaluate(_COUNT_IMAGES)):
-                counts[index] = images
-        return counts
+        return {index: images for index, images in enumerate(self.panel.evaluate(_COUNT_IMAGES)) if images}
 
     def save(self) -> nbformat.NotebookNode:
         """Save through the UI (Ctrl+S) and read back what JupyterLab wrote: the outputs as the kernel sent
@@ -348,12 +346,15 @@ class NotebookRuns:
     """
 
     def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, hang_guard_x_budget: float = 5.0) -> None:
-        self._browser = browser
         self._lab = lab
         self._screenshots = screenshots
         self.hang_guard_x_budget = hang_guard_x_budget  # Run All may take this many times its budget, then: a hang
         self._runs: dict[str, NotebookRun] = {}
         self._ending: list[threading.Thread] = []  # kernels being shut down while the next notebook starts
+        # One browser context for every page: its HTTP and compiled-code caches make each page after the first
+        # load JupyterLab's scripts without fetching and compiling them again (each page has a workspace of its
+        # own, reset: see LabServer.url).
+        self._context = browser.new_context(viewport={"width": 1280, "height": 900})
 
     def get(self, notebook: str) -> NotebookRun:
         """The run of ``notebook`` (a file name in notebooks/), running it first if needed."""
@@ -364,7 +365,7 @@ class NotebookRuns:
     def _run(self, notebook: str) -> NotebookRun:
         stored = nbformat.read(self._lab.root / notebook, as_version=4)
         forget(self._screenshots, notebook)
-        page = self._browser.new_page(viewport={"width": 1280, "height": 900})
+        page = self._context.new_page()
         keep = False
         try:
             view = NotebookPage(page, self._lab, notebook)
@@ -402,3 +403,4 @@ class NotebookRuns:
                 run.view.page.close()
         for ending in self._ending:
             ending.join(timeout=60)
+        self._context.close()
