@@ -2,7 +2,8 @@
 #   make lab        set up, then open the notebooks in JupyterLab (--allow-root when run as root); more options
 #                   with LAB_ARGS, e.g. make lab LAB_ARGS="--port 9999 --no-browser"
 #   make test       set up, then lint and run every test: dtlib's, and each notebook once: in JupyterLab in
-#                   headless Chromium (the browser tests), or under nbval when no Chromium can be had
+#                   headless Chromium (the browser tests, without their screenshots), or under nbval when no
+#                   Chromium can be had
 #   make test-browser         set up (Chromium included, with apt-get), then only the browser tests
 #   make browser-screenshots  where the browser tests left their screenshots, with each notebook's time
 #   make notebooks  set up, then execute every notebook in a fresh kernel and store the outputs
@@ -42,7 +43,7 @@ lab: setup
 test: setup
 	@scripts/browser_setup.sh --try
 	$(PY) -m ruff check dtlib tests notebooks
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	DTLIB_NO_SCREENSHOTS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # TORCH reaches the script through the environment (make exports a command line's variables), whole: the
 # script, not the shell of this recipe, judges it.

@@ -7,6 +7,7 @@ or Ubuntu. Set ``CHROMIUM=/path/to/chrome`` to use another Chromium-based browse
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def notebook_runs(browser: object, lab: object) -> Iterator[object]:
     """Each notebook opened and run once per session (the widget tests reuse the run of the notebook tests)."""
     from labdriver import NotebookRuns
 
-    runs = NotebookRuns(browser, lab, status.FOLDER)
+    runs = NotebookRuns(browser, lab, status.FOLDER, take_screenshots=os.environ.get(status.NO_SCREENSHOTS) != "1")
     try:
         yield runs
     finally:

@@ -345,9 +345,11 @@ class NotebookRuns:
     so that idle kernels do not pile up (an open page and its kernel slow every later Run All).
     """
 
-    def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, hang_guard_x_budget: float = 5.0) -> None:
+    def __init__(self, browser: Browser, lab: LabServer, screenshots: Path, hang_guard_x_budget: float = 5.0,
+                 take_screenshots: bool = True) -> None:
         self._lab = lab
-        self._screenshots = screenshots
+        self._screenshots = screenshots  # each run's record goes here, and its picture where one is taken
+        self._take_screenshots = take_screenshots
         self.hang_guard_x_budget = hang_guard_x_budget  # Run All may take this many times its budget, then: a hang
         self._runs: dict[str, NotebookRun] = {}
         self._ending: list[threading.Thread] = []  # kernels being shut down while the next notebook starts
@@ -373,8 +375,9 @@ class NotebookRuns:
             seconds = view.run_all(self.hang_guard_x_budget * budget_s)
             images = view.images_per_cell()
             saved = view.save()
-            screenshot = self._screenshots / f"{Path(notebook).stem}.png"
-            view.screenshot(screenshot)
+            screenshot = self._screenshots / f"{Path(notebook).stem}.png" if self._take_screenshots else None
+            if screenshot is not None:
+                view.screenshot(screenshot)
             record(self._screenshots, notebook, seconds, budget_s, screenshot)
             verdicts = {index: self._verdict(view, index) for index in prediction_cells(stored)}
             keep = bool(widget_cells(stored))

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 FOLDER = Path(__file__).resolve().parents[2] / "build" / "browser"
+#: Set to 1, the browser tests take no picture of each notebook (make test sets it: a picture of a tall notebook
+#: costs seconds of the gate, and nothing checks it; make test-browser takes them).
+NO_SCREENSHOTS = "DTLIB_NO_SCREENSHOTS"
 
 
 def _starts(path: str) -> bool:
@@ -81,11 +84,12 @@ def forget(folder: Path, notebook: str) -> None:
         (folder / f"{Path(notebook).stem}{suffix}").unlink(missing_ok=True)
 
 
-def record(folder: Path, notebook: str, seconds: float, budget_s: float, screenshot: Path) -> None:
-    """Write ``notebook``'s run: Run All seconds, its budget, its screenshot, when it finished."""
+def record(folder: Path, notebook: str, seconds: float, budget_s: float, screenshot: Path | None) -> None:
+    """Write ``notebook``'s run: Run All seconds, its budget, its screenshot (None: none taken), when it finished."""
     folder.mkdir(parents=True, exist_ok=True)
+    shown = str(screenshot) if screenshot is not None else f"none: {NO_SCREENSHOTS}=1 (make test-browser takes one)"
     entry = {"notebook": notebook, "seconds": round(seconds, 1), "budget_s": budget_s,
-             "screenshot": str(screenshot), "finished": time.time()}
+             "screenshot": shown, "finished": time.time()}
     (folder / f"{Path(notebook).stem}.json").write_text(json.dumps(entry, indent=1))
 
 
