@@ -8,8 +8,9 @@ Example::
     dtlib.checks.backend_choice("gloo", world_size=2)   # ✓ or ✗ with a hint
 
 One principle orders the modules: **a module is one kind of answer, judged one way**, and every checker is
-registered here (import and ``__all__``). Its tests are ``tests/checks/test_<module>.py``, with the right answers
-written several ways and a bank of one of each kind of wrong answer.
+registered here (its name and module in ``_HOMES``, which makes ``__all__``; it loads on first use). Its tests are
+``tests/checks/test_<module>.py``, with the right answers written several ways and a bank of one of each kind of
+wrong answer.
 
 - ``answers``: a value typed into a cell (notebooks 00, 05, 06); no processes;
 - ``commands``: a torchrun command line typed into a cell, read as the shell and torchrun read it (07);
@@ -32,22 +33,51 @@ something whole that meets a condition, each with its judge), and ``skeleton`` (
 rank-function checker holds an answer to, ``docs/testing.md``).
 """
 
-from dtlib.checks.answers import backend_choice, fsdp_memory, strategy_choice
-from dtlib.checks.attention import softmax_merge
-from dtlib.checks.cluster import largest_micro_batch, smallest_pipeline
-from dtlib.checks.collective_order import fsdp_collectives
-from dtlib.checks.commands import torchrun_command
-from dtlib.checks.experts import expert_parallel_moe
-from dtlib.checks.faults import checkpoint_interval
-from dtlib.checks.feedback import Feedback
-from dtlib.checks.layouts import mesh_for_nodes, pipeline_micro_batches
-from dtlib.checks.predictions import predict
-from dtlib.checks.rank_functions import average_of_ranks, fixed_barrier, sum_of_ranks
-from dtlib.checks.ring_phases import ring_phase
-from dtlib.checks.tensor_parallel import tensor_parallel_mlp
-from dtlib.checks.training import fsdp_wrap, gradient_hook
+from typing import Any
 
-__all__ = ["Feedback", "average_of_ranks", "backend_choice", "checkpoint_interval", "expert_parallel_moe",
-           "fixed_barrier", "fsdp_collectives", "fsdp_memory", "fsdp_wrap", "gradient_hook", "largest_micro_batch",
-           "mesh_for_nodes", "pipeline_micro_batches", "predict", "ring_phase", "smallest_pipeline", "softmax_merge",
-           "strategy_choice", "sum_of_ranks", "tensor_parallel_mlp", "torchrun_command"]
+from dtlib._lazy import submodule
+
+#: Every checker's name, and the module it lives in. Each loads on first use (:func:`__getattr__`): a rank that
+#: unpickles the skeleton's own rank function imports this package, and importing every checker there (the
+#: predictions' measurements, FSDP's runner and DCP with them) cost each rank of every check about 0.15 s of CPU.
+_HOMES = {
+    "Feedback": "feedback",
+    "average_of_ranks": "rank_functions",
+    "backend_choice": "answers",
+    "checkpoint_interval": "faults",
+    "expert_parallel_moe": "experts",
+    "fixed_barrier": "rank_functions",
+    "fsdp_collectives": "collective_order",
+    "fsdp_memory": "answers",
+    "fsdp_wrap": "training",
+    "gradient_hook": "training",
+    "largest_micro_batch": "cluster",
+    "mesh_for_nodes": "layouts",
+    "pipeline_micro_batches": "layouts",
+    "predict": "predictions",
+    "ring_phase": "ring_phases",
+    "smallest_pipeline": "cluster",
+    "softmax_merge": "attention",
+    "strategy_choice": "answers",
+    "sum_of_ranks": "rank_functions",
+    "tensor_parallel_mlp": "tensor_parallel",
+    "torchrun_command": "commands",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """``dtlib.checks.sum_of_ranks``: the checker, its module imported on first use; or a submodule
+    (``dtlib.checks.typed``)."""
+    if name in _HOMES:
+        value = getattr(submodule(__name__, _HOMES[name]), name)
+        globals()[name] = value  # found once: later uses do not come back here
+        return value
+    return submodule(__name__, name)
+
+
+def __dir__() -> list[str]:
+    """The checkers too, though not loaded yet: what a notebook's tab completion offers."""
+    return sorted({*globals(), *__all__})
+

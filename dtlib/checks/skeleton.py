@@ -141,6 +141,9 @@ class RankExercise:
     # a rank function that also runs a reference beside the answer (torch's DDP, which communicates too) counts
     # the answer's collectives itself: what a rank returned -> {name: times}. None: the whole function is counted.
     calls_in: Callable[[Any], dict[str, int]] | None = None
+    # a rank function that records more beside the answer (what it moved, say) returns both: what a rank returned
+    # -> the answer's own return, as ``read`` and the hints see it. None: the rank function returns the answer's.
+    returned_in: Callable[[Any], Any] | None = None
     # once every value is right: (every rank's value, the world size) -> what else is wrong (a hook that changed
     # its argument, a ring that took extra steps), or None
     also: Callable[[Sequence[Any], int], str | None] = lambda values, size: None
@@ -619,11 +622,13 @@ def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
     return value, calls, carried, posted, _left_behind(rank, world_size, groups, keys, store, wrote), files
 
 
-def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | None, seed: int | None = None
-          ) -> Feedback:
+def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | None, seed: int | None = None,
+          runs: list[list[Any]] | None = None) -> Feedback:
     """Run ``fn`` on ``world_size`` ranks and on one more, and judge it by ``exercise`` (with ``inputs``, on a
     new draw of them for each call unless ``seed`` is given). A ``world_size`` under 2, or one that is not a
-    whole number, and a ``timeout`` that is not a positive number of seconds raise ValueError."""
+    whole number, and a ``timeout`` that is not a positive number of seconds raise ValueError. ``runs``, where
+    given, gets what every rank returned in each run that finished, in order, for a checker that judges more of
+    the same runs once the verdict is right (09's: what the ranks moved), instead of running the answer again."""
     try:  # the check's own arguments, not the answer: a clear error, as for any call
         world_size, timeout = whole("world_size", world_size, minimum=2), seconds("timeout", timeout)
     except ValueError as err:
@@ -652,8 +657,12 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
             return Feedback(False, destroyed_while_needed(err) or exercise.failure(err))
         except CannotSend as err:  # dtlib.spawn's refusal to send the answer, before any rank started
             return Feedback(False, f"Your function cannot be sent to the ranks: {err.reason}")
+        if runs is not None:
+            runs.append(results)
         if exercise.calls_in is not None:
             calls = [exercise.calls_in(result) for result in results]
+        if exercise.returned_in is not None:
+            results = [exercise.returned_in(result) for result in results]
         values = [exercise.read(value) for value in results]
         reductions = [[(op.kind, op.reduce_op) for launch in launches for op in launch if op.reduce_op]
                       for launches in posted]

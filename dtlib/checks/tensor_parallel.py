@@ -22,10 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dtlib import calls
 from dtlib.checks.feedback import Feedback
-from dtlib.checks.skeleton import ON_GLOO, UNREADABLE, RankExercise, judge, same_collectives_hang
-from dtlib.errors import WorkerError, WorkerTimeout
+from dtlib.checks.skeleton import UNREADABLE, RankExercise, judge, same_collectives_hang
+from dtlib.errors import WorkerError
 from dtlib.launch.device import rank_device
-from dtlib.launch.spawn import spawn
 from dtlib.measure.counting import watching
 
 BATCH, FEATURES, HIDDEN = 4, 8, 12  # HIDDEN divides by 2 and by 3: the checker runs 2 ranks, then 3
@@ -335,6 +334,7 @@ TENSOR_PARALLEL_MLP = RankExercise(
     hang=same_collectives_hang,
     failure=_failure,
     excess=_excess,
+    returned_in=lambda report: report["value"],  # each rank runs the answer under _what_moved
 )
 
 
@@ -354,7 +354,7 @@ def _flat(value: Any) -> list[torch.Tensor]:
 def _what_moved(rank: int, world_size: int, fn: Callable[[int, int], Any]) -> dict[str, Any]:
     """In a rank: run ``fn`` and note every communication op torch dispatches, with a copy of each reduction's
     input, taken before the op changes it: an all-reduce's tensor (c10d's ``allreduce_`` and the functional
-    ``all_reduce`` of DTensor), or a reduce-scatter's input, flattened."""
+    ``all_reduce`` of DTensor), or a reduce-scatter's input, flattened; and what ``fn`` returned (``value``)."""
     moved: list[str] = []
     summands: list[torch.Tensor] = []
     scattered: list[torch.Tensor] = []
@@ -366,13 +366,15 @@ def _what_moved(rank: int, world_size: int, fn: Callable[[int, int], Any]) -> di
             summands.extend(t.detach().to("cpu", torch.float64, copy=True) for t in _flat(args[0]))
         elif name in _REDUCE_SCATTER:
             pieces = _flat(args[_REDUCE_SCATTER[name]])
-            scattered.append(torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in pieces]))
+            if pieces:  # none: torch's own call says what is wrong
+                scattered.append(torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in pieces]))
         elif name in _MOVERS:
             moved.append(name.strip("_"))
 
     with FlopCounterMode(display=False) as flops, watching(see):
-        fn(rank, world_size)
-    return {"moved": moved, "summands": summands, "scattered": scattered, "flops": flops.get_total_flops()}
+        value = fn(rank, world_size)
+    return {"value": value, "moved": moved, "summands": summands, "scattered": scattered,
+            "flops": flops.get_total_flops()}
 
 
 def _not_the_summand(size: int, rank: int, reduced: torch.Tensor, what: str) -> str:
@@ -457,10 +459,11 @@ def _judge_moves(size: int, rank: int, report: dict[str, Any]) -> str | None:
     return None
 
 
-def _on_seed(fn: Callable[[int, int], Any], seed: int, rank: int, world_size: int) -> Any:
-    """In a rank: ``fn(rank, world_size)`` with :func:`mlp_inputs` drawing from the check's ``seed``."""
+def _on_seed(fn: Callable[[int, int], Any], seed: int, rank: int, world_size: int) -> dict[str, Any]:
+    """In a rank: ``fn(rank, world_size)`` with :func:`mlp_inputs` drawing from the check's ``seed``, and what it
+    moved (:func:`_what_moved`, whose ``value`` is what ``fn`` returned)."""
     _seed[0] = seed
-    return fn(rank, world_size)
+    return _what_moved(rank, world_size, fn)
 
 
 def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, timeout: float = 60.0) -> Feedback:
@@ -491,16 +494,14 @@ def tensor_parallel_mlp(fn: Callable[[int, int], Any], world_size: int = 2, time
 
 
 def _judged(fn: Callable[[int, int], Any], world_size: int, timeout: float) -> Feedback:
-    """:func:`tensor_parallel_mlp`'s verdict on ``fn``, already bound to the check's numbers."""
-    verdict = judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout)
+    """:func:`tensor_parallel_mlp`'s verdict on ``fn``, already bound to the check's numbers and to
+    :func:`_what_moved`: once the values are right, what the same runs moved is judged, size by size."""
+    runs: list[list[Any]] = []  # every rank's report (_what_moved), in each run
+    verdict = judge(fn, TENSOR_PARALLEL_MLP, world_size, timeout, runs=runs)
     if not verdict.ok:
         return verdict
     in_two_steps = False
-    for size in (world_size, world_size + 1):
-        try:
-            reports = spawn(_what_moved, size, args=(fn,), timeout=timeout, output="none", **ON_GLOO)
-        except (WorkerError, WorkerTimeout) as err:  # it passed a moment ago: say what happened this time
-            return Feedback(False, f"Your function failed when run again with {size} ranks: {err}")
+    for size, reports in zip((world_size, world_size + 1), runs, strict=True):
         for rank, report in enumerate(reports):
             wrong = _judge_moves(size, rank, report)
             if wrong is not None:
