@@ -153,9 +153,8 @@ class LabServer:
                 leftover.kill()
 
 
-# Images that have loaded (naturalWidth > 0), outside ipywidgets views, in one cell's outputs.
-#: Loaded images per code cell of a notebook panel, one count per cell in the page's order (markdown cells 0),
-#: widgets' own images left out: one call for the whole notebook instead of two per cell.
+#: Loaded images (naturalWidth > 0) per cell of a notebook panel, one count per cell in the page's order (markdown
+#: cells 0), widgets' own images left out: one call for the whole notebook instead of two per cell.
 _COUNT_IMAGES = """panel => [...panel.querySelectorAll('.jp-Notebook .jp-Cell')].map(cell =>
     !cell.classList.contains('jp-CodeCell') ? 0 : [...cell.querySelectorAll('.jp-OutputArea-output img')]
         .filter(img => !img.closest('.jupyter-widgets') && img.complete && img.naturalWidth > 0).length)"""
