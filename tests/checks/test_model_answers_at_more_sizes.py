@@ -12,6 +12,7 @@ construction, and the notebook's stored output says so at the default size.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import sys
 import types
@@ -23,10 +24,13 @@ import torch.distributed as dist
 
 import dtlib
 from dtlib import checks
+from dtlib.checks import skeleton
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
-#: The rank-function checkers whose default world size leaves larger ones unjudged: (checker, size to judge at).
-LARGER = {"01_processes_and_ranks": ("sum_of_ranks", 4), "04_ddp": ("gradient_hook", 4),
+#: Every rank-function checker, by the notebook that asks for it: (checker, size to judge at). The principles' tests
+#: (``test_principles_in_every_checker.py``) run over this table too, and the last test below holds it whole.
+LARGER = {"01_processes_and_ranks": ("sum_of_ranks", 4), "02_collectives": ("average_of_ranks", 4),
+          "03_ring_allreduce": ("ring_phase", 4), "04_ddp": ("gradient_hook", 4),
           "05_fsdp": ("fsdp_wrap", 4), "08_pitfalls": ("fixed_barrier", 4),
           "09_tensor_parallel": ("tensor_parallel_mlp", 3), "13_expert_parallel": ("expert_parallel_moe", 4)}
 
@@ -83,3 +87,12 @@ def test_the_main_module_is_where_cell_functions_live():
     """The caught answers are shipped by value, as a notebook's are: their module is ``__main__``."""
     answer, _ = _caught_answer("01_processes_and_ranks", "sum_of_ranks")
     assert answer.__module__ == "__main__" and "__main__" in sys.modules
+
+
+def test_every_checker_built_on_the_skeleton_is_in_the_table():
+    """A new rank-function checker (one whose module judges with the skeleton's ``judge``) left out of ``LARGER``
+    would escape this file's larger sizes and every principle's test, with nothing failing: the table names each."""
+    on_the_skeleton = {name for name in checks.__all__ if inspect.isfunction(checker := getattr(checks, name))
+                       and getattr(sys.modules[checker.__module__], "judge", None) is skeleton.judge}
+    assert on_the_skeleton == {checker for checker, _ in LARGER.values()}, (
+        "add each rank-function checker to LARGER, by its notebook (docs/architecture.md, a checker's recipe)")

@@ -27,8 +27,9 @@ from dtlib import checks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-#: The checkers whose answer is the rank's whole function: the skeleton's own message is the verdict.
-WHOLE_FUNCTION = {"sum_of_ranks", "fixed_barrier", "tensor_parallel_mlp"}
+#: The checkers whose own code runs no collective after the answer returns (the answer is the rank's whole function,
+#: or 03's phase, the ring's last): the skeleton's own message is the verdict.
+WHOLE_FUNCTION = {"sum_of_ranks", "average_of_ranks", "fixed_barrier", "tensor_parallel_mlp", "ring_phase"}
 
 
 def _then_destroyed(answer):
