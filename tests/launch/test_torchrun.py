@@ -42,27 +42,24 @@ def _by_rank(records):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("rendezvous", "per_node"), [("static", 2), ("c10d", 1)])
-def test_two_nodes_on_one_machine(rendezvous, per_node, monkeypatch, tmp_path):
-    """Two torchrun processes, one job whose all-reduce sees every rank of both. Static: two ranks each (4 in
-    all), so a rank's number is 2 * its node's plus its local one; c10d: one each, enough for its rendezvous
-    (node ranks given out as the agents meet) to join the nodes into one job. Nothing is left in the temporary
-    directory (torchrun's own logs go to a folder removed with the job)."""
+def test_two_static_nodes_on_one_machine_are_one_job_numbered_by_node_rank(monkeypatch, tmp_path):
+    """Two torchrun processes with a static rendezvous, two ranks each: one job whose all-reduce sees all 4 ranks,
+    a rank's number 2 * its node's plus its local one. Nothing is left in the temporary directory (torchrun's own
+    logs go to a folder removed with the job). The c10d rendezvous joining two nodes into one job is notebook 07's
+    checked cell (2 nodes of 2 ranks: WORLD_SIZE 4, ranks 0 to 3, nodes 0 and 1, the sum of ranks 6); its command,
+    and its temporary folder, are checked in test_killing_the_node_that_serves_the_store_ends_the_survivor_too."""
     _temporary_directory(monkeypatch, tmp_path)
-    finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=per_node,
-                                       rendezvous=rendezvous, timeout=90)
+    finished = torchrun.simulate_nodes(["-m", "dtlib.examples.env"], nnodes=2, nproc_per_node=2,
+                                       rendezvous="static", timeout=90)
     assert [f.returncode for f in finished] == [0, 0], [failure_report(f) for f in finished]
     ranks = _by_rank(torchrun.env_records(finished))
-    assert sorted(ranks) == list(range(2 * per_node))
+    assert sorted(ranks) == list(range(4))
     for record in ranks.values():
-        assert record["WORLD_SIZE"] == str(2 * per_node) and record["LOCAL_WORLD_SIZE"] == str(per_node)
-        assert record["sum_of_ranks"] == sum(range(2 * per_node))
-        assert int(record["RANK"]) == per_node * int(record["GROUP_RANK"]) + int(record["LOCAL_RANK"])
+        assert record["WORLD_SIZE"] == "4" and record["LOCAL_WORLD_SIZE"] == "2"
+        assert record["sum_of_ranks"] == sum(range(4))
+        assert int(record["RANK"]) == 2 * int(record["GROUP_RANK"]) + int(record["LOCAL_RANK"])
     assert {r["GROUP_RANK"] for r in ranks.values()} == {"0", "1"}
-    if rendezvous == "static":
-        assert "--node_rank=1" in finished[1].command and {r["MASTER_ADDR"] for r in ranks.values()} == {"127.0.0.1"}
-    else:
-        assert "--rdzv_backend=c10d" in finished[0].command and "--node_rank" not in finished[0].command
+    assert "--node_rank=1" in finished[1].command and {r["MASTER_ADDR"] for r in ranks.values()} == {"127.0.0.1"}
     assert list(tmp_path.iterdir()) == [], "left in the temporary directory"
 
 
@@ -74,47 +71,37 @@ def _temporary_directory(monkeypatch, folder):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("runner", [["ddp", "--steps", "2"], ["fsdp", "--api", "fsdp2", "--steps", "2"]])
-def test_runners_start_under_torchrun(runner):
-    """The course's runners under torchrun --standalone: they train on the ranks torchrun started."""
-    finished = torchrun.single_node(["-m", "dtlib.train", *runner], nproc_per_node=2, timeout=90)
+def test_the_ddp_runner_trains_on_the_ranks_torchrun_started():
+    """The fsdp runner's run under torchrun is the next test's."""
+    finished = torchrun.single_node(["-m", "dtlib.train", "ddp", "--steps", "2"], nproc_per_node=2, timeout=90)
     assert finished.returncode == 0, failure_report(finished)
-    assert "on 2 rank" in finished.output and "losses" in finished.output
-    assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train")
+    assert "DDP on 2 rank(s)" in finished.output and "losses" in finished.output
+    assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train ddp")
 
 
 @pytest.mark.timeout(240)
-def test_hybrid_shard_under_torchrun_checks_its_groups_against_torchruns_world_size():
+def test_the_fsdp_runner_trains_under_torchrun_and_checks_its_groups_against_torchruns_world_size():
     """docs/torchrun.md's SLURM line: --shard-group-size is checked against torchrun's WORLD_SIZE (2 here),
     not against --world-size (3 here, which cannot form groups of 2: without torchrun this line is refused),
-    which torchrun ignores."""
+    which torchrun ignores; the runner trains on the 2 ranks torchrun started."""
     finished = torchrun.single_node(["-m", "dtlib.train", "fsdp", "--strategy", "hybrid_shard", "--shard-group-size",
                                      "2", "--world-size", "3", "--steps", "1"], nproc_per_node=2, timeout=200)
     assert finished.returncode == 0, failure_report(finished)
-    assert "fsdp2 hybrid_shard on 2 ranks" in finished.output
+    assert "fsdp2 hybrid_shard on 2 ranks: losses" in finished.output
+    assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train fsdp")
 
 
-@pytest.mark.timeout(120)
-def test_torchrun_exits_1_and_names_the_ranks_own_code_in_its_summary():
-    """Notebook 07: torchrun does not pass a rank's exit code on; its summary names it."""
-    failed = torchrun.single_node(["-m", "dtlib.examples.exit_code", "--rank", "1", "--code", "3"], nproc_per_node=2,
-                             timeout=90)
-    assert failed.returncode == 1, failed.output[-2000:]
-    assert torchrun.exit_codes(failed) == {0: -15, 1: 3}  # rank 0, still working, was stopped with SIGTERM
-    assert "Root Cause" in failed.output and "exitcode  : 3" in failed.output
+def test_exit_codes_are_none_where_no_rank_failed():
     assert torchrun.exit_codes(torchrun.Finished("torchrun x.py", 0, "[default0]:done\n")) == {}
 
 
 # Notebook 07's checked cells run its jobs once for the gate, and nbval or the browser tests compare what they
-# print: a restart under --max_restarts=1 (the command with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and every
-# attempt's ranks), the deprecated launcher's --local-rank argument beside torchrun's LOCAL_RANK, and each rank's
-# loader workers reading only its indices. They are not started again here.
-
-
-@pytest.mark.timeout(60)
-def test_a_hanging_job_is_stopped_at_the_timeout():
-    finished = torchrun.single_node(["--no-python", "sleep", "60"], nproc_per_node=1, timeout=8)
-    assert finished.returncode != 0 and "stopped after 8 s" in finished.output
+# print: a rank's exit code 3 that torchrun does not pass on (it exits 1) and names in its summary (exit_codes:
+# {0: -15, 1: 3}, rank 0 stopped with SIGTERM), a restart under --max_restarts=1 (the command with
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and every attempt's ranks), two c10d nodes of two ranks joined into one
+# job, the deprecated launcher's --local-rank argument beside torchrun's LOCAL_RANK, and each rank's loader workers
+# reading only its indices. They are not started again here; the summary's wording ("Root Cause", "exitcode  :")
+# is checked on notebook 16's job killed after step 6.
 
 
 @pytest.mark.timeout(60)
@@ -128,28 +115,36 @@ def test_a_job_that_prints_and_then_nothing_is_stopped_after_its_silence():
 @pytest.mark.timeout(60)
 def test_silence_waits_for_a_first_line_and_a_job_that_finishes_keeps_all_its_output(monkeypatch, tmp_path):
     _temporary_directory(monkeypatch, tmp_path)
-    # silence=5 against a first line after 7 s: the wait for a first line is shown; after the last line the agent
-    # tears down without a line of its own, which took over 2 s beside two busy loops (stop 60's busy gate C)
-    finished = torchrun.single_node(["--no-python", "sh", "-c", "sleep 7; seq 1 3000"], nproc_per_node=1,
+    # silence=5 against a first line after the agent's start and 6 s more: the wait for a first line is shown; after
+    # the last line the agent tears down without a line of its own, which took over 2 s beside two busy loops (stop
+    # 60's busy gate C)
+    finished = torchrun.single_node(["--no-python", "sh", "-c", "sleep 6; seq 1 3000"], nproc_per_node=1,
                                     timeout=50, silence=5)
     assert finished.returncode == 0 and "stopped after" not in finished.output
     assert list(tmp_path.iterdir()) == [], "torchrun's logs left in the temporary directory"
     assert [int(line.split(":")[-1]) for line in finished.output.splitlines() if "]:" in line] == list(range(1, 3001))
 
 
+def _ranks_running(argument):
+    """The pids of the ranks ``--no-python sleep ARGUMENT`` started: processes whose own command is ``sleep``, not
+    the agents, whose command lines hold the same words from the moment they start."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[:2] == ["sleep", argument]]
+
+
 @pytest.mark.timeout(60)
 def test_an_interrupt_while_waiting_stops_the_job(monkeypatch):
     import psutil
 
-    real_sleep, calls = time.sleep, []
+    real_sleep = time.sleep
 
-    def interrupt_the_first(seconds):  # the wait's first pause: as the notebook's stop button, mid-wait
-        calls.append(seconds)
-        if len(calls) == 1:
+    def interrupt_the_wait(seconds):  # the wait, once the rank runs: as the notebook's stop button, mid-wait
+        if sys._getframe(1).f_code.co_name == "_finish" and _ranks_running("61.25"):
             raise KeyboardInterrupt
         real_sleep(seconds)
 
-    monkeypatch.setattr(time, "sleep", interrupt_the_first)
+    monkeypatch.setattr(time, "sleep", interrupt_the_wait)
     with pytest.raises(KeyboardInterrupt):
         torchrun.single_node(["--no-python", "sleep", "61.25"], nproc_per_node=1, timeout=50)
     monkeypatch.undo()
@@ -349,43 +344,40 @@ def _store_servers(finished):
             if f"{port}, is_master=True" in " ".join(p.info["cmdline"] or [])]
 
 
-@pytest.mark.timeout(120)
-def test_an_elastic_job_whose_store_runs_apart_loses_a_node_and_goes_on_at_world_size_1(tmp_path):
-    """Two nodes, --nnodes=1:2: node 0 is killed whole (agent and rank) while every rank waits; node 1's
-    all-reduce fails, its agent restarts it, and the new round has one node: world size 1, the sum 1."""
-    (tmp_path / "elastic.py").write_text(ELASTIC)
-    finished = torchrun.simulate_nodes([str(tmp_path / "elastic.py")], 2, min_nodes=1, store="apart",
-                                       kill=(0, '"attempt": 0'), timeout=90,
-                                       options=["--max_restarts=1", f"{FAST_RENDEZVOUS},is_host=false"])
-    killed, survivor = finished
-    assert killed.returncode == -9 and "killed this node, its agent and the 1 process below it" in killed.output
-    assert survivor.returncode == 0, failure_report(survivor)
-    records = torchrun.json_records(survivor)
-    assert [(r["attempt"], r["world"]) for r in records if "world" in r] == [(0, 2), (1, 1)]
-    assert records[-1] == {"attempt": 1, "sum": 1.0}
-    assert "--nnodes=1:2" in survivor.command
-    ranks = [r["pid"] for r in torchrun.json_records(finished) if "pid" in r]
-    assert not _gone(ranks) and not _store_servers(finished), "a rank or the store outlived the call"
+# An elastic job whose store runs apart, one of its two nodes killed whole, going on at world size 1 (exit codes
+# [-9, 0], world size 2 then 1, each loss after the shrink the uninterrupted run's mean of two ranks') is notebook
+# 16's checked cell; a separate store gone when the call returns is checked after a timeout below (the call ends
+# the store in the same `finally` however its nodes ended).
 
 
 @pytest.mark.timeout(120)
-def test_killing_the_node_that_serves_the_store_ends_the_survivor_too(tmp_path):
+def test_killing_the_node_that_serves_the_store_ends_the_survivor_too(monkeypatch, tmp_path):
+    """Two c10d nodes (the command names no --node_rank), --nnodes=1:2, the node whose agent serves the store
+    killed whole (agent and rank) while every rank waits: the survivor's agent cannot reach the store, fails
+    without a second attempt, and no rank outlives the call, nor anything left in the temporary directory."""
     (tmp_path / "elastic.py").write_text(ELASTIC)
+    _temporary_directory(monkeypatch, tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
     finished = torchrun.simulate_nodes([str(tmp_path / "elastic.py")], 2, min_nodes=1, kill=("host", '"attempt": 0'),
                                        options=["--max_restarts=1", FAST_RENDEZVOUS], timeout=90)
     host = [f for f in finished if "it served the rendezvous store" in f.output]
     assert len(host) == 1 and host[0].returncode == -9
+    assert "), its agent and the 1 process below it, with SIGKILL" in host[0].output
     other = finished[1 - finished.index(host[0])]
     assert other.returncode == 1 and "RendezvousConnectionError" in other.output
     assert not [r for r in torchrun.json_records(other) if r.get("attempt") == 1]
+    for node in finished:
+        assert "--nnodes=1:2 --rdzv_backend=c10d" in node.command and "--node_rank" not in node.command
     assert not _gone([r["pid"] for r in torchrun.json_records(finished) if "pid" in r])
+    assert list((tmp_path / "tmp").iterdir()) == [], "left in the temporary directory"
 
 
 @pytest.mark.timeout(60)
-def test_a_job_stopped_at_its_timeout_takes_its_separate_store_with_it():
+def test_a_hanging_job_is_stopped_at_its_timeout_and_takes_its_separate_store_with_it():
+    """single_node and simulate_nodes wait in the same loop (_finish): this checks its timeout for both."""
     finished = torchrun.simulate_nodes(["--no-python", "sleep", "61.75"], 2, min_nodes=1, store="apart", timeout=6,
                                        options=["--rdzv_conf=is_host=false"])
-    assert all("stopped after 6 s" in f.output for f in finished)
+    assert all(f.returncode != 0 and "stopped after 6 s" in f.output for f in finished), [f.output for f in finished]
     import psutil
 
     sleeping = [p.pid for p in psutil.process_iter(["cmdline"]) if "61.75" in (p.info["cmdline"] or [])]
@@ -418,8 +410,7 @@ def test_an_interrupt_while_nodes_run_ends_every_agent_rank_and_the_separate_sto
         return servers[-1]
 
     def interrupt_the_wait(seconds):  # the nodes' wait, once their ranks run: as the notebook's stop button
-        if sys._getframe(1).f_code.co_name == "_finish" and \
-                [p for p in psutil.process_iter(["cmdline"]) if "61.5" in (p.info["cmdline"] or [])]:
+        if sys._getframe(1).f_code.co_name == "_finish" and len(_ranks_running("61.5")) == 2:
             raise KeyboardInterrupt
         real_sleep(seconds)
 
@@ -478,6 +469,7 @@ def notebook_16s_job_killed_after_step_6(tmp_path_factory):
 def test_notebook_16s_script_without_restarts_fails_clearly_with_each_ranks_exit(notebook_16s_job_killed_after_step_6):
     folder, job = notebook_16s_job_killed_after_step_6
     assert job.returncode == 1 and torchrun.exit_codes(job) == {0: -15, 1: -9}, job.output[-3000:]
+    assert "Root Cause" in job.output and "exitcode  : -9" in job.output  # the summary, as torchrun words it
     assert max(r["step"] for r in torchrun.json_records(job)) == 6
     assert (folder / "ckpt" / "latest").read_text() == "4"  # the last complete checkpoint, for a later resume
 
@@ -648,7 +640,7 @@ def test_notebook_16s_rank_killed_with_an_async_save_in_flight_resumes_from_the_
 @pytest.mark.timeout(90)
 def test_a_node_that_never_comes_ends_the_rendezvous_at_its_join_timeout_with_torchs_own_error():
     finished = torchrun.simulate_nodes(["--no-python", "true"], 2, absent=1, timeout=60,
-                                       options=["--rdzv_conf=join_timeout=4"])
+                                       options=["--rdzv_conf=join_timeout=2"])
     assert len(finished) == 1 and finished[0].returncode == 1 and "stopped after" not in finished[0].output
     assert "RendezvousTimeoutError" in finished[0].output, finished[0].output[-2000:]
 
