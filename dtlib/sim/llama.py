@@ -82,7 +82,11 @@ LLAMA: Mapping[str, Shape] = MappingProxyType({
 #: Whose kernels the simulator keeps tensors for backward as: "cuda", a GPU's (CUDA's fused RMSNorm), or "cpu",
 #: this CPU's (torch's composite RMSNorm). Attention needs no choice: on this CPU, as on an A100 or H100 in bf16,
 #: SDPA runs a flash kernel that keeps q, k and v (k and v at their own heads under GQA), its output and one fp32
-#: log-sum-exp per head and token.
+#: log-sum-exp per head and token. CUDA's memory-efficient kernel, which SDPA takes where flash cannot run (before
+#: the A100, say), keeps the same, its log-sum-exp padded to a multiple of 32 tokens: at the simulated lengths, all
+#: multiples of 32, the same bytes (tests/sim/test_sim.py holds this to torch's own shapes). It takes no GQA (its
+#: shape checks in torch's ``sdp_utils.cpp`` refuse unequal heads), so there SDPA falls back to its math kernel, which
+#: keeps the whole attention matrix: 70B on such a GPU is not what the simulator answers for.
 KERNELS = ("cuda", "cpu")
 
 

@@ -545,3 +545,19 @@ def test_the_simulated_adamw_is_torchs_default_on_the_kernels_device():
     model = torch.nn.Linear(2, 2)
     for kernels, device in (("cuda", "cuda"), ("cpu", "cpu")):
         assert adamw(model, kernels).defaults["foreach"] == (device in _get_foreach_kernels_supported_devices())
+
+
+@pytest.mark.parametrize("tokens", [64, 8192])
+def test_the_memory_efficient_attention_keeps_what_flash_keeps_at_lengths_of_32s(tokens):
+    """dtlib.sim.llama.KERNELS' claim, from torch's own shape functions (meta tensors, no GPU needed): CUDA's
+    memory-efficient kernel returns for backward the output and a log-sum-exp padded to 32 tokens, flash the output
+    and one log-sum-exp per token; at a length of 32s (every simulated one), the same bytes."""
+    query = torch.empty(2, tokens, 8, 128, device="meta", dtype=torch.bfloat16)  # (batch, tokens, heads, head_dim)
+    efficient = torch.ops.aten._efficient_attention_forward(query, query, query, None, None, None, None, None, 0.0, 1,
+                                                           True)
+    flash = torch.ops.aten._flash_attention_forward(query, query, query, None, None, tokens, tokens, 0.0, True, False)
+    kept = [sum(t.numel() * t.element_size() for t in outputs[:2]) for outputs in (efficient, flash)]
+    assert kept[0] == kept[1] == 2 * tokens * 8 * (128 * 2 + 4)
+    padded = torch.ops.aten._efficient_attention_forward(query[:, :tokens - 1], query, query, None, None, None, None,
+                                                        None, 0.0, 1, True)[1]
+    assert padded.shape[-1] == tokens  # 31 tokens past a multiple of 32 keep a whole 32's worth
