@@ -36,6 +36,22 @@ from dtlib.ring.cost import ring_terms
 CALL_NAMES = {name: op.call for name, op in calls.C10D.items()}
 
 
+#: op -> its (namespace, name) as :func:`watching` hands them on (``("c10d", "allreduce_")``), or None for a
+#: higher-order operator, which has no overload packet: read once per op, not at each of its many dispatches.
+_NAMES: dict[Any, tuple[str, str] | None] = {}
+
+
+def _names_of(func: Any) -> tuple[str, str] | None:
+    """``func``'s (namespace, name), or None where it is a higher-order operator (never a collective)."""
+    if func not in _NAMES:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            _NAMES[func] = None
+        else:
+            namespace, _, name = str(func.overloadpacket).partition(".")
+            _NAMES[func] = (namespace, name)
+    return _NAMES[func]
+
+
 def watching(see: Callable[[str, str, tuple], None]) -> contextlib.AbstractContextManager[Any]:
     """A dispatch mode that calls ``see(namespace, name, args)`` for each op torch dispatches in its block
     (``"c10d", "allreduce_"``), before the op runs, on this thread.
@@ -54,12 +70,12 @@ def watching(see: Callable[[str, str, tuple], None]) -> contextlib.AbstractConte
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            if isinstance(func, torch._ops.HigherOrderOperator):  # no overload packet, never a collective
+            names = _names_of(func)
+            if names is None:  # a higher-order operator: no overload packet, never a collective
                 return func(*args, **(kwargs or {}))
             if DTensor in types:
                 return NotImplemented
-            namespace, _, name = str(func.overloadpacket).partition(".")
-            see(namespace, name, args)
+            see(*names, args)
             return func(*args, **(kwargs or {}))
 
     return Watch()

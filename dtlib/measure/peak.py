@@ -71,6 +71,68 @@ def _to_local_views(tensor: Any, local: torch.Tensor) -> bool:
     return _VIEWS[key]
 
 
+def _storages_held(tensor: Any) -> list[Any]:
+    """:func:`_storages`, a DTensor's read from its local tensor without dispatching ``to_local()`` (which, with
+    autograd on, makes a view): the same storages, for a tracker that only looks at them."""
+    local = getattr(tensor, "_local_tensor", None) if hasattr(tensor, "to_local") else None
+    if isinstance(local, torch.Tensor) and not is_traceable_wrapper_subclass(local):
+        return [local.untyped_storage()]
+    return _storages(tensor)
+
+
+#: The trackers inside their blocks, each told of every storage resized in place (:func:`_watch_resizes`).
+_RESIZE_WATCHERS: list[PeakTracker] = []
+#: ``UntypedStorage.resize_`` as found, while the watchers' is installed: (the method, whether the class had it).
+_UNWATCHED: list[tuple[Any, bool]] = []
+
+
+def _watch_resizes(tracker: PeakTracker) -> None:
+    """Tell ``tracker`` of every ``UntypedStorage.resize_`` until :func:`_unwatch_resizes`. FSDP frees a gathered
+    weight with ``storage.resize_(0)`` and fills it again with ``resize_(size)``: calls on the storage itself,
+    which no dispatch mode sees, and the only way a storage changes size without an op a mode sees."""
+    if not _RESIZE_WATCHERS:
+        found = torch.UntypedStorage.resize_
+
+        def resize_(storage: Any, size: Any) -> Any:
+            resized = found(storage, size)
+            for watcher in list(_RESIZE_WATCHERS):
+                watcher._remeasure(storage)
+            return resized
+
+        _UNWATCHED.append((found, "resize_" in vars(torch.UntypedStorage)))
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    _RESIZE_WATCHERS.append(tracker)
+
+
+def _unwatch_resizes(tracker: PeakTracker) -> None:
+    """Stop telling ``tracker``; the last tracker out puts ``UntypedStorage.resize_`` back as it was."""
+    if tracker in _RESIZE_WATCHERS:
+        _RESIZE_WATCHERS.remove(tracker)
+    if not _RESIZE_WATCHERS and _UNWATCHED:
+        found, owned = _UNWATCHED.pop()
+        if owned:
+            torch.UntypedStorage.resize_ = found  # type: ignore[method-assign]
+        else:
+            del torch.UntypedStorage.resize_
+
+
+#: op -> whether it may write into its arguments: the ops after which the storages of the arguments are measured
+#: again, as one may have resized them without returning them.
+_WRITES: dict[Any, bool] = {}
+
+
+def _writes(func: Any) -> bool:
+    """Whether ``func`` may write into an argument: its schema says it does (``aten.resize_``, an ``out=`` op), or
+    it returns nothing, an op run for what it does to its arguments (``inductor.resize_storage_bytes_``, whose
+    schema marks no argument written)."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = schema is None or schema.is_mutable or not schema.returns  # no schema (an odd op): measure again
+        _WRITES[func] = writes
+    return writes
+
+
 class PeakTracker(TorchDispatchMode):
     """Follow every storage created inside the block; :attr:`peak` is the most bytes live at once (the
     parameters' included), :meth:`categories` what held them then."""
@@ -80,6 +142,12 @@ class PeakTracker(TorchDispatchMode):
         super().__init__()
         self.model, self.optimizer = model, optimizer
         self._refs: dict[int, tuple[weakref.ref, str]] = {}
+        # the bytes of each storage followed, as last measured, and their sum: live() inside the block, kept up to
+        # date as storages are followed, freed and resized, instead of summing every storage at every op
+        self._sizes: dict[int, int] = {}
+        self._live = 0
+        self._symbolic = False  # a storage of symbolic size (a ShapeEnv's fake tensor) seen: live() sums them all
+        self._watching = False  # inside the block, where every resize is seen (_watch_resizes)
         self.peak = 0
         self._at_peak: list[tuple[weakref.ref, str, int]] = []
         # ``moment``: where the step is (a block's forward, say): the most bytes at each moment, and what held them
@@ -100,19 +168,55 @@ class PeakTracker(TorchDispatchMode):
         if known is not None and known[0]() is storage:
             if category != "gathered and temporary" and known[1] == "gathered and temporary":
                 self._refs[key] = (known[0], category)  # a temporary saved for backward, say
+            self._measure(key, storage)  # an op's output: the op may have resized it (resize_, an out= op)
             return
-        self._refs[key] = (weakref.ref(storage, lambda _, key=key: self._refs.pop(key, None)), category)
+        if known is not None:  # the entry of a storage gone, whose id this one now has
+            self._forget(key, known[0])
+        self._refs[key] = (weakref.ref(storage, lambda ref, key=key: self._forget(key, ref)), category)
+        self._measure(key, storage)
+
+    def _measure(self, key: int, storage: Any) -> None:
+        """Note the bytes ``storage`` (followed, under ``key``) holds now, and the live total with them."""
+        try:  # an untyped storage's len() is its nbytes(), read without making a SymInt
+            size = len(storage)
+        except RuntimeError:  # a storage of symbolic size (a ShapeEnv's fake tensor) has no len()
+            self._symbolic = True
+            return
+        self._live += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+
+    def _remeasure(self, storage: Any) -> None:
+        """``storage`` was resized in place: measure it again if it is one followed."""
+        key = id(storage)
+        known = self._refs.get(key)
+        if known is not None and known[0]() is storage:
+            self._measure(key, storage)
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        """The storage ``ref`` followed is gone (or its id taken by another): its bytes are no longer live."""
+        known = self._refs.get(key)
+        if known is not None and known[0] is ref:
+            del self._refs[key]
+            self._live -= self._sizes.pop(key, 0)
 
     def live(self) -> int:
         """Bytes live now in the storages followed: the model's, and those created inside the block, C++'s
         included (DDP's gradient buckets, say)."""
+        if self._watching and not self._symbolic:  # every follow, free and resize counted as it happened
+            return self._live
+        return self._summed()
+
+    def _summed(self) -> int:
+        """:meth:`live`, every storage followed measured now: what the running total must equal."""
         storages = [storage for ref, _ in list(self._refs.values()) if (storage := ref()) is not None]
-        try:  # an untyped storage's len() is its nbytes(), read without making a SymInt: the tracker's hottest line
+        try:  # an untyped storage's len() is its nbytes(), read without making a SymInt
             return sum(map(len, storages))
         except RuntimeError:  # a storage of symbolic size (a ShapeEnv's fake tensor) has no len()
             return sum(storage.nbytes() for storage in storages)
 
-    def _check_peak(self) -> None:
+    def _check_peak(self, read: Callable[[Any], list[Any]] = _storages) -> None:
+        """Note what is live if it is the most yet, or the most yet at this moment. ``read``: how the storages of
+        FSDP's accumulated gradients are read (:meth:`_accumulated_gradients`)."""
         total = self.live()
         key: Hashable = None
         if self._moment is not None:
@@ -120,34 +224,40 @@ class PeakTracker(TorchDispatchMode):
         highest = total > self.peak
         highest_here = self._moment is not None and total > self._moments.get(key, (-1, []))[0]
         if highest or highest_here:
-            accumulated = self._accumulated_gradients()
-            noted = [(ref, "gradients" if id(ref()) in accumulated else category, ref().nbytes())
-                     for ref, category in list(self._refs.values()) if ref() is not None]
+            accumulated = self._accumulated_gradients(read)
+            noted = [(ref, "gradients" if id(storage) in accumulated else category, storage.nbytes())
+                     for ref, category in list(self._refs.values()) if (storage := ref()) is not None]
             if highest:
                 self.peak, self._at_peak = total, noted
             if highest_here:
                 self._moments[key] = (total, noted)
 
-    def _accumulated_gradients(self) -> set[int]:
+    def _accumulated_gradients(self, read: Callable[[Any], list[Any]] = _storages) -> set[int]:
         """Ids of the storages that hold FSDP2's unsharded gradients accumulated over the micro-batches of a step
         that reduce-scatters only in its last (in the reduce dtype). A block's gradient just computed, on its way
-        to its reduce-scatter, stays a temporary, as the gathered weights do."""
+        to its reduce-scatter, stays a temporary, as the gathered weights do. ``read``: :func:`_storages`, or, in
+        this mode's own dispatch, where the views a DTensor's ``to_local()`` makes go past it, the same storages read
+        without them (:func:`_storages_held`)."""
         ids: set[int] = set()
         for fsdp_param in self._fsdp_params:
-            ids.update(id(storage) for storage in _storages(getattr(fsdp_param, "unsharded_accumulated_grad", None)))
+            ids.update(id(storage) for storage in read(getattr(fsdp_param, "unsharded_accumulated_grad", None)))
         return ids
 
     # -- the dispatch mode and the hooks ---------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if _writes(func):  # it may have resized an argument it does not return (resize_storage_bytes_)
+            for tensor in tree_leaves((args, kwargs)):
+                for storage in _storages_held(tensor):
+                    self._remeasure(storage)
         if self._shape_only:  # DTensor running an op on fake tensors to learn its output's shape: no memory
             return out
         category = "optimizer" if self._stepping else "gathered and temporary"
         for tensor in tree_leaves(out):
-            for storage in _storages(tensor):
+            for storage in _storages_held(tensor):  # to_local()'s view here is dispatched past this mode: not seen
                 self._follow(storage, category)
-        self._check_peak()
+        self._check_peak(_storages_held)
         return out
 
     def _weight_storages(self) -> set[int]:
@@ -200,10 +310,14 @@ class PeakTracker(TorchDispatchMode):
         self._saved.__enter__()
         self._shapes_only()
         self._check_peak()
+        _watch_resizes(self)  # from here every resize is seen, and live() is the running total
+        self._watching = True
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._watching = False  # live() outside the block measures every storage: resizes are no longer seen
+        _unwatch_resizes(self)
         self._saved.__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
