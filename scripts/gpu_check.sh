@@ -18,6 +18,7 @@
 #   GPU_CHECK_LOGS     where each part's log, JUnit XML and table go (default build/gpu-check)
 #   GPU_CHECK_NOTEBOOKS  the notebooks to run (default: notebooks/, all of them)
 #   GPU_CHECK_ANYWAY=1   run the parts even without a GPU (to test this script; its tables are then the CPU's)
+#   GPU_CHECK_CORES      the CPU cores to plan for (default: this machine's)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -38,7 +39,7 @@ if ! gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch
     say "$PYTHON cannot import torch; set PYTHON to a Python with a CUDA build of torch" >&2
     exit 1
 fi
-cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)
+cores=${GPU_CHECK_CORES:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)}
 has() { "$PYTHON" -c "import $1" 2>/dev/null; }
 
 xdist() {  # pytest-xdist's options for $1 workers, where it is installed and more than one would help
@@ -53,14 +54,18 @@ plan() {  # plan GPUS: sets ranks, the workers and PARTS for a machine with GPUS
     ranks=1 doublings=0
     while [ $((ranks * 2)) -le "$1" ] && [ $((ranks * 2)) -le 8 ]; do ranks=$((ranks * 2)) doublings=$((doublings + 1)); done
     # With more GPUs the notebooks' 2- to 8-rank cells take NCCL, each rank a CUDA context and an NCCL init: the
-    # limits grow with each doubling of the ranks (the one-GPU figures were measured; the others are a GPU run's
-    # to confirm). A notebook worker per 2 cores, at most 7.
-    notebook_workers=$(( cores / 2 < 7 ? (cores / 2 > 0 ? cores / 2 : 1) : 7 ))
+    # limits grow with each doubling of the ranks. An NCCL rank keeps a core busy while it waits (CUDA spins on a
+    # synchronise, NCCL's proxy thread polls), where gloo's ranks sleep, so the notebook workers get a core for
+    # each NCCL rank a cell may start: cores / max(2, N), at most 7. With fewer workers the notebooks' limit grows
+    # in proportion (1 GPU, 16 cores, 7 workers: 172 s measured of its 220; the rest are a GPU run's to confirm).
+    notebook_workers=$(( cores / (ranks > 2 ? ranks : 2) ))
+    notebook_workers=$(( notebook_workers < 1 ? 1 : (notebook_workers > 7 ? 7 : notebook_workers) ))
+    notebook_limit=$(( ((220 + 25 * doublings) * 7 + notebook_workers - 1) / notebook_workers ))
     test_workers=$(( cores >= 6 ? 3 : 1 ))
     # name | limit in seconds | command (python stands for $PYTHON)
     PARTS=(
         "gpu tests|$((90 + 10 * doublings))|python -m pytest -p no:cacheprovider $gpu_test_files-m gpu --continue-on-collection-errors $(xdist "$test_workers") -q --junitxml=$LOGS/gpu-tests.xml"
-        "notebooks|$((220 + 25 * doublings))|python -m pytest -p no:cacheprovider --nbval-lax $NOTEBOOKS $(xdist "$notebook_workers") -q --junitxml=$LOGS/notebooks.xml"
+        "notebooks|$notebook_limit|python -m pytest -p no:cacheprovider --nbval-lax $NOTEBOOKS $(xdist "$notebook_workers") -q --junitxml=$LOGS/notebooks.xml"
         "bench allreduce|$((30 + 5 * doublings))|python -m dtlib.bench allreduce --world-size $ranks --min-bytes 1K --max-bytes 256M --iters 20 --warmup 5"
         "bench ddp|$((40 + 5 * doublings))|python -m dtlib.bench ddp --world-size $ranks --steps 12"
         "bench fsdp|$((40 + 5 * doublings))|python -m dtlib.bench fsdp --world-size $ranks --steps 6"
@@ -83,7 +88,8 @@ if [ "$gpus" -eq 0 ] && [ -z "${GPU_CHECK_ANYWAY:-}" ]; then
         plan "$count"
         total=0
         for part in "${PARTS[@]}"; do IFS='|' read -r _ limit _ <<<"$part"; total=$((total + limit)); done
-        echo "  $count GPU(s): N = $ranks, $notebook_workers notebook worker(s), at most $total s in all"
+        echo "  $count GPU(s): N = $ranks, $notebook_workers notebook worker(s), at most $total s in all;" \
+             "jobs of at most $ranks rank(s) on NCCL$([ "$ranks" -lt 8 ] && echo ", larger ones on gloo for lack of GPUs")"
         for part in "${PARTS[@]}"; do
             IFS='|' read -r name limit command <<<"$part"
             printf '    %-16s at most %3s s: %s\n' "$name" "$limit" "$command"
@@ -96,7 +102,7 @@ fi
 mkdir -p "$LOGS" || exit 1
 for part in "${PARTS[@]}"; do  # this check's own files from an earlier run, nothing else in the folder
     stem=${part%%|*} && stem=${stem// /-}
-    rm -f "$LOGS/$stem.xml" "$LOGS/$stem.out" "$LOGS/$stem.err" "$LOGS/$stem.log"
+    rm -f "$LOGS/$stem.xml" "$LOGS/$stem.out" "$LOGS/$stem.err" "$LOGS/$stem.log" "$LOGS/$stem.jobs"
 done
 : >"$LOGS/parts.tsv"
 limited=(timeout -k 5 -s INT)  # each part stops at its limit (SIGINT first: pytest still writes its report)
@@ -124,6 +130,7 @@ run_part() {  # name limit command: run it under its limit, its output shown and
     say "$name (at most $limit s): $command"
     local start
     start=$(date +%s.%N)
+    export DTLIB_JOB_LOG="$LOGS/$stem.jobs"  # every job the part starts: the report's "at each world size"
     if [[ "$name" == bench* ]]; then  # the table alone on stdout, kept for the results file
         "${limited[@]}" ${limited[@]:+"$limit"} "${argv[@]}" 2>"$LOGS/$stem.err" | tee "$LOGS/$stem.out"
         rc=${PIPESTATUS[0]}

@@ -7,8 +7,9 @@ reads what they left in the log folder and writes Markdown::
     python -m dtlib.bench.gpu_report write --logs build/gpu-check --results docs/results --total-s 412.5
 
 The log folder holds ``machine.json``, ``parts.tsv`` (one line per part: name, rc, seconds, limit in seconds,
-command, note; the script appends them), ``<stem>.xml`` (a pytest part's JUnit XML) and ``<stem>.out`` (a
-benchmark's table), where ``<stem>`` is the part's name with ``-`` for spaces.
+command, note; the script appends them), ``<stem>.xml`` (a pytest part's JUnit XML), ``<stem>.out`` (a
+benchmark's table) and ``<stem>.jobs`` (every job the part started, :mod:`dtlib.launch.joblog`), where ``<stem>``
+is the part's name with ``-`` for spaces.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtlib.launch import device
+from dtlib.launch import device, joblog
 from dtlib.launch.spawn import spawn
 
 TIME_LIMIT_S = 480  # the whole check, on one H100
@@ -225,8 +226,37 @@ def table_file(part: Part, facts: dict[str, object], table: str, measured: str) 
     return "\n".join(lines) + "\n"
 
 
+COLUMNS = ("nccl", "gloo: fewer GPUs than ranks", "gloo: asked for")  # joblog.why's columns, in the table's order
+
+
+def world_size_section(parts: list[Part], logs: Path, gpus: int) -> list[str]:
+    """``## What ran at each world size``: per part and world size, the jobs on NCCL, those on gloo because the
+    machine had fewer GPUs than ranks, and those that asked for gloo; then a sentence on what lack of GPUs left
+    out. No lines where no part left a job log."""
+    rows, short = [], Counter()
+    for part in parts:
+        for size, columns in joblog.by_world_size(joblog.read(logs / f"{part.stem}.jobs")).items():
+            rows.append(f"| {part.name} | {size} | " + " | ".join(str(columns[column]) for column in COLUMNS) + " |")
+            short[size] += columns[COLUMNS[1]]
+    if not rows:
+        return []
+    lines = ["", "## What ran at each world size", "",
+             "Every job the parts started (`dtlib.spawn`, live ranks, `dtlib.run` under torchrun), from "
+             "`DTLIB_JOB_LOG`. Each live-rank restart is a job of its own.", "",
+             "| part | world size | NCCL | gloo: fewer GPUs than ranks | gloo: asked for |",
+             "|---|---:|---:|---:|---:|", *rows, ""]
+    missing = {size: n for size, n in short.items() if n}
+    if missing:
+        told = ", ".join(f"{n} at {size} ranks" for size, n in sorted(missing.items()))
+        lines.append(f"Not run on NCCL for lack of GPUs ({gpus} here): {told}. They ran on gloo on the CPU; a "
+                     "machine with a GPU per rank runs them on NCCL.")
+    else:
+        lines.append(f"Every job that asked for NCCL, or for the machine's own backend, got NCCL ({gpus} GPU(s)).")
+    return lines
+
+
 def run_file(parts: list[Part], facts: dict[str, object], counts: dict[str, Counts | None], total_s: float,
-             measured: str) -> str:
+             measured: str, logs: Path | None = None) -> str:
     """``docs/results/gpu_run.md``: the machine, each part's verdict, counts and time, the commands, the failures."""
     passed = sum(part.rc == 0 for part in parts)
     gib = ", ".join(f"{g:.1f} GiB" for g in facts["gpu_memory_gib"])
@@ -257,6 +287,7 @@ def run_file(parts: list[Part], facts: dict[str, object], counts: dict[str, Coun
         for where, outcome in sorted(notebooks.by_file.items()):
             numbers = " | ".join(str(outcome[kind]) for kind in ("passed", "failed", "errors", "skipped"))
             lines.append(f"| {where.removeprefix('notebooks.')} | {numbers} |")
+    lines += world_size_section(parts, logs, len(facts["gpus"])) if logs is not None else []
     failures = [(part.name, failure) for part in parts if counts.get(part.name)
                 for failure in counts[part.name].failures]
     if failures:
@@ -285,7 +316,7 @@ def write(logs: Path, results: Path, total_s: float) -> list[Path]:
             path.write_text(table_file(part, facts, table.read_text(), measured))
             written.append(path)
     path = results / "gpu_run.md"
-    path.write_text(run_file(parts, facts, counts, total_s, measured))
+    path.write_text(run_file(parts, facts, counts, total_s, measured, logs))
     return [path, *written]
 
 

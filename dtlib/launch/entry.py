@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib import compat
+from dtlib.launch import joblog
 from dtlib.launch.device import gpu_of
 from dtlib.launch.spawn import resolve_backend, spawn, valid_call_arguments
 from dtlib.launch.worker import dumps_result
@@ -59,6 +60,8 @@ def run(
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = resolve_backend(spawn_options.get("backend", "auto"), local_world)
+    if rank == 0:  # one line per job, whose ranks may sit on several nodes
+        joblog.record("torchrun", world, spawn_options.get("backend", "auto"), backend)
     if backend == "nccl":
         torch.cuda.set_device(gpu_of(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
     owns_group = not dist.is_initialized()

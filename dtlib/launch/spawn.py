@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dtlib import arguments, compat
 from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.launch import pickling
+from dtlib.launch import joblog, pickling
 from dtlib.launch.device import why_gpus_cannot_be_shared
 from dtlib.launch.job import Job
 from dtlib.launch.processes import HeldInterrupts, start_forkserver, start_rank
@@ -306,6 +306,7 @@ def spawn(
     env |= wanted_env
 
     job = Job(world_size, output, method)
+    joblog.record("spawn", world_size, backend, resolved_backend)
     try:
         results = _run(job, method, payload, sources, resolved_backend if init_process_group else None, timeout,
                        env or None)

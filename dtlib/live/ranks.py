@@ -28,7 +28,7 @@ from typing import Any
 
 from dtlib import arguments, compat
 from dtlib.errors import RankFailure, WorkerError, WorkerTimeout
-from dtlib.launch import pickling
+from dtlib.launch import joblog, pickling
 from dtlib.launch.processes import HeldInterrupts
 from dtlib.launch.spawn import rank_environment, resolve_backend, resolve_start_method, valid_world_size
 from dtlib.live import doctor, server
@@ -85,6 +85,7 @@ class LiveRanks:
         #: whether each collective is checked across ranks first (None asked for: where this torch can)
         self.check_collectives = compat.collective_check_works() if check_collectives is None else check_collectives
         self._env = rank_environment(backend, self.backend)  # CPU ranks on a GPU machine see no GPU
+        self._asked = backend
         if self.check_collectives:  # torch's own check: every collective's op, shapes and dtypes compared across ranks
             self._env[COLLECTIVE_CHECK[0]] = COLLECTIVE_CHECK[1]
         self._method = resolve_start_method("auto")
@@ -108,6 +109,7 @@ class LiveRanks:
     # -- life -----------------------------------------------------------------
     def _start(self) -> float:
         began = time.monotonic()
+        joblog.record("live", self.world_size, self._asked, self.backend)
         ranks = Generation(self.world_size, self.backend, self._method, self._env)
         self._holder[0] = ranks
         owing = ranks.wait(set(range(self.world_size)), began + START_TIMEOUT_S)

@@ -18,29 +18,57 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-@pytest.mark.timeout(120)
-def test_without_cuda_the_check_says_what_it_would_run_writes_nothing_and_exits_0(tmp_path):
+def _plans(tmp_path: Path, cores: int) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """The script's output without a GPU, planned for ``cores`` CPU cores, and its plan for 1, 2, 4 and 8 GPUs."""
     results, logs = tmp_path / "results", tmp_path / "logs"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "GPU_CHECK_RESULTS": str(results),
-           "GPU_CHECK_LOGS": str(logs)}  # no GPU to torch, even on a machine with some
+           "GPU_CHECK_LOGS": str(logs), "GPU_CHECK_CORES": str(cores)}  # no GPU to torch, even on a machine with some
     done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert not results.exists() and not logs.exists()
+    return done, done.stdout.split("GPU(s): N = ")[1:]
+
+
+def _limits(plan: str) -> dict[str, int]:
+    return {line.split()[0] + (" " + line.split()[1] if line.split()[0] == "bench" else ""):
+            int(line.split("at most")[1].split()[0]) for line in plan.splitlines() if "s: python" in line}
+
+
+@pytest.mark.timeout(120)
+def test_without_cuda_the_check_says_what_it_would_run_writes_nothing_and_exits_0(tmp_path):
+    done, plans = _plans(tmp_path, cores=16)  # the lent machine's cores
     assert done.stdout.startswith("gpu-check: no CUDA GPU here"), done.stdout
     for expected in ("tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_tensor_parallel.py", "-m gpu",
                      "tests/train/test_fsdp.py", "--nbval-lax notebooks/", "two NCCL ranks on one GPU",
-                     f"{results}/gpu_run.md"):
+                     f"{tmp_path / 'results'}/gpu_run.md"):
         assert expected in done.stdout, expected
-    plans = done.stdout.split("GPU(s): N = ")[1:]  # the plan for 1, 2, 4 and 8 GPUs
     assert [int(plan.split(",")[0]) for plan in plans] == [1, 2, 4, 8], done.stdout
     for ranks, plan in zip((1, 2, 4, 8), plans, strict=True):
         for bench in ("allreduce", "ddp", "fsdp"):
             assert f"dtlib.bench {bench} --world-size {ranks} " in plan, plan
-        limits = [int(line.split("at most")[1].split()[0]) for line in plan.splitlines() if "s: python" in line]
-        assert len(limits) == 5 and f"at most {sum(limits)} s in all" in plan
-        assert sum(limits) <= 600 - 30  # a lent machine's command runs 10 minutes at most: room for the report
-    one_gpu = [int(line.split("at most")[1].split()[0]) for line in plans[0].splitlines() if "s: python" in line]
-    assert sum(one_gpu) <= gpu_report.TIME_LIMIT_S - 30  # measured on one H100: 285 s of it used
-    assert not results.exists() and not logs.exists()
+        limits = _limits(plan)
+        assert len(limits) == 5 and f"at most {sum(limits.values())} s in all" in plan
+        assert f"jobs of at most {ranks} rank(s) on NCCL" in plan
+        assert ("larger ones on gloo for lack of GPUs" in plan) == (ranks < 8)
+    # one H100 (16 cores) measured 285 s of it; a lent machine's command runs 10 minutes at most
+    assert sum(_limits(plans[0]).values()) <= gpu_report.TIME_LIMIT_S - 30
+    assert sum(_limits(plans[1]).values()) <= 600 - 30
+
+
+@pytest.mark.timeout(120)
+def test_the_notebook_workers_get_a_core_per_nccl_rank_and_their_limit_grows_as_they_shrink(tmp_path):
+    for cores, workers in ((16, [7, 7, 4, 2]), (96, [7, 7, 7, 7]), (2, [1, 1, 1, 1])):
+        _, plans = _plans(tmp_path, cores)
+        assert [int(plan.split(", ")[1].split()[0]) for plan in plans] == workers, cores
+        for plan, count in zip(plans, workers, strict=True):
+            (notebooks,) = [line for line in plan.splitlines() if "--nbval-lax" in line]
+            assert f"notebooks/ -n {count} --dist" in notebooks if count > 1 else "notebooks/ -q" in notebooks
+        # the same work shared by fewer workers: each doubling's limit times the workers stays put (rounded up)
+        first = _limits(plans[0])["notebooks"] * workers[0]
+        assert all(0 <= _limits(plan)["notebooks"] * count - first - 25 * doubling * 7 < count
+                   for doubling, (plan, count) in enumerate(zip(plans, workers, strict=True)))
+        if cores == 96:  # enough cores: every plan fits one call of a lent machine
+            assert all(sum(_limits(plan).values()) <= 600 - 30 for plan in plans)
 
 
 def test_the_script_parses():
@@ -174,3 +202,23 @@ def test_the_share_probe_says_why_it_did_not_try_two_nccl_ranks_on_one_gpu(monke
     assert said.startswith("NCCL 2.28.9; two NCCL ranks on one GPU not tried: NCCL_MULTI_RANK_GPU_ENABLE=1 asks"), said
     assert "needs NCCL 2.30 or later" in said
     assert "NCCL_MULTI_RANK_GPU_ENABLE" not in os.environ  # the probe's switch is its ranks' alone
+
+
+def test_the_report_says_what_ran_at_each_world_size_and_what_lack_of_gpus_left_on_gloo(logs, tmp_path):
+    def job(size: int, asked: str, backend: str) -> str:
+        return json.dumps({"launcher": "spawn", "world_size": size, "asked": asked, "backend": backend, "gpus": 1})
+    lines = [job(1, "auto", "nccl"), job(2, "auto", "gloo"), job(2, "auto", "gloo"), job(2, "gloo", "gloo"),
+             job(4, "nccl", "gloo"), '{"launcher": "spawn", "world_si']  # the last cut short as it was written
+    (logs / "notebooks.jobs").write_text("\n".join(lines))
+    (logs / "gpu-tests.jobs").write_text(job(1, "auto", "nccl") + "\n")
+    report = gpu_report.write(logs, tmp_path / "results", total_s=1.0)[0].read_text().splitlines()
+    for line in ("## What ran at each world size", "| gpu tests | 1 | 1 | 0 | 0 |", "| notebooks | 1 | 1 | 0 | 0 |",
+                 "| notebooks | 2 | 0 | 2 | 1 |", "| notebooks | 4 | 0 | 1 | 0 |",
+                 "Not run on NCCL for lack of GPUs (1 here): 2 at 2 ranks, 1 at 4 ranks. They ran on gloo on the CPU; "
+                 "a machine with a GPU per rank runs them on NCCL."):
+        assert line in report, line
+
+
+def test_no_job_logs_no_world_size_section(logs, tmp_path):
+    report = gpu_report.write(logs, tmp_path / "results", total_s=1.0)[0].read_text()
+    assert "## What ran at each world size" not in report
