@@ -16,7 +16,7 @@ import pytest
 
 from dtlib import checks
 from dtlib.checks.feedback import Feedback
-from dtlib.launch import torchrun
+from dtlib.launch import joblog, torchrun
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -71,12 +71,15 @@ def _temporary_directory(monkeypatch, folder):
 
 
 @pytest.mark.timeout(120)
-def test_the_ddp_runner_trains_on_the_ranks_torchrun_started():
-    """The fsdp runner's run under torchrun is the next test's."""
+def test_the_ddp_runner_trains_on_the_ranks_torchrun_started(monkeypatch, tmp_path):
+    """The fsdp runner's run under torchrun is the next test's. Rank 0 alone notes the job in DTLIB_JOB_LOG."""
+    monkeypatch.setenv(joblog.JOB_LOG, str(tmp_path / "jobs"))
     finished = torchrun.single_node(["-m", "dtlib.train", "ddp", "--steps", "2"], nproc_per_node=2, timeout=90)
     assert finished.returncode == 0, failure_report(finished)
     assert "DDP on 2 rank(s)" in finished.output and "losses" in finished.output
     assert finished.command.startswith("torchrun --standalone --nproc_per_node=2 --tee=3 -m dtlib.train ddp")
+    assert [(job["launcher"], job["world_size"], job["backend"]) for job in joblog.read(tmp_path / "jobs")] == [
+        ("torchrun", 2, "gloo")]
 
 
 @pytest.mark.timeout(240)
