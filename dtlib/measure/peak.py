@@ -312,10 +312,19 @@ class PeakTracker(TorchDispatchMode):
         self._check_peak()
         _watch_resizes(self)  # from here every resize is seen, and live() is the running total
         self._watching = True
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:  # the block never ran: nothing of the tracker's is left installed
+            self._undo(None, None, None)
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._undo(*exc)
+
+    def _undo(self, *exc: Any) -> None:
+        """Take out all that ``__enter__`` put in: the resize watch, the saved-tensor hooks, the optimizer's hooks
+        and DTensor's shape propagation."""
         self._watching = False  # live() outside the block measures every storage: resizes are no longer seen
         _unwatch_resizes(self)
         self._saved.__exit__(*exc)

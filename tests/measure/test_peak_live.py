@@ -84,3 +84,23 @@ def test_the_running_total_equals_every_storage_measured_at_every_check_of_a_sim
     simulate(shape, pp=2, dp=2, tp=2, seq_len=16, micro_batches=3, depths=None, parallelize=mine)
     assert 0 in resized and any(size > 0 for size in resized)  # freed and gathered again, in the measured step
     assert len(checked) > 1000 and all(running == measured for running, measured in checked)
+
+
+def test_a_tracker_whose_mode_cannot_start_leaves_nothing_installed(monkeypatch):
+    """A dispatch mode that fails to start (its ``__enter__`` raising) must not leave the resize watch, the
+    saved-tensor hooks or the optimizer's hooks behind: they would count every later storage."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def refuse(self):
+        raise RuntimeError("no mode today")
+
+    monkeypatch.setattr(torch.utils._python_dispatch.TorchDispatchMode, "__enter__", refuse)
+    try:
+        with PeakTracker(model, optimizer):
+            raise AssertionError("the block must not run")
+    except RuntimeError as err:
+        assert "no mode today" in str(err)
+    assert "resize_" not in vars(torch.UntypedStorage)
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left
