@@ -166,7 +166,8 @@ def test_the_layout_in_docs_is_the_one_the_script_generates():
     """docs/architecture.md's map of dtlib is generated from the modules' own docstrings, and its table of
     layers from the layers this file enforces: never kept by hand."""
     assert _layout_script().block() in (ROOT / "docs" / "architecture.md").read_text(), \
-        "run `python scripts/layout.py --write` after moving or adding a module"
+        "run `python scripts/layout.py --write` after adding, moving or renaming a module, or changing the first " \
+        "sentence of a module's docstring (the map quotes it)"
     assert _layout_script().layers_block() in (ROOT / "docs" / "architecture.md").read_text(), \
         "run `python scripts/layout.py --write` after changing the layers"
 
@@ -442,6 +443,9 @@ def test_every_checker_is_registered_listed_and_tested_in_the_file_named_after_i
                     if inspect.isfunction(fn) and fn.__module__ == module.__name__ and not fn_name.startswith("_")
                     and fn.__annotations__.get("return") == "Feedback" and not fn_name.startswith("judge")}
         assert checkers <= exported, f"register {sorted(checkers - exported)} in dtlib/checks/__init__.py"
+        tests = (ROOT / "tests" / "checks" / f"test_{name}.py").read_text()
+        untested = sorted(checker for checker in checkers if not re.search(rf"\b{checker}\b", tests))
+        assert not untested, f"tests/checks/test_{name}.py never calls {untested}: give each its bank of answers"
     assert all(getattr(dtlib.checks, name).__module__.split(".")[-1] in modules for name in exported)
 
 
