@@ -174,4 +174,4 @@ def fsdp_collectives(prediction: Any) -> Feedback:
                                f"collectives and rank 0 called {len(truth)}: {more} than it did. "
                                f"{'' if len(read) > len(truth) else _hint(len(read), ('?', -1), truth)}".rstrip())
     return Feedback(True, f"Rank 0 called exactly these {len(truth)} collectives, in this order: the stepper traced "
-                          "them on two live ranks just now.")
+                          "them on two live ranks, at this kernel's first check (later checks reuse that trace).")

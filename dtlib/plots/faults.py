@@ -71,7 +71,7 @@ def job_time(events: Sequence[tuple[float, float, str]], title: str = "One simul
     ax.set_xlim(0, max(end for _, end, _ in events) / 3600)
     ax.set_title(title)
     ax.legend(handles=[Patch(color=color, label=kind) for kind, color in KIND_COLORS.items()], fontsize=8,
-              ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.55), frameon=False)
+              loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)  # beside the bar: clear of the x label
     fig.tight_layout()
     return fig
 

@@ -154,6 +154,7 @@ def job_waste() -> float:
 def test_job_waste_refuses_each_cost_left_out_and_takes_the_right_figure_rounded(job_waste, guess, said):
     verdict = judge(PREDICTIONS["job waste"], guess, job_waste)
     assert verdict.ok is not said and said in verdict.message, verdict
+    assert "; 20 simulated jobs measured " in verdict.message  # a simulation's figure, not this machine's own
 
 
 @pytest.mark.parametrize("guess", [10**400, "9" * 400], ids=["10**400", "400 digits"])
