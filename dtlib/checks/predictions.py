@@ -325,7 +325,7 @@ PREDICTIONS: dict[str, Prediction] = {
         question=("Llama 2 7B (6.74 billion parameters) trains on 64 ranks with FSDP, in bf16 with fp32 weights and "
                   "AdamW. How many GiB of model state (weights, gradients, optimizer) does rank 0 hold at the step's "
                   "peak memory?"),
-        unit="GiB", measure=measured.model_state_gib,
+        unit="GiB", measure=measured.model_state_gib, measured_by="the simulator on this machine",
         why=("At the peak rank 0 holds its shard of the fp32 weights and of Adam's two moments, 12 bytes per "
              "parameter divided by the 64 ranks: 12 x 6.74e9 / 64 bytes = 1.18 GiB. The gradients' 4 bytes come later "
              "in backward, as the activations are freed, so the peak does not hold them."),
