@@ -76,7 +76,7 @@ def judge(prediction: Prediction, guess: Any, measured: float) -> Feedback:
         return Feedback(False, f"Predict a whole number{' of ' + prediction.unit if prediction.unit else ''}, "
                                f"not {value:g}.")
     unit = prediction.unit if prediction.unit in ("%", "") else f" {prediction.unit}"
-    said = f"You predicted {_shown(value)}; {prediction.measured_by} measured {_shown(measured)}{unit}."
+    said = f"You predicted {float(value):,.6g}; {prediction.measured_by} measured {_shown(measured)}{unit}."  # as typed
 
     def close(number: float) -> bool:
         return number == measured if prediction.whole else abs(number - measured) <= prediction.rtol * abs(measured)

@@ -155,6 +155,7 @@ def test_job_waste_refuses_each_cost_left_out_and_takes_the_right_figure_rounded
     verdict = judge(PREDICTIONS["job waste"], guess, job_waste)
     assert verdict.ok is not said and said in verdict.message, verdict
     assert "; 20 simulated jobs measured " in verdict.message  # a simulation's figure, not this machine's own
+    assert verdict.message.startswith(f"You predicted {guess.removesuffix('%')};")  # the guess as it was typed
 
 
 @pytest.mark.parametrize("guess", [10**400, "9" * 400], ids=["10**400", "400 digits"])
