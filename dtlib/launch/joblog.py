@@ -25,6 +25,8 @@ LAUNCHERS = ("spawn", "live", "torchrun")
 def record(launcher: str, world_size: int, asked: str, backend: str) -> None:
     """Append one job's line to the file ``DTLIB_JOB_LOG`` names, if it names one. Each line is written with one
     ``write`` on a file opened for appending, so jobs started at once in several processes never interleave."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
     path = os.environ.get(JOB_LOG, "")
     if not path:
         return

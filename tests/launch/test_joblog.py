@@ -34,6 +34,8 @@ def test_unset_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     joblog.record("spawn", 2, "auto", "gloo")
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="launcher must be one of"):
+        joblog.record("mpirun", 2, "auto", "gloo")
 
 
 def test_why_a_job_ran_on_gloo():
