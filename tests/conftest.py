@@ -167,13 +167,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -expected[Path(str(item.path))])  # stable: files stay in their order
 
 
+#: Seconds of test phases (setup, call, teardown) and the files run, per pytest-xdist worker ("main" without one).
+_PER_WORKER: dict[str, list] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's duration to its worker's sum: under pytest-xdist the reports reach this process with the
+    worker that ran them (``report.node``)."""
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else "main"
+    seconds, files = _PER_WORKER.setdefault(worker, [0.0, set()])
+    _PER_WORKER[worker][0] = seconds + report.duration
+    files.add(report.location[0])
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Say why the browser tests were skipped, or show this session's notebook runs in JupyterLab.
+    """Say where each worker's time went, then why the browser tests were skipped, or show this session's
+    notebook runs in JupyterLab.
 
     Here rather than in tests/browser/conftest.py: under pytest-xdist only this conftest reaches the
     process that prints the summary."""
     from browser import status
 
+    if _PER_WORKER:
+        workers = sorted(_PER_WORKER.items())
+        terminalreporter.write_line("time per worker (setup, call and teardown summed): " + ", ".join(
+            f"{worker} {seconds:.0f} s in {len(files)} files" for worker, (seconds, files) in workers))
     reason = status.why_skipped()
     if reason:
         terminalreporter.write_line(f"browser tests skipped: {reason}", yellow=True, bold=True)

@@ -580,6 +580,40 @@ def test_a_process_started_after_fn_returned_ends_with_the_call(tmp_path):
     assert not _living(late), f"a process started after fn returned outlived the call: {late}"
 
 
+def start_one_later(folder, delay):
+    """Leave a timer that starts a process in a session of its own ``delay`` seconds from now, after the cell
+    that called this returned, and writes its pid to ``folder/late``."""
+    import os
+    import subprocess
+    import threading
+
+    def start_late():
+        late = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        with open(f"{folder}/late.tmp", "w") as file:
+            file.write(str(late.pid))
+        os.rename(f"{folder}/late.tmp", f"{folder}/late")
+
+    threading.Timer(delay, start_late).start()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_a_timer_started_between_cells_ends_when_live_ranks_close(tmp_path):
+    """The live ranks' form of the test above: a cell leaves a timer, the cell returns, the timer starts a process
+    in a session of its own while the ranks sit idle, and ``close()`` must end it with the ranks."""
+    with dtlib.LiveRanks(2, timeout=60) as live:
+        live.push(start_one_later=start_one_later)
+        live.run(f"start_one_later({str(tmp_path)!r}, 0.3) if rank == 0 else None")
+        deadline = time.monotonic() + 30  # hang guard only: the process is started before the ranks close
+        while not (tmp_path / "late").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        late = int((tmp_path / "late").read_text())
+        assert _living(late)
+    deadline = time.monotonic() + 30  # hang guard only
+    while _living(late) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _living(late), f"a process a timer started between cells outlived close(): {late}"
+
+
 def leave_a_thread_that_never_ends(rank, world_size):
     import threading
 
