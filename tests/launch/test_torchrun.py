@@ -493,6 +493,29 @@ def test_notebook_16s_checkpoint_of_two_ranks_resumes_on_three(notebook_16s_job_
 
 
 @pytest.mark.timeout(150)
+def test_notebook_16s_resume_refuses_a_checkpoint_file_changed_since_it_was_written(
+        notebook_16s_job_killed_after_step_6, tmp_path):
+    """DCP stores no checksum: one flipped byte in a rank's part would load as a changed weight. The script
+    records every file's SHA-256 before its marker names the checkpoint, and its resume checks them first: the
+    job fails before training, naming the file, and no loss is printed from the changed weights."""
+    import shutil
+
+    written, first = notebook_16s_job_killed_after_step_6
+    assert first.returncode == 1 and (written / "ckpt" / "latest").read_text() == "4"
+    shutil.copytree(written, tmp_path, dirs_exist_ok=True)
+    checkpoint = tmp_path / "ckpt" / "step-4"
+    assert "__1_0.distcp" in (checkpoint / "SHA256SUMS").read_text()  # every rank's part, recorded
+    part = bytearray((checkpoint / "__1_0.distcp").read_bytes())
+    part[len(part) // 2] ^= 0x01  # one bit, in the middle of rank 1's tensors
+    (checkpoint / "__1_0.distcp").write_bytes(bytes(part))
+    again = torchrun.single_node([str(tmp_path / "train_resume.py"), "--folder", str(tmp_path / "ckpt")],
+                                 timeout=90)
+    assert again.returncode == 1, again.output[-3000:]
+    assert "ChangedFile" in again.output and "__1_0.distcp changed since it was written" in again.output
+    assert not [r for r in torchrun.json_records(again) if "step" in r]
+
+
+@pytest.mark.timeout(150)
 def test_notebook_16s_rank_lost_at_a_checkpoint_step_resumes_from_the_checkpoint_before(tmp_path):
     """Killed after step 8's training, before its save: rank 0 fails inside dcp.save, the marker still names
     step 4, and the restart runs steps 5 to 8 again, to the same losses. Steps lost: 4, not 8 mod 4."""
