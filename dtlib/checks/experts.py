@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import functools
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -425,17 +426,27 @@ def _expert_grads_said(a: Answer) -> str:
 
 
 def _your_line(traceback: str) -> str:
-    """The last line of the traceback that is the learner's code (neither dtlib's nor torch's), or ""."""
+    """Where the traceback last ran the learner's code (neither dtlib's nor torch's), as " (at line N of NAME)":
+    the function and its line, not the kernel's file for the cell (``/tmp/ipykernel_.../...py``), or ""."""
     frames = [line.strip() for line in traceback.splitlines() if line.strip().startswith("File ")]
     mine = [f for f in frames if "/dtlib/" not in f and "/torch/" not in f and "multiprocessing" not in f]
-    return f" (at {mine[-1]})" if mine else ""
+    if not mine:
+        return ""
+    found = re.search(r'line (\d+), in (\S+)', mine[-1])
+    return f" (at line {found[1]} of {found[2]})" if found else ""
+
+
+def _plain(said: str) -> str:
+    """An error's own words without the C++ source path gloo or c10d put before them ("[enforce fail at
+    /__w/pytorch/.../alltoall.cc:29] "): code the learner never wrote, on a machine they never saw."""
+    return re.sub(r"\[enforce fail at [^\]]*\]\s*", "", said).strip()
 
 
 def _failure(err: WorkerError, experts: int = EXPERTS) -> str:
     """What a raising answer did wrong, with ``experts``, the number this check drew, in its examples."""
     failure = err.cause()
     said = failure.headline()
-    last = said.splitlines()[-1] if said else ""
+    last = _plain(said.splitlines()[-1]) if said else ""
     where = _your_line(failure.traceback)
     if "KeyError" in said:
         return (f"A rank looked up an expert it does not hold ({last}){where}. Here expert e lives on rank e % p "

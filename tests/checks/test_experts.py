@@ -10,6 +10,7 @@ token gathered on every rank.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -306,6 +307,18 @@ def test_each_wrong_plan_is_named(answer, said):
     feedback = _feedback(answer)
     assert not feedback.ok
     assert said in feedback.message, feedback.message
+
+
+def test_a_raising_answer_is_named_by_its_own_line_not_by_paths_it_never_wrote():
+    """13's stored verdict quoted gloo's C++ source path ("[enforce fail at /__w/pytorch/...]") and the kernel's
+    file for the cell ("/tmp/ipykernel_.../...py"): neither is the learner's. The line of their function is."""
+    feedback = _feedback(lessons_layout)
+    assert not feedback.ok
+    assert "enforce fail" not in feedback.message and "/__w/" not in feedback.message, feedback.message
+    assert 'File "' not in feedback.message, feedback.message
+    lines, first = inspect.getsourcelines(lessons_layout)
+    line = next(n for n, text in enumerate(lines, start=first) if "all_to_all" in text)  # the file's line number
+    assert "of lessons_layout)" in feedback.message and f"at line {line} of" in feedback.message, feedback.message
 
 
 def test_a_module_called_twice_and_experts_called_per_piece_pass():
