@@ -537,6 +537,72 @@ def test_no_module_re_exports_another_packages_names_nor_does_a_notebook_show_dt
                 assert not private, f"{path.name} shows dtlib's private {private[0]}: give it a public name"
 
 
+def test_every_dtlib_name_the_notebooks_and_docs_cite_is_cited_from_its_home():
+    """05's prose cited ``dtlib.train.fsdp.saved_for_backward``, a path that worked only because that module imported
+    ``measure``'s function: the check of ``__all__`` above never saw it. Every dotted ``dtlib.`` path in a notebook,
+    the README or ``docs/`` must name something that exists, from a module of the package that holds it (the
+    package ``dtlib`` itself offers every name)."""
+    import importlib
+
+    def module_of(parts: list[str]) -> int:  # how many of the parts name a module
+        for cut in range(len(parts), 0, -1):
+            try:
+                importlib.import_module(".".join(parts[:cut]))
+                return cut
+            except ImportError:
+                continue
+        raise AssertionError(f"no module in {'.'.join(parts)}")
+
+    texts = {path.name: "\n".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"])
+             for path in NOTEBOOKS}
+    texts.update({str(path.relative_to(ROOT)): path.read_text()
+                  for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]})
+    not_names = {"dtlib.time_budget_s"}  # a key of a notebook's metadata
+    for where, text in texts.items():
+        for cited in sorted(set(re.findall(r"\bdtlib(?:\.\w+)+", text)) - not_names):
+            parts = cited.split(".")
+            cut = module_of(parts)
+            found = importlib.import_module(".".join(parts[:cut]))
+            for attribute in parts[cut:]:
+                assert hasattr(found, attribute), f"{where} cites {cited}, which does not exist"
+                found = getattr(found, attribute)
+            home = getattr(found, "__module__", None) or ""
+            if cut < len(parts) and cut > 1 and home.startswith("dtlib"):
+                assert home.startswith(".".join(parts[:2])), f"{where} cites {cited}, which is {home}'s: cite it there"
+
+
+def test_a_links_figures_are_written_in_its_home_alone():
+    """The links' figures had three homes (``ring/cost.py``, ``sim/network.py``, ``train/guide.py``), each free to
+    drift from the others. Now ``dtlib.ring.cost.LINKS`` holds them: no other module of dtlib writes a link's
+    bandwidth (in bytes or GB per second) or latency as a number of its own, in its code or as a constant."""
+    from dtlib.ring.cost import LINKS
+
+    figures = {figure for link in LINKS.values() for figure in
+               (link.bandwidth_bytes_per_s, link.bandwidth_bytes_per_s / 1e9, link.alpha_s)}
+    for path in sorted((ROOT / "dtlib").rglob("*.py")):
+        if path.relative_to(ROOT).as_posix() == "dtlib/ring/cost.py":
+            continue
+        tree = ast.parse(path.read_text())
+        linkish = re.compile(r"(?i)per_s|link|bandwidth|alpha")  # what names a link's figure (a 50 ms is not one)
+        constants = [node.value for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)
+                     and any(isinstance(name, ast.Name) and name.id.isupper() and linkish.search(name.id) for name in
+                             (node.targets if isinstance(node, ast.Assign) else [node.target]))]
+        defaults = []  # the defaults of arguments named as links are
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arguments):
+                positional = [*node.posonlyargs, *node.args]
+                pairs = [*zip(positional[len(positional) - len(node.defaults):], node.defaults, strict=True),
+                         *zip(node.kwonlyargs, node.kw_defaults, strict=True)]
+                defaults += [default for argument, default in pairs if default and linkish.search(argument.arg)]
+        for value in [*constants, *defaults]:
+            assert not (isinstance(value, ast.Constant) and type(value.value) in (int, float)
+                        and value.value in figures), \
+                f"{path.relative_to(ROOT)}:{value.lineno} writes {value.value}, a figure of LINKS: read it there"
+        big = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+               and type(node.value) in (int, float) and node.value >= 1e9 and node.value in figures]
+        assert not big, f"{path.relative_to(ROOT)} writes {big[0]:g} B/s, a link of LINKS: read it there"
+
+
 def _formulas_in(tree: ast.AST) -> set[str]:
     """The course's formulas written out in a module's code (not in its strings): which of them it computes."""
     found: set[str] = set()

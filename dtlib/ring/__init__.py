@@ -35,11 +35,20 @@ from dtlib.ring.algorithms import (
     simulate_star_all_reduce,
     traffic_table,
 )
-from dtlib.ring.cost import BUS_FACTOR, COLLECTIVE_MODEL, COST_TERMS, RING_OF, AlphaBeta, fit_alpha_beta, ring_terms
+from dtlib.ring.cost import (
+    BUS_FACTOR,
+    COLLECTIVE_MODEL,
+    COST_TERMS,
+    LINKS,
+    RING_OF,
+    AlphaBeta,
+    fit_alpha_beta,
+    ring_terms,
+)
 from dtlib.ring.simulator import Step, Trace, Transfer, chunk_bounds
 
-__all__ = ["ALL_REDUCE_ALGORITHMS", "BUS_FACTOR", "COLLECTIVE_MODEL", "COST_TERMS", "RING_OF", "AlphaBeta", "Step",
-           "Trace", "Transfer", "chunk_bounds", "ring_terms",
+__all__ = ["ALL_REDUCE_ALGORITHMS", "BUS_FACTOR", "COLLECTIVE_MODEL", "COST_TERMS", "LINKS", "RING_OF", "AlphaBeta",
+           "Step", "Trace", "Transfer", "chunk_bounds", "ring_terms",
            "fit_alpha_beta", "simulate_all_gather", "simulate_all_reduce", "simulate_halving_doubling_all_reduce",
            "simulate_naive_all_reduce", "simulate_recursive_doubling_all_reduce", "simulate_reduce_scatter",
            "simulate_star_all_reduce", "traffic_table"]

@@ -123,6 +123,16 @@ class AlphaBeta:
         return messages * self.alpha_s + bytes_factor * nbytes / self.bandwidth_bytes_per_s
 
 
+#: Nominal links per GPU, the one home of these figures (the simulator's seconds and the decision guide's
+#: both read them), as :class:`AlphaBeta` (the link the course fits on its own machine in
+#: notebooks 02 and 03). NVLink 4 (H100 SXM): 900 GB/s both ways, 450 GB/s each way; InfiniBand NDR: one 400 Gbit/s
+#: NIC per GPU, 50 GB/s; 100 Gbit/s Ethernet, 12.5 GB/s: a NIC per GPU (``.shared(8)`` for one NIC per node of 8
+#: GPUs, as many Ethernet clusters have). Alphas are typical per-step latencies of the order NCCL reports
+#: (microseconds inside a node, several across nodes).
+LINKS = {"NVLink 4": AlphaBeta(2e-6, 450e9), "InfiniBand NDR": AlphaBeta(5e-6, 50e9),
+         "100G Ethernet": AlphaBeta(10e-6, 12.5e9)}
+
+
 def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *, algorithm: str = "ring all-reduce",
                    world_size: int = 2, share: float = 0.2) -> AlphaBeta:
     """alpha and bandwidth of ``algorithm`` read off the two ends of a sweep of measured times.

@@ -1,13 +1,7 @@
-"""The starting values of notebook 02's exercise, and a ring all-reduce written with send/recv.
-
-Every rank starts with a small tensor whose values say where they came from:
-rank r holds ``10 r + i`` at position i (rank 2 of 4: ``[20, 21, 22, 23]``), so
-after a collective each number shows which rank and slot it came from. The collectives
-themselves are called in notebook 02's cells.
-
-``ring_all_reduce`` is the bandwidth-optimal algorithm of ``dtlib.ring`` on real
-processes: reduce-scatter then all-gather, each step a send to the right-hand
-neighbour and a receive from the left-hand one, posted together.
+"""A ring all-reduce written with send/recv: ``ring_all_reduce`` is the bandwidth-optimal algorithm of
+``dtlib.ring`` on real processes: reduce-scatter then all-gather, each step a send to the right-hand neighbour and
+a receive from the left-hand one, posted together. (Notebook 02's exercise writes its starting values in its own
+cell: the lesson's code lives there.)
 """
 
 from __future__ import annotations
@@ -16,15 +10,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-
-def starting_values(rank: int, world_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``10 * rank + i + 0.5`` for i in 0..world_size-1, as float32 on ``device``: rank 1 of 3 holds
-    [10.5, 11.5, 12.5]. The tens and units still say where a number came from; the half keeps the mean over
-    any number of ranks off the whole numbers (5(N - 1) + i + 0.5), so that a floor division or an integer
-    tensor cannot pass for a mean."""
-    return torch.arange(world_size, dtype=torch.float32, device=device) + 10 * rank + 0.5  # (world_size,)
-
 
 # -- a ring all-reduce from send and recv --------------------------------------------------
 

@@ -3,8 +3,8 @@ each collective costs (its ring steps) x alpha + (the bytes this rank sends) / b
 dimension runs over.
 
 An upper bound on what the step waits for: FSDP and DDP overlap much of it with compute, tensor parallelism's
-all-reduces little. The presets are nominal figures, not measurements; pass a link fitted on your own
-machine (``dtlib.bench.bandwidth.fit``) to compare.
+all-reduces little. The presets, :data:`dtlib.ring.cost.LINKS`, are nominal figures, not measurements; pass a
+link fitted on your own machine (``dtlib.bench.bandwidth.fit``) to compare.
 
 Example::
 
@@ -17,14 +17,6 @@ from __future__ import annotations
 from dtlib.measure.traffic import call_kind
 from dtlib.ring.cost import AlphaBeta, ring_terms
 from dtlib.sim.step import Simulated
-
-#: Nominal links per GPU, as :class:`dtlib.ring.AlphaBeta` (the link the course fits on its own machine in
-#: notebooks 02 and 03). NVLink 4 (H100 SXM): 900 GB/s both ways, 450 GB/s each way; InfiniBand NDR: one 400 Gbit/s
-#: NIC per GPU, 50 GB/s; 100 Gbit/s Ethernet, 12.5 GB/s: a NIC per GPU (``.shared(8)`` for one NIC per node of 8
-#: GPUs, as many Ethernet clusters have). Alphas are typical per-step latencies of the order NCCL reports
-#: (microseconds inside a node, several across nodes).
-LINKS = {"NVLink 4": AlphaBeta(2e-6, 450e9), "InfiniBand NDR": AlphaBeta(5e-6, 50e9),
-         "100G Ethernet": AlphaBeta(10e-6, 12.5e9)}
 
 
 def network_seconds(result: Simulated, links: dict[str, AlphaBeta]) -> dict[str, float]:

@@ -51,14 +51,17 @@ from dataclasses import dataclass, field
 
 from dtlib.arguments import finite, whole
 from dtlib.measure import memory
-from dtlib.ring.cost import BUS_FACTOR
+from dtlib.ring.cost import BUS_FACTOR, LINKS
 
 BUFFER_SHARE = 0.1  # share of each GPU always kept for buffers and fragmentation, whatever holds the rest
 ACTIVATION_SHARE = 0.3  # the rule of thumb, when activations are neither counted nor measured: their share of a GPU
 CHECKPOINTED_SHARE = 0.1  # the same with activation checkpointing, which keeps only each block's input
 HOST_RESERVE = 0.2  # share of each node's RAM kept for the OS, data-loader workers and the ranks' processes
-SLOW_LINK_GB_PER_S = 12.5  # 100 Gbit/s per GPU between nodes: below it, keep the big collectives inside nodes
-INTRA_NODE_GB_PER_S = 450.0  # NVLink 4 (H100 SXM), each way, per GPU: nominal, for the seconds of communication
+# The links are dtlib.ring.cost.LINKS, in GB/s per GPU: nominal, for the seconds of communication. Below the
+# slow one, 100 Gbit/s per GPU (12.5), keep the big collectives inside nodes.
+SLOW_LINK_GB_PER_S = LINKS["100G Ethernet"].bandwidth_bytes_per_s / 1e9
+INTRA_NODE_GB_PER_S = LINKS["NVLink 4"].bandwidth_bytes_per_s / 1e9  # 450, each way (H100 SXM)
+INTER_NODE_GB_PER_S = LINKS["InfiniBand NDR"].bandwidth_bytes_per_s / 1e9  # 50: a 400 Gbit/s NIC per GPU
 BUCKET_BYTES = 4  # DDP's gradient buckets: a second fp32 copy of the gradients unless gradient_as_bucket_view
 
 
@@ -176,7 +179,7 @@ def cross_node_gb(num_params: float, num_gpus: int, nodes: int, *, mixed_precisi
     per_node = num_gpus // nodes
     spread = BUS_FACTOR["allgather"](num_gpus)  # the ring: (N - 1) / N of the bytes cross each link
     flat = num_params / per_node / 1e9  # a collective over all N: one crossing per node, over its g links
-    ddp = 2 * spread * 4 * flat
+    ddp = BUS_FACTOR["allreduce"](num_gpus) * 4 * flat
     return {"DDP": ddp, "DDP + activation checkpointing": ddp,
             "FSDP, no reshard after forward": spread * (compute + 4) * flat,
             "HSDP": BUS_FACTOR["allreduce"](nodes) * 4 * num_params / per_node / 1e9,
@@ -206,7 +209,7 @@ def _inputs(num_params: object, gpu_memory_gb: object, num_gpus: object, nodes: 
 
 
 def network_seconds(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_precision: bool = True,
-                    inter_node_gb_per_s: float = 50.0, intra_node_gb_per_s: float = INTRA_NODE_GB_PER_S
+                    inter_node_gb_per_s: float = INTER_NODE_GB_PER_S, intra_node_gb_per_s: float = INTRA_NODE_GB_PER_S
                     ) -> dict[str, float]:
     """Seconds each GPU spends communicating per step under each strategy, if none of it overlapped compute:
     its ring bytes (notebook 03) over the links they cross, :func:`cross_node_gb` between nodes and the rest
@@ -219,7 +222,7 @@ def network_seconds(num_params: float, num_gpus: int, nodes: int = 1, *, mixed_p
     compute = bytes_per_param(mixed_precision)["compute_bytes"]
     per_node = num_gpus // nodes
     spread = BUS_FACTOR["allgather"](num_gpus)  # the ring: (N - 1) / N of the bytes cross each link
-    ring = {"DDP": 2 * spread * 4 * num_params / 1e9,
+    ring = {"DDP": BUS_FACTOR["allreduce"](num_gpus) * 4 * num_params / 1e9,
             "FSDP, no reshard after forward": spread * (compute + 4) * num_params / 1e9,
             "HSDP": (BUS_FACTOR["allgather"](per_node) * (2 * compute + 4) * num_params
                      + BUS_FACTOR["allreduce"](nodes) * 4 * num_params / per_node) / 1e9,
@@ -256,8 +259,9 @@ def _activations(shape: object, tokens_per_gpu: object, activation_gb: float | N
 
 def recommend(num_params: float, gpu_memory_gb: float, num_gpus: int, *, nodes: int = 1,
               mixed_precision: bool = True, optimizer: str = "adamw", host_memory_gb: float = 1000.0,
-              activation_gb: float | None = None, inter_node_gb_per_s: float = 50.0, shape: object = None,
-              tokens_per_gpu: int | None = None, gradient_as_bucket_view: bool = False) -> Recommendation:
+              activation_gb: float | None = None, inter_node_gb_per_s: float = INTER_NODE_GB_PER_S,
+              shape: object = None, tokens_per_gpu: int | None = None,
+              gradient_as_bucket_view: bool = False) -> Recommendation:
     """The simplest strategy that fits with its activations, with the numbers that decided it.
 
     A strategy fits when its model state (:func:`model_state_gb`) is within :func:`budget_gb` of the GPU

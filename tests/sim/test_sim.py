@@ -266,7 +266,8 @@ def test_a_result_edited_in_place_leaves_the_next_simulate_its_own_numbers():
 
 
 def test_a_pipelines_transfers_get_seconds_of_their_own():
-    from dtlib.sim.network import LINKS, network_seconds
+    from dtlib.ring.cost import LINKS
+    from dtlib.sim.network import network_seconds
 
     piped = simulate(LLAMA["tiny"], pp=2, dp=2, seq_len=16, micro_batches=2, depths=None)
     link = LINKS["InfiniBand NDR"]
@@ -482,7 +483,8 @@ def test_loss_parallelism_refuses_what_it_cannot_split_and_a_layout_that_cannot_
 def test_a_link_shared_by_a_nodes_gpus_gives_each_its_share_and_costs_them_that_much_longer():
     """One 100 Gbit/s NIC for a node of 8 GPUs: each GPU gets 1.5625 GB/s and the same alpha; a dp dimension
     across such nodes spends 8 times the bandwidth seconds of a NIC per GPU, and the same latency."""
-    from dtlib.sim.network import LINKS, network_seconds
+    from dtlib.ring.cost import LINKS
+    from dtlib.sim.network import network_seconds
 
     ethernet = LINKS["100G Ethernet"]
     node = ethernet.shared(8)
