@@ -680,6 +680,41 @@ def test_what_the_docs_say_ran_on_a_gpu_names_its_commit_and_every_notebook_chan
     assert changed_numbers <= said, f"changed since {run}, not said: {sorted(changed_numbers - said)}"
 
 
+def _gpu_markers() -> list[tuple[str, str]]:
+    """Each ``GPU run must confirm:`` marker in dtlib, the tests, the scripts and the notebooks, as (its file, its
+    words from the colon to the first full stop or semicolon, over the comment's lines or the docstring's
+    paragraph)."""
+    found = []
+    for path in sorted([*(ROOT / "dtlib").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
+                        *(ROOT / "scripts").glob("*"), *NOTEBOOKS]):
+        if not path.is_file() or path.name == "test_project.py":
+            continue
+        text = path.read_text()
+        if path.suffix == ".ipynb":
+            text = "\n".join("".join(cell["source"]) for cell in json.loads(text)["cells"])
+        for marker in re.finditer(r"GPU run must confirm:", text):
+            comment = "#" in text[text.rfind("\n", 0, marker.start()) + 1:marker.start()]  # else a docstring's
+            first, *rest = text[marker.end():].split("\n")
+            words = [first]
+            for line in rest:  # the comment's next lines, or the docstring paragraph's
+                if (comment and not line.lstrip().startswith("#")) or not line.strip():
+                    break
+                words.append(line.split('"""')[0].strip().lstrip("#"))
+                if '"""' in line:  # the docstring's end
+                    break
+            sentence = re.split(r"(?<=[.;])\s", " ".join(" ".join(words).split()), maxsplit=1)[0]
+            found.append((str(path.relative_to(ROOT)), sentence))
+    return found
+
+
+def test_every_gpu_run_must_confirm_marker_is_listed_in_gpu_status():
+    """A prediction only a GPU can check is marked where it is made, and docs/gpu_status.md lists each one, with its
+    file, so that the next GPU run has its list: a marker added, moved or reworded without the list fails here."""
+    listed = " ".join((ROOT / "docs" / "gpu_status.md").read_text().split())
+    missing = [f"`{path}`: {words}" for path, words in _gpu_markers() if f"`{path}`: {words}" not in listed]
+    assert not missing, "add to docs/gpu_status.md's list of what a GPU run must confirm: " + "; ".join(missing)
+
+
 #: A notebook's words about the course's own GPU run (not a published run's, nor a GPU in general).
 GPU_RUN_CLAIM = re.compile(r"(ran|has run|have run) on (one|an?|a single) (H100|H200|GPU)|the (one )?GPU run so far"
                            r"|no GPU has drawn|no notebook run has", re.IGNORECASE)
