@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 from typing import Any
 
@@ -35,6 +36,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 UNCHECKED = " (collectives not checked)"
+
+
+@functools.cache
+def _cell_parser() -> _Parser:
+    """The options of a ``%%ranks`` cell, built once."""
+    parser = _Parser(prog="%%ranks", add_help=False)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--step", action="store_true")
+    parser.add_argument("--trace", nargs="?", const="trace", default=None)  # the name %ranks traces gives it
+    return parser
+
+
+#: What a ``%%ranks`` cell without options parses to.
+_PLAIN_CELL = argparse.Namespace(timeout=None, step=False, trace=None)
 
 
 def _parser() -> _Parser:
@@ -138,11 +153,9 @@ class RanksMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> Any:
         __tracebackhide__ = True
-        parser = _Parser(prog="%%ranks", add_help=False)
-        parser.add_argument("--timeout", type=float, default=None)
-        parser.add_argument("--step", action="store_true")
-        parser.add_argument("--trace", nargs="?", const="trace", default=None)  # the name %ranks traces gives it
-        args = parser.parse_args(shlex.split(line))
+        # A plain cell (no options, nearly every one) skips argparse: building and running a parser cost a
+        # plain cell's round trip about a tenth (docs/results/live_cpu.md).
+        args = _cell_parser().parse_args(shlex.split(line)) if line.strip() else _PLAIN_CELL
         if args.trace is not None:
             trace = self.traces[args.trace] = self._live().trace(cell, timeout=args.timeout)
             print(trace)

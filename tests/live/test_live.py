@@ -635,3 +635,13 @@ def test_under_detail_on_nccl_nccls_own_records_decide_where_a_rank_waits():
                                                                         ("float32[4]",), False)
     raised_early = {**noted[0], "collective_seq_id": 5, "time_created_ns": 900}  # never reached NCCL
     assert doctor.merge_nccl([raised_early], nccl)[-1] is raised_early
+
+
+def test_a_plain_cell_skips_the_parser_and_means_what_the_parser_would_give_it():
+    """A cell without options skips argparse (a tenth of a plain cell's round trip): what it stands for must be
+    what parsing an empty line gives, or an option's default would differ between ``%%ranks`` and
+    ``%%ranks --timeout 30``'s neighbours."""
+    from dtlib.live import magics
+
+    assert vars(magics._cell_parser().parse_args([])) == vars(magics._PLAIN_CELL)
+    assert magics._cell_parser() is magics._cell_parser()  # built once
