@@ -113,7 +113,7 @@ def _read_record(path: str) -> dict[str, str]:
 
 
 def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS,
-                   holds: Iterable[str] | None = None) -> list[str]:
+                   holds: Iterable[str] | None = None, hash_only: Iterable[str] | None = None) -> list[str]:
     """Check that ``folder/record`` lists exactly the files of the checkpoint, each with the SHA-256 it has now;
     return their names.
 
@@ -122,7 +122,9 @@ def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS,
     put in the folder since) or lists a file that is not one of them (another file's record) checks nothing for
     the file it skips: each raises :class:`dtlib.ChangedFile`, naming the file. So does a file whose bytes
     changed or were cut short since they were recorded. ``FileNotFoundError`` names a missing record or a listed
-    file that is missing. Example: ``verify_digests("ckpt")`` before loading from ``ckpt``.
+    file that is missing. ``hash_only`` names the files this call hashes (the record is still checked against
+    every file): the ranks of a job share the reading, each hashing its part. Example: ``verify_digests("ckpt")``
+    before loading from ``ckpt``.
     """
     folder = os.fspath(folder)
     path = os.path.join(folder, record)
@@ -147,7 +149,10 @@ def verify_digests(folder: str | os.PathLike[str], record: str = DIGESTS,
                           + ": the record must list every file of the checkpoint, and one it leaves out could hold "
                           "anything (a record cut short, or a file put there since the save). Remove the file if "
                           "you put it there; else load an earlier checkpoint, or save again")
+    mine = None if hash_only is None else set(hash_only)
     for name, expected in recorded.items():
+        if mine is not None and name not in mine:
+            continue
         listed = os.path.join(folder, name)
         found = sha256(listed)
         if found != expected:

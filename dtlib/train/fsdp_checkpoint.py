@@ -190,19 +190,21 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | No
 
 
 def _verify_on_each_machine(folder: str, kind: str) -> None:
-    """:func:`_verify` once per machine, not once per rank: the first rank of each machine (``LOCAL_RANK`` 0)
-    reads and hashes every file, and every rank then raises the first refusal any of them met, so that none goes
-    on to a load its peers refused (and hangs there). Every rank reading every file was N x N reads of the whole
-    checkpoint. Outside a process group, or in a group of one, this process checks by itself."""
+    """:func:`_verify` with the reading shared: each rank of a machine (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``)
+    hashes its share of the checkpoint's files, every ``LOCAL_WORLD_SIZE``-th of them by name, plus the
+    ``.metadata`` it reads anyway, and every rank then raises the first refusal any of them met (one collective),
+    so that none goes on to a load its peers refused (and hangs there). Every rank reading every file was N x N
+    reads of the whole checkpoint. Outside a process group, or in a group of one, this process checks alone."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         _verify(folder, kind)
         return
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     refusal: BaseException | None = None
-    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-        try:
-            _verify(folder, kind)
-        except (ValueError, OSError, pickle.UnpicklingError) as error:  # ChangedFile is a ValueError
-            refusal = error
+    try:
+        _verify(folder, kind, share=(local_rank, local_world))
+    except (ValueError, OSError, pickle.UnpicklingError) as error:  # ChangedFile is a ValueError
+        refusal = error
     verdicts: list[BaseException | None] = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, refusal)
     first = next((verdict for verdict in verdicts if verdict is not None), None)
@@ -210,11 +212,15 @@ def _verify_on_each_machine(folder: str, kind: str) -> None:
         raise first
 
 
-def _verify(folder: str, kind: str) -> None:
+def _verify(folder: str, kind: str, share: tuple[int, int] = (0, 1)) -> None:
     """Check ``folder`` against its ``SHA256SUMS`` before anything in it is read: the record must list every file
     in the folder, each with its SHA-256 (:func:`dtlib.train.checkpoint.verify_digests`), and so every file this
-    load reads: ``full.pt``, or ``.metadata`` and each data file it names (checked only after its own digest)."""
-    recorded = set(verify_digests(folder))
+    load reads: ``full.pt``, or ``.metadata`` and each data file it names (checked only after its own digest).
+    ``share`` is (this rank's index, the ranks sharing the work): this call hashes the files whose place in the
+    sorted list is the index modulo the ranks, and ``.metadata``, which it reads."""
+    index, ranks = share
+    files = sorted(name for name in os.listdir(folder) if name != DIGESTS) if os.path.isdir(folder) else []
+    recorded = set(verify_digests(folder, hash_only={*files[index::ranks], ".metadata"}))
     needed = [FULL_FILE] if kind == "full" else [".metadata"]
     if kind == "sharded" and ".metadata" in recorded:
         storage = _CheckedReader(folder).read_metadata().storage_data or {}

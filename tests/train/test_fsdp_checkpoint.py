@@ -544,26 +544,35 @@ def test_a_ddp_checkpoint_carries_its_digest_and_a_changed_one_is_refused(tmp_pa
 
 
 def _load_counting_checks(rank, world_size, directory, kind):
-    """Load a checkpoint in a rank, counting how often this rank hashed the checkpoint's files."""
-    from dtlib.train import fsdp_checkpoint, models
+    """Load a checkpoint in a rank, listing the files this rank hashed."""
+    from dtlib.train import checkpoint, fsdp_checkpoint, models
 
-    hashed, original = [], fsdp_checkpoint.verify_digests
-    fsdp_checkpoint.verify_digests = lambda *args, **kwargs: hashed.append(1) or original(*args, **kwargs)
+    hashed, original = [], checkpoint.sha256
+    checkpoint.sha256 = lambda path: hashed.append(os.path.basename(path)) or original(path)
     model = models.build("transformer")
     try:
         fsdp_checkpoint.load(model, torch.optim.Adam(model.parameters()), directory, kind)
-        return len(hashed), None
+        return sorted(hashed), None
     except (ValueError, OSError) as error:
-        return len(hashed), f"{type(error).__name__}: {error}"
+        return sorted(hashed), f"{type(error).__name__}: {error}"
 
 
 @pytest.mark.timeout(120)
-def test_each_machine_hashes_the_checkpoint_once_and_every_rank_hears_its_verdict(resumed, tmp_path):
-    """Every rank hashed every file (N x N reads of the checkpoint); now the first rank of the machine does, and
-    a refusal reaches every rank, each raising it, so that none goes on to a load its peers refused."""
-    intact = str(resumed["fsdp2", "full"][0])
-    assert dtlib.spawn(_load_counting_checks, 2, args=(intact, "full"), output="none") == [(1, None), (0, None)]
-    damaged = str(_damaged_copy(resumed, tmp_path, "full", _flip_a_byte))
-    results = dtlib.spawn(_load_counting_checks, 2, args=(damaged, "full"), output="none")
-    assert [hashed for hashed, _ in results] == [1, 0]
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_the_ranks_share_the_hashing_and_every_rank_hears_the_verdict(resumed, tmp_path, kind):
+    """Every rank hashed every file (N x N reads of the checkpoint); now each rank of the machine hashes its share
+    (each file once in the job, and ``.metadata``, which each rank reads, by each), and a refusal reaches every
+    rank, each raising it, so that none goes on to a load its peers refused."""
+    intact = resumed["fsdp2", kind][0]
+    results = dtlib.spawn(_load_counting_checks, 2, args=(str(intact), kind), output="none")
+    assert [said for _, said in results] == [None, None]
+    files = sorted(name for name in os.listdir(intact / "a") if name != "SHA256SUMS")  # "a": the saved folder
+    shares = [hashed for hashed, _ in results]
+    if kind == "sharded":
+        assert all(".metadata" in share for share in shares)
+        shares = [[name for name in share if name != ".metadata"] for share in shares]
+    assert sorted(shares[0] + shares[1]) == [name for name in files if name != ".metadata" or kind != "sharded"]
+    assert len(files) < 2 or all(shares), f"one rank hashed nothing of {files}: {shares}"
+    damaged = str(_damaged_copy(resumed, tmp_path, kind, _flip_a_byte))
+    results = dtlib.spawn(_load_counting_checks, 2, args=(damaged, kind), output="none")
     assert all(said.startswith("ChangedFile: ") and "changed since it was written" in said for _, said in results)
