@@ -26,7 +26,9 @@ shows. Two slips any answer can make show in its calls, and are said before the 
 reduction that neither adds nor averages (``ReduceOp.MIN``, ``PRODUCT``), and the right result computed into a
 tensor the rank then dropped (``dist.all_reduce(x / n); return x / n``).
 Where the exercise gives inputs, its collectives may send at most :data:`SENT_LIMIT` times the bytes of
-the rank's own input.
+the rank's own input. And NCCL's device rule holds on any machine (:mod:`dtlib.launch.host_tensors`): a tensor
+the answer made without ``device=``, or copied with ``.cpu()``, is refused when it is sent, as NCCL refuses a
+tensor in host memory on a GPU machine.
 
 Example: ``judge(fn, SUM_OF_RANKS, world_size=3, timeout=30)`` is a :class:`dtlib.checks.feedback.Feedback`.
 """
@@ -52,7 +54,7 @@ from dtlib.arguments import seconds, whole
 from dtlib.checks._numbers import constant_factor
 from dtlib.checks.feedback import Feedback
 from dtlib.errors import WorkerError, WorkerTimeout, torch_call_in
-from dtlib.launch import nccl_order, strict
+from dtlib.launch import host_tensors, nccl_order, strict
 from dtlib.launch.device import rank_device
 from dtlib.launch.pickling import CannotSend
 from dtlib.launch.spawn import spawn
@@ -612,7 +614,7 @@ def _rank(rank: int, world_size: int, fn: Callable[..., Any], *given: Any
     _all_reach(store, 1, world_size)  # every rank's joining keys are written, and the barrier's own
     groups, keys = len(distributed_c10d._world.pg_map), store.num_keys()
     _all_reach(store, 2, world_size)  # every rank has counted before any answer writes
-    with nccl_order.recording() as posted, _FILES.recording(), _STORE.recording():
+    with nccl_order.recording() as posted, _FILES.recording(), _STORE.recording(), host_tensors.watching():
         if not given:
             value, calls = count_collectives(fn, rank, world_size)
             carried: list[Carried] = []

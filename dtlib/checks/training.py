@@ -28,7 +28,7 @@ from dtlib.checks._numbers import constant_divisor
 from dtlib.checks.feedback import Feedback
 from dtlib.checks.skeleton import ON_GLOO, Answer, RankExercise, judge
 from dtlib.errors import WorkerError, WorkerTimeout
-from dtlib.launch import nccl_order
+from dtlib.launch import host_tensors, nccl_order
 from dtlib.launch.device import device_ids, rank_device
 from dtlib.launch.spawn import spawn
 from dtlib.measure import memory
@@ -67,7 +67,7 @@ def _watched(hook: Callable[[Any], Any], report: dict[str, Any]) -> Callable[[An
             elif namespace == "aten" and name.endswith("_") and args and shares(args[0]):
                 report["writers"].add(name)  # div_, mul_, add_, ... (fill_ and copy_: strict mode's async)
 
-        with watching(see):
+        with watching(see), host_tensors.resumed():  # autograd calls a hook without the answer's modes
             returned = hook(grad)
         if not torch.equal(before, grad.detach()):
             report["in_place"] = True

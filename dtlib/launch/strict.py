@@ -19,6 +19,9 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   output: NCCL refuses them ("Tensors must be contiguous"); gloo computes on the wrong elements without a word.
   Strict mode refuses them, naming the argument. (Lists of tensors may hold views: NCCL's ``all_gather`` and
   ``reduce_scatter`` copy them through a flat buffer.)
+- **tensors a GPU machine holds on the host** (made without ``device=``, or with ``.cpu()``), while
+  :func:`dtlib.launch.host_tensors.watching` is on (every checker runs answers so): NCCL takes only tensors on
+  the rank's GPU. Strict mode refuses them, naming the call that made them.
 - **tags** (``tag=`` of ``send``, ``recv``, ``isend``, ``irecv``): NCCL ignores them and matches a pair of
   ranks' messages in the order they were posted. Strict mode does the same (it passes tag 0 on) and warns
   (:class:`StrictWarning`) once per place in the code.
@@ -60,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, distributed_c10d
 
-from dtlib.launch import nccl_order
+from dtlib.launch import host_tensors, nccl_order
 
 #: The environment variable that turns strict mode off in every gloo rank (``0``); unset or anything else: on.
 STRICT_ENV = "DTLIB_STRICT"
@@ -138,6 +141,11 @@ def passes_through(wrapper: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# torch.distributed's functions hand themselves to a torch-function mode (has_torch_function), and the mode calls
+# them again, by their module's name, which strict mode holds: that second call is torch's own, not a new one.
+passes_through(host_tensors.HostTensors.__torch_function__)
+
+
 def _called_from_torch() -> bool:
     """Whether the wrapped function's caller is torch's own code (FSDP, DDP, DTensor, checkpointing)."""
     frame = sys._getframe(2)
@@ -211,6 +219,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             raise ValueError(f"dist.{name} with {op}: NCCL has no bitwise reductions (gloo does). Use SUM, "
                              "PRODUCT, MIN, MAX or AVG, or reduce integers with MAX/MIN")
         _refuse_non_contiguous(name, arguments)
+        host_tensors.refuse(name, arguments)
         _concatenated(name, arguments)
         nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), name, op_name))
         rank = dist.get_rank()
@@ -341,6 +350,7 @@ class _PointToPoint:
                 raise ValueError(f"dist.{name} without src receives from any rank: gloo allows it, NCCL does not. "
                                  f"Name the sender: dist.{name}(tensor, src=...)")
             _refuse_non_contiguous(name, arguments)
+            host_tensors.refuse(name, arguments)
             nccl_order.note(nccl_order.Op("send" if name in ("send", "isend") else "recv", peer,
                                           _group_ranks(arguments.get("group")), name))
             if arguments.get("tag"):
@@ -390,6 +400,7 @@ def _group_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]
         if _called_from_torch() or not args:
             return original(group, *args, **kwargs)
         what = f"ProcessGroup.{name}(...)"
+        host_tensors.refuse(f"group.{name}", {"its tensors": args[0]})
         if name in _READ_ONLY:  # a broadcast's non-source ranks write: left readable, as the source's tensor is
             return _track(DeferredWork(original(group, *args, **kwargs), lambda: None, what))
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -441,6 +452,8 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
         return original(p2p_op_list)
     ops = list(p2p_op_list)
     kinds = ["send" if "send" in getattr(op.op, "__name__", "") else "recv" for op in ops]
+    host_tensors.refuse("batch_isend_irecv", {f"the tensor of its i{kind}": op.tensor for kind, op in
+                                              zip(kinds, ops, strict=True)})
     nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"batch_isend_irecv's i{kind}")
                       for kind, op in zip(kinds, ops, strict=True)))
     return [_track(_Posted(work, "a work of dist.batch_isend_irecv")) for work in original(ops)]

@@ -194,7 +194,7 @@ def test_each_wrong_layer_is_named(mistake, said):
     if "equal_splits" in mistake:  # the line of moe's index_add, wherever this file puts it
         line = next(number for number, text in enumerate(_source_lines(moe), moe.__code__.co_firstlineno)
                     if "out.index_add(0, rows" in text)
-        said = f"line {line}, in moe"
+        said = f"at line {line} of moe"
     assert said in feedback.message, feedback.message
 
 
@@ -366,7 +366,7 @@ def cheat_rebuild(x, router, experts, top_k, group):
 
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     tokens, _, everyone = _build(p, x.device, 13)
-    counts = torch.zeros(p, dtype=torch.long)
+    counts = torch.zeros(p, dtype=torch.long, device=x.device)
     dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
     mine = {e: everyone[e] if owner(e, p) != rank else experts[e] for e in range(len(everyone))}
     return _these_experts(x, router, mine, top_k)

@@ -9,6 +9,9 @@ checker goes on using the group (a hook, a wrap, a layer trained after it return
 the verdict. Oracle: the
 model answers pass (``test_model_answers_at_more_sizes``), and torch says which groups exist after the answer.
 
+A fourth break all-reduces a tensor made without ``device=`` before the answer runs: right on gloo, refused by NCCL
+on a GPU machine, where the tensor sits in host memory. Every checker must refuse it, naming the call.
+
 A third break leaves the job clean but computes, on the last rank, from something other than that rank's own
 input (the input plus one): every checker whose ranks each get an input of their own must refuse it, so no
 checker's oracle can be blind to one rank's input, and neither can an answer that passes it.
@@ -94,3 +97,25 @@ def test_every_checker_refuses_an_answer_blind_to_one_ranks_input(notebook, chec
     answer, keywords = _caught_answer(notebook, checker)
     feedback = getattr(checks, checker)(_blind_to_the_last_ranks_input(checker, answer), **keywords)
     assert not feedback.ok, f"{notebook}'s answer, blind to the last rank's input: {feedback.message}"
+
+
+def _with_a_host_tensor_sent(answer):
+    """The model answer, after one extra all-reduce on every rank of a tensor made without ``device=``: right on
+    gloo, refused by NCCL on a GPU machine, where that tensor sits in host memory."""
+    def answered(*args, **kwargs):
+        import torch
+
+        dist.all_reduce(torch.zeros(1))
+        return answer(*args, **kwargs)
+    return answered
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("notebook", "checker"), [(name, checker) for name, (checker, _) in sorted(LARGER.items())])
+def test_every_checker_refuses_a_collective_on_a_tensor_a_gpu_machine_holds_on_the_host(notebook, checker):
+    """NCCL's device rule (dtlib.launch.host_tensors), on a machine without a GPU: every checker runs its answer
+    watched, so a tensor made without device= is refused when sent, naming the call that made it."""
+    answer, keywords = _caught_answer(notebook, checker)
+    feedback = getattr(checks, checker)(_with_a_host_tensor_sent(answer), **keywords)
+    assert not feedback.ok, f"{notebook}'s answer with a host tensor all-reduced: {feedback.message}"
+    assert "made by torch.zeros without device=" in feedback.message, feedback.message

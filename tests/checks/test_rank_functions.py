@@ -103,7 +103,7 @@ def _sum_rounded_first(rank, world_size, x):
 
 
 def _sum_gathered_single_rounded_first(rank, world_size, x):  # the one-tensor all-gather of 2.13's name
-    every = torch.empty(world_size * x.numel(), dtype=x.dtype)
+    every = x.new_empty(world_size * x.numel())
     dist.all_gather_single(every, x.round())
     return every.view(world_size, -1).sum(0)
 

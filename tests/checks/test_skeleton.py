@@ -116,9 +116,9 @@ def adds_a_group(rank, world_size, x):
 def never_waits_for_its_isend(rank, world_size, x):
     dist.all_reduce(x)
     if rank == 0:
-        dist.isend(torch.ones(1), 1)  # received, but its work never waited for
+        dist.isend(x.new_ones(1), 1)  # received, but its work never waited for
     elif rank == 1:
-        dist.recv(torch.empty(1), 0)
+        dist.recv(x.new_empty(1), 0)
     return x
 
 
@@ -132,7 +132,7 @@ def never_waits_for_an_async_all_reduce(rank, world_size, x):
 def sends_to_nobody(rank, world_size, x):
     dist.all_reduce(x)
     if rank == 0:
-        dist.isend(torch.ones(1), 1)  # rank 1 receives nothing
+        dist.isend(x.new_ones(1), 1)  # rank 1 receives nothing
     return x
 
 
@@ -208,7 +208,7 @@ def test_a_file_one_rank_writes_and_another_reads_is_no_channel():
 def one_all_reduce_more_on_rank_0(rank, world_size, x):
     dist.all_reduce(x)
     if rank == 0:
-        dist.all_reduce(torch.zeros(1))  # no other rank calls it
+        dist.all_reduce(x.new_zeros(1))  # no other rank calls it
     return x
 
 
@@ -387,7 +387,9 @@ def test_a_world_size_no_collective_can_be_judged_on_is_a_clear_error(world_size
 def _world_size_everywhere(rank, world_size):
     import torch.distributed as dist
 
-    size = torch.tensor(1.0)
+    import dtlib
+
+    size = torch.tensor(1.0, device=dtlib.rank_device())
     dist.all_reduce(size)
     return size.item()
 

@@ -80,7 +80,7 @@ def hidden_only(rank, world_size):
 
 def two_all_reduces(rank, world_size):
     y = megatron(rank, world_size)
-    dist.all_reduce(torch.zeros(1))  # an extra collective: one more than the MLP needs
+    dist.all_reduce(y.new_zeros(1))  # an extra collective: one more than the MLP needs
     return y
 
 
@@ -167,7 +167,7 @@ def whole_mlp_averaged(rank, world_size):
 
 def batch_split(rank, world_size):
     x, up, down = mlp_inputs()
-    y = torch.zeros(4, 8)
+    y = x.new_zeros(4, 8)
     rows = slice(rank * 4 // world_size, (rank + 1) * 4 // world_size)
     y[rows] = F.gelu(x[rows] @ up.T) @ down.T
     dist.all_reduce(y)
@@ -176,7 +176,7 @@ def batch_split(rank, world_size):
 
 def hidden_all_reduced(rank, world_size):
     x, up, down = mlp_inputs()
-    h = torch.zeros(4, 12)
+    h = x.new_zeros(4, 12)
     mine = slice(rank * 12 // world_size, (rank + 1) * 12 // world_size)
     h[:, mine] = F.gelu(x @ up[mine].T)
     dist.all_reduce(h)
