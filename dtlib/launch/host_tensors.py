@@ -84,6 +84,8 @@ class HostTensors(TorchFunctionMode):
         if func is torch.Tensor.to:
             target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
             if target is not None:  # "cpu" in so many words is the host; any other device is the rank's
+                if result is args[0] and made_on_the_host(result) is not None and target != "cpu":
+                    result = result.clone()  # a GPU's .to(device) copies a host tensor: the host one keeps its mark
                 _mark(result, '.to("cpu")' if target == "cpu" and _learners() else None)
             return result
         inputs = [item for item in tree_flatten((args, kwargs))[0] if isinstance(item, torch.Tensor)]

@@ -115,3 +115,23 @@ def test_a_checker_refuses_an_answer_only_gloo_accepts_and_says_why(answer, made
     feedback = dtlib.checks.sum_of_ranks(answer)
     assert not feedback.ok and f"was made by {made}" in feedback.message, feedback.message
     assert dtlib.checks.sum_of_ranks(_on_the_device).ok
+
+
+def _moved_but_sent_unmoved(rank, world_size):
+    with host_tensors.watching():
+        t = torch.zeros(3)
+        moved = t.to(dtlib.rank_device())  # a copy on the device, as a GPU makes it; t stays in host memory
+        try:
+            dist.all_reduce(t)
+        except ValueError as error:
+            return str(error), host_tensors.made_on_the_host(moved)
+    return None, host_tensors.made_on_the_host(moved)
+
+
+def test_to_device_copies_a_host_tensor_so_the_host_one_is_still_refused():
+    """On a CPU machine ``t.to(cpu_device)`` returns ``t`` itself; on a GPU machine it returns a copy on the GPU,
+    and ``t`` stays in host memory. Sending ``t`` rather than the copy is refused, as NCCL refuses it; the copy
+    is the rank's."""
+    for said, moved in dtlib.spawn(_moved_but_sent_unmoved, 2, strict=True):
+        assert said is not None and "was made by torch.zeros without device=" in said, said
+        assert moved is None
