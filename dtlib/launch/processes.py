@@ -312,13 +312,32 @@ def _inheritable(fd: int) -> bool:
         return False
 
 
+_helper_start = threading.local()  # .active: this thread starts multiprocessing's helpers right now
+_session_spawn_lock = threading.Lock()
+_stdlib_spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def _spawnv_passfds(path: str, args: list[str], passfds: Any) -> int:
+    """``multiprocessing.util.spawnv_passfds`` as dtlib installs it: a helper that this thread starts inside
+    :func:`_helpers_in_own_session` starts in a session of its own; any other process (a rank another thread
+    starts meanwhile with start method "spawn") starts as multiprocessing starts it. A rank must not lead a
+    session: it puts itself in a process group of its own, which a session leader cannot do (EPERM)."""
+    if getattr(_helper_start, "active", False):
+        try:
+            return _spawnv_passfds_in_own_session(path, args, passfds)
+        except NotImplementedError:  # posix_spawn without setsid in this C library
+            pass
+    return _stdlib_spawnv_passfds(path, args, passfds)
+
+
 @contextlib.contextmanager
 def _helpers_in_own_session() -> Iterator[None]:
-    """While it runs, the helper processes multiprocessing starts (its resource tracker, its forkserver) start in
-    a session of their own (:func:`_spawnv_passfds_in_own_session`), where ``posix_spawn`` can start one.
+    """While it runs, the helper processes that this thread makes multiprocessing start (its resource tracker,
+    its forkserver) start in a session of their own (:func:`_spawnv_passfds_in_own_session`), where
+    ``posix_spawn`` can start one. Processes other threads start meanwhile do not (:func:`_spawnv_passfds`).
 
-    Both end when the process that started them exits: the tracker when its pipe closes, the server when its
-    "alive" pipe does. In the kernel's process group they held every kernel shutdown 2.6 s: ipykernel sends
+    Both helpers end when the process that started them exits: the tracker when its pipe closes, the server when
+    its "alive" pipe does. In the kernel's process group they held every kernel shutdown 2.6 s: ipykernel sends
     SIGTERM to each child in its group and waits until none is left, the tracker ignores SIGTERM, and the server,
     which dies of it, stays listed as a child until the kernel reaps it, which it never does; so the wait ran
     until jupyter_client, at half its grace period, terminated the kernel itself (3 runs of a kernel that had
@@ -328,19 +347,15 @@ def _helpers_in_own_session() -> Iterator[None]:
     if not hasattr(os, "POSIX_SPAWN_CLOSE") or not os.path.isdir("/proc/self/fd"):
         yield
         return
-    original = multiprocessing.util.spawnv_passfds
-
-    def spawn(path: str, args: list[str], passfds: Any) -> int:
-        try:
-            return _spawnv_passfds_in_own_session(path, args, passfds)
-        except NotImplementedError:  # posix_spawn without setsid in this C library
-            return original(path, args, passfds)
-
-    multiprocessing.util.spawnv_passfds = spawn
+    with _session_spawn_lock:  # installed once, for good: two threads swapping it in and out could leave theirs
+        if multiprocessing.util.spawnv_passfds is not _spawnv_passfds:
+            multiprocessing.util.spawnv_passfds = _spawnv_passfds
+    was = getattr(_helper_start, "active", False)
+    _helper_start.active = True
     try:
         yield
     finally:
-        multiprocessing.util.spawnv_passfds = original
+        _helper_start.active = was
 
 
 def start_forkserver() -> None:

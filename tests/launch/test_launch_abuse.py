@@ -217,6 +217,29 @@ def test_calls_from_two_threads_never_touch_main_module(monkeypatch):
     assert sys.modules["__main__"] is main
 
 
+@pytest.mark.timeout(120)
+def test_ranks_another_thread_starts_while_the_helpers_start_are_not_put_in_a_session_of_their_own():
+    """While one thread starts multiprocessing's helpers in a session of their own, a "spawn" rank that another
+    thread starts goes through the same ``spawnv_passfds``. It must start as any rank does: a session leader
+    cannot put itself in a process group of its own, so the rank died with EPERM (a fresh clone's gate, stop 66).
+    The helpers' window is held open here, so the other thread's ranks start inside it every time."""
+    inside, done = threading.Event(), threading.Event()
+
+    def helpers_starting():
+        with dtlib.launch.processes._helpers_in_own_session():
+            inside.set()
+            done.wait(90)
+
+    holder = threading.Thread(target=helpers_starting)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        assert dtlib.spawn(own_rank, 2, start_method="spawn", output="none") == [0, 1]
+    finally:
+        done.set()
+        holder.join()
+
+
 @pytest.mark.timeout(180)
 def test_fork_jobs_in_two_threads_do_not_hold_each_others_pipes(monkeypatch, tmp_path):
     """Job B forks its ranks while job A runs. B's ranks must not keep A's end-of-job pipe open,
