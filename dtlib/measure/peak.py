@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from dtlib import compat
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "gathered and temporary")
+STEP_MOMENT = "optimizer step"  # the moment of the optimizer's step, among those a tracker notes
 
 
 def _storages(tensor: Any) -> list[Any]:
@@ -220,7 +221,7 @@ class PeakTracker(TorchDispatchMode):
         total = self.live()
         key: Hashable = None
         if self._moment is not None:
-            key = "optimizer step" if self._stepping else self._moment()
+            key = STEP_MOMENT if self._stepping else self._moment()
         highest = total > self.peak
         highest_here = self._moment is not None and total > self._moments.get(key, (-1, []))[0]
         if highest or highest_here:
@@ -380,7 +381,7 @@ class PeakTracker(TorchDispatchMode):
         return self._totals(self._at_peak)
 
     def moments(self) -> dict[Hashable, dict[str, int]]:
-        """With ``moment``: for each moment it named (and ``"optimizer step"``), the bytes by category when the
+        """With ``moment``: for each moment it named (and :data:`STEP_MOMENT`), the bytes by category when the
         most were held then. The peak is the largest of them. A simulation that scales a model's depth scales
         each moment and takes the largest (:func:`dtlib.sim.step.simulate`): the moment of the peak can move as a
         model deepens (from the loss to the optimizer's step, say)."""

@@ -20,7 +20,7 @@ import copy
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtlib.arguments import whole
-from dtlib.measure.peak import CATEGORIES, PeakTracker
+from dtlib.measure.peak import CATEGORIES, STEP_MOMENT, PeakTracker
 from dtlib.measure.traffic import Row, Traffic, sent_by_group, traffic
 from dtlib.sim.llama import KERNELS, Llama, Shape, next_token_loss, vocabulary_sharded
 from dtlib.sim.pipeline import pipeline_step
@@ -146,6 +146,9 @@ class Simulated:
     depths: tuple[int, ...] = ()  # the depths simulated: two, scaled to shape.layers, or the real one
     seconds: float = 0.0  # how long the simulation took here
     kernels: str = "cuda"  # whose kernels kept the tensors for backward: a GPU's or this CPU's (llama.KERNELS)
+    # bytes by category at the fullest moment before the optimizer's step (forward, the loss, backward): the peak
+    # of the same step with an optimizer that holds nothing but its state at the update; empty if not simulated
+    before_step: dict[str, int] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -311,16 +314,26 @@ def _anchored(moments: dict[Any, dict[str, int]], blocks: int) -> dict[Any, dict
     return anchored
 
 
-def _deepest_peak(low: dict[Any, dict[str, int]], high: dict[Any, dict[str, int]], low_depth: int,
-                  high_depth: int, depth: int) -> dict[str, int]:
-    """The peak at ``depth`` layers: each moment's memory at the two depths simulated, by category, extended to
-    ``depth``, and the moment that holds the most there. The peak's own moment at a shallow depth may not be the
-    deep model's (a shallow model peaks where its activations are largest, in the loss or in backward, a deep one
-    in the optimizer's step, whose state grows with every block), so every moment is extended, not the shallow
-    peak alone."""
-    extended = [{name: _extend(low[key][name], high[key][name], low_depth, high_depth, depth) for name in CATEGORIES}
-                for key in sorted(low.keys() & high.keys(), key=str)]  # in one order: a tie goes the same way
-    return max(extended, key=lambda memory: sum(memory.values()))
+def _deepest_moments(low: dict[Any, dict[str, int]], high: dict[Any, dict[str, int]], low_depth: int,
+                     high_depth: int, depth: int) -> dict[Any, dict[str, int]]:
+    """Each moment's memory at the two depths simulated, by category, extended to ``depth``. The peak is the
+    fullest of them (:func:`_fullest`). The peak's own moment at a shallow depth may not be the deep model's (a
+    shallow model peaks where its activations are largest, in the loss or in backward, a deep one in the
+    optimizer's step, whose state grows with every block), so every moment is extended, not the shallow peak
+    alone."""
+    return {key: {name: _extend(low[key][name], high[key][name], low_depth, high_depth, depth) for name in CATEGORIES}
+            for key in low.keys() & high.keys()}
+
+
+def _fullest(moments: dict[Any, dict[str, int]]) -> dict[str, int]:
+    """The moment that holds the most bytes, taken in one order so that a tie goes the same way every time."""
+    return max((moments[key] for key in sorted(moments, key=str)), key=lambda memory: sum(memory.values()))
+
+
+def _before_step(moments: dict[Any, dict[str, int]]) -> dict[str, int]:
+    """The fullest moment before the optimizer's step (:meth:`dtlib.measure.peak.PeakTracker.moments`)."""
+    earlier = {key: memory for key, memory in moments.items() if key != STEP_MOMENT}
+    return _fullest(earlier) if earlier else {}
 
 
 def _extend(low: float, high: float, low_depth: int, high_depth: int, depth: int) -> int:
@@ -356,14 +369,15 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     if parallelize is _parallelize and step is None and key in _ANSWERED:  # dtlib's own layout and step, again
         return copy.deepcopy(_ANSWERED[key])  # the kept answer is never handed out: a checker reads it next
     if depths is None or shape.layers <= max(depths) * pp:
-        memory, rows, _ = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step, kernels)
+        memory, rows, moments = step_on_fake_ranks(shape, layout, checkpointing, parallelize, step, kernels)
         used = (shape.layers,)
     else:
         low_depth, high_depth = (depth * pp for depth in depths)  # layers in all: each stage holds depth blocks
         low = step_on_fake_ranks(shape.with_layers(low_depth), layout, checkpointing, parallelize, step, kernels)
         high = step_on_fake_ranks(shape.with_layers(high_depth), layout, checkpointing, parallelize, step, kernels)
-        memory = _deepest_peak(_anchored(low[2], depths[0]), _anchored(high[2], depths[1]), low_depth, high_depth,
-                               shape.layers)
+        moments = _deepest_moments(_anchored(low[2], depths[0]), _anchored(high[2], depths[1]), low_depth,
+                                   high_depth, shape.layers)
+        memory = _fullest(moments)
         lows = {(row.group, row.call): row for row in low[1]}
         rows = [Row(row.group, row.call,
                     *(_extend(getattr(lows[(row.group, row.call)], name), getattr(row, name), low_depth,
@@ -371,7 +385,8 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
                       for name in ("calls", "payload", "sent")))
                 for row in high[1]]
         used = (low_depth, high_depth)
-    result = Simulated(shape, layout, checkpointing, memory, rows, used, time.perf_counter() - started, kernels)
+    result = Simulated(shape, layout, checkpointing, memory, rows, used, time.perf_counter() - started, kernels,
+                       _before_step(moments))
     if parallelize is _parallelize and step is None:
         _ANSWERED[key] = copy.deepcopy(result)  # kept apart from the caller's, which they may edit
     return result

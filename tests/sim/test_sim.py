@@ -10,7 +10,7 @@ import torch
 
 from dtlib.sim.llama import LLAMA, Llama, Shape
 from dtlib.sim.proof import on_live_ranks
-from dtlib.sim.step import Simulated, simulate
+from dtlib.sim.step import Simulated, simulate, train_step
 from dtlib.sim.world import fake_world
 
 
@@ -563,3 +563,21 @@ def test_the_memory_efficient_attention_keeps_what_flash_keeps_at_lengths_of_32s
     padded = torch.ops.aten._efficient_attention_forward(query[:, :tokens - 1], query, query, None, None, None, None,
                                                         None, 0.0, 1, True)[1]
     assert padded.shape[-1] == tokens  # 31 tokens past a multiple of 32 keep a whole 32's worth
+
+
+def test_the_fullest_moment_before_the_step_is_the_peak_of_an_adamw_that_updates_one_parameter_at_a_time():
+    """``Simulated.before_step``: the fullest moment before the optimizer's step. Oracle: the same job simulated
+    with AdamW's ``foreach`` off, whose update holds one parameter's temporaries, not the shard's: its peak is
+    that moment, to the byte. A checkpointed job of short sequences, whose default (``foreach``) step holds the
+    most, so that the two peaks differ."""
+    def one_parameter_at_a_time(model, optimizer, tokens):
+        for group in optimizer.param_groups:
+            group["foreach"] = False
+        train_step(model, optimizer, tokens)
+
+    job = {"dp": 8, "seq_len": 256, "checkpointing": True}
+    default = simulate(LLAMA["7B"], **job)
+    looped = simulate(LLAMA["7B"], **job, step=one_parameter_at_a_time)
+    assert default.peak > looped.peak  # the default step holds foreach's temporary at its peak
+    assert sum(default.before_step.values()) == looped.peak
+    assert set(default.before_step) == set(default.memory)
