@@ -470,8 +470,13 @@ def notebook_16s_job_killed_after_step_6(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 def test_notebook_16s_script_without_restarts_fails_clearly_with_each_ranks_exit(notebook_16s_job_killed_after_step_6):
+    """Rank 1 is killed (SIGKILL). Rank 0 ends one of two ways, by timing: the agent sees rank 1's death first and
+    stops rank 0 (SIGTERM, -15), or rank 0 first meets the broken connection ("Connection reset by peer") and
+    fails on its own, aborting as it exits (SIGABRT, -6) or exiting 1; torchrun then names rank 0 as the "first
+    observed failure". The second came in one busy fresh clone of three (stop 67)."""
     folder, job = notebook_16s_job_killed_after_step_6
-    assert job.returncode == 1 and torchrun.exit_codes(job) == {0: -15, 1: -9}, job.output[-3000:]
+    codes = torchrun.exit_codes(job)
+    assert job.returncode == 1 and codes[1] == -9 and codes[0] in (-15, -6, 1), job.output[-3000:]
     assert "Root Cause" in job.output and "exitcode  : -9" in job.output  # the summary, as torchrun words it
     assert max(r["step"] for r in torchrun.json_records(job)) == 6
     assert (folder / "ckpt" / "latest").read_text() == "4"  # the last complete checkpoint, for a later resume
