@@ -26,6 +26,7 @@ Example (inside a rank; the optimizer is optional)::
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -147,6 +148,10 @@ class PeakTracker(TorchDispatchMode):
         # date as storages are followed, freed and resized, instead of summing every storage at every op
         self._sizes: dict[int, int] = {}
         self._live = 0
+        # storages freed, as their weak references report them, not yet taken off the total: a reference's
+        # callback runs in whichever thread drops the storage's last reference, gloo's own worker threads
+        # included, so it only notes the free, and the tracker's own code takes it off (_settle)
+        self._freed: deque[tuple[int, weakref.ref]] = deque()
         self._symbolic = False  # a storage of symbolic size (a ShapeEnv's fake tensor) seen: live() sums them all
         self._watching = False  # inside the block, where every resize is seen (_watch_resizes)
         self.peak = 0
@@ -173,7 +178,7 @@ class PeakTracker(TorchDispatchMode):
             return
         if known is not None:  # the entry of a storage gone, whose id this one now has
             self._forget(key, known[0])
-        self._refs[key] = (weakref.ref(storage, lambda ref, key=key: self._forget(key, ref)), category)
+        self._refs[key] = (weakref.ref(storage, lambda ref, key=key: self._freed.append((key, ref))), category)
         self._measure(key, storage)
 
     def _measure(self, key: int, storage: Any) -> None:
@@ -200,9 +205,17 @@ class PeakTracker(TorchDispatchMode):
             del self._refs[key]
             self._live -= self._sizes.pop(key, 0)
 
+    def _settle(self) -> None:
+        """Take the storages freed since the last call off the total. Only the tracker's code changes the total:
+        a free noted by another thread (a gloo worker dropping a finished collective's tensors) while this one
+        was between reading the total and writing it back was lost, and every peak after it was off."""
+        while self._freed:
+            self._forget(*self._freed.popleft())
+
     def live(self) -> int:
         """Bytes live now in the storages followed: the model's, and those created inside the block, C++'s
         included (DDP's gradient buckets, say)."""
+        self._settle()
         if self._watching and not self._symbolic:  # every follow, free and resize counted as it happened
             return self._live
         return self._summed()

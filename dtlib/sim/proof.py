@@ -53,7 +53,7 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # the device's default: what adamw() simulates
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens: tp ranks must see one batch
     tokens = tokens_for(shape, layout, generator).to(device)
-    run_step(step, model, optimizer, tokens, mesh)  # the same whole step first, as the simulator does
+    run_step(step, model, optimizer, tokens, mesh)  # a whole first step (the simulator's runs one micro-batch)
     with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
         run_step(step, model, optimizer, tokens, mesh)
     return peak.categories(), seen.rows(), "cuda" if device.type == "cuda" else "cpu"

@@ -222,15 +222,18 @@ def run_step(step: Callable[..., Any] | None, model: nn.Module, optimizer: torch
 
 def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False,
                        parallelize: Callable[..., Any] = parallelize, step: Callable[..., Any] | None = None,
-                       kernels: str = "cuda") -> tuple[dict[str, int], list[Row], dict[Any, dict[str, int]]]:
+                       kernels: str = "cuda", whole_first_step: bool = False
+                       ) -> tuple[dict[str, int], list[Row], dict[Any, dict[str, int]]]:
     """Rank 0 of the layout's fake ranks, the first pipeline stage: lay the model out with
     ``parallelize(model, mesh, checkpointing)``, then run the step (:func:`run_step`) twice, the first to create
-    Adam's state, and measure the second. The first must be the same whole step: Adam's state made from zero
-    gradients after a forward alone leaves FSDP's first backward to the measured step, and a first pipeline step
-    of one micro-batch, the first in a process, left one activation's worth of first-time work to the measured
-    step (with the fused RMSNorm). ``kernels``: what the model keeps for backward (:data:`dtlib.sim.llama.KERNELS`).
-    Returns the memory at the peak by category, the collectives, and the memory at each moment (:class:`Position`;
-    :meth:`~dtlib.measure.peak.PeakTracker.moments`)."""
+    Adam's state, and measure the second. The first must be a whole step (Adam's state made from zero gradients
+    after a forward alone leaves FSDP's first backward to the measured step), but of the first micro-batch alone
+    where the step has several: every op costs the same on fake tensors whatever its size, so a first step of all
+    m micro-batches cost as much as the measured one, and one of a single micro-batch leaves the same state
+    behind (``whole_first_step`` runs all of them; ``tests/sim`` checks that the tables are the same, and the
+    live-rank proofs that they are the live ranks'). ``kernels``: what the model keeps for backward
+    (:data:`dtlib.sim.llama.KERNELS`). Returns the memory at the peak by category, the collectives, and the memory
+    at each moment (:class:`Position`; :meth:`~dtlib.measure.peak.PeakTracker.moments`)."""
     with fake_world(layout.world_size):
         mesh = mesh_of(layout, "cpu")  # fails inside FakeTensorMode
         with torch.device("meta"):
@@ -240,7 +243,7 @@ def step_on_fake_ranks(shape: Shape, layout: Layout, checkpointing: bool = False
             model.to_empty(device="cpu")
             optimizer = adamw(model, kernels)
             tokens = tokens_for(shape, layout)
-            run_step(step, model, optimizer, tokens, mesh)
+            run_step(step, model, optimizer, tokens if whole_first_step or tokens.dim() == 2 else tokens[:1], mesh)
             position = Position(model)
             try:
                 with PeakTracker(model, optimizer, moment=position) as peak, traffic(groups_of(mesh)) as seen:

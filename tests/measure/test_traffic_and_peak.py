@@ -4,6 +4,7 @@ whose sizes are known."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import cloudpickle
 import pytest
@@ -76,3 +77,25 @@ def test_each_moment_keeps_the_most_bytes_held_during_it_and_the_peak_is_the_lar
     assert 2**20 <= moments["second"]["gathered and temporary"] < 2 * 2**20
     assert moments["optimizer step"]["optimizer"] == weights  # the momentum, as large as the weights
     assert peak.peak == max(sum(memory.values()) for memory in moments.values()) == sum(peak.categories().values())
+
+
+def test_a_storage_another_thread_frees_while_the_tracker_counts_is_taken_off_the_total():
+    """gloo's worker threads drop a finished collective's tensors, so a weak reference's callback can run in
+    such a thread while the tracker is between reading its running total and writing it back. Forced here: the
+    free happens inside the tracker's lookup of a size. The free used to be lost, and every peak after it read
+    the freed bytes as live (a live-rank proof then differed from its simulation, now and then, under load)."""
+    model = nn.Linear(4, 4, bias=False)
+    with PeakTracker(model) as peak:
+        held = [torch.ones(1024)]  # 4 KiB, whose last reference another thread drops
+        dropped = threading.Thread(target=held.clear)
+
+        class Sizes(dict):
+            def get(self, *args: object) -> object:  # the tracker is midway through updating its total
+                if not dropped.is_alive() and held:
+                    dropped.start()
+                    dropped.join()
+                return super().get(*args)
+
+        peak._sizes = Sizes(peak._sizes)
+        torch.zeros(8)  # an op: the tracker follows its output and updates its total
+        assert not held and peak.live() == peak._summed() == model.weight.nbytes

@@ -10,7 +10,7 @@ import torch
 
 from dtlib.sim.llama import LLAMA, Llama, Shape
 from dtlib.sim.proof import on_live_ranks
-from dtlib.sim.step import Simulated, simulate, train_step
+from dtlib.sim.step import Simulated, check_layout, simulate, step_on_fake_ranks, train_step
 from dtlib.sim.world import fake_world
 
 
@@ -99,6 +99,29 @@ def test_a_pipeline_simulated_at_two_depths_and_scaled_equals_every_layer_simula
     assert scaled.traffic == full.traffic
     for name, value in full.memory.items():
         assert scaled.memory[name] == pytest.approx(value, rel=0.001, abs=1024), name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [
+    {"pp": 2, "dp": 2, "tp": 2, "micro_batch": 2, "micro_batches": 4, "checkpointing": True,
+     "sequence_parallel": True, "loss_parallel": True, "kernels": "cuda"},
+    {"pp": 4, "dp": 2, "micro_batches": 6, "checkpointing": False, "kernels": "cpu"},
+    {"dp": 2, "tp": 2, "micro_batches": 3, "checkpointing": False, "kernels": "cuda"},  # several, no pipeline
+], ids=["2 stages, 4 micro-batches, sp and lp, fused norm", "4 stages, 6 micro-batches", "3 micro-batches"])
+def test_a_first_step_of_one_micro_batch_leaves_the_measured_step_what_a_whole_first_step_leaves(layout):
+    """The simulator's first step, which only creates Adam's and FSDP's state, runs the first micro-batch alone:
+    the measured step's memory at every moment and its collectives are those after a first step of all of them
+    (the one-micro-batch step runs first, as in a learner's process)."""
+    layout = dict(layout)
+    checkpointing, kernels = layout.pop("checkpointing"), layout.pop("kernels")
+    shape = Shape(layers=4 * layout.get("pp", 1), hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512)
+    args = {"dp": 1, "tp": 1, "micro_batch": 1, "pp": 1, "sequence_parallel": False, "loss_parallel": False,
+            **layout}
+    shaped = check_layout(shape, args["dp"], args["tp"], 32, args["micro_batch"], args["pp"], args["micro_batches"],
+                          args["sequence_parallel"], args["loss_parallel"])
+    one, whole = (step_on_fake_ranks(shape, shaped, checkpointing, kernels=kernels, whole_first_step=first)
+                  for first in (False, True))
+    assert one == whole
 
 
 @pytest.mark.timeout(300)
