@@ -37,6 +37,14 @@ from dtlib.sim.step import (
     tokens_for,
 )
 
+#: Steps measured on the live ranks, after the first; the one with the lowest peak is reported. A finished
+#: collective's tensors are sometimes dropped last by gloo's own worker thread, a moment after the rank's code let
+#: go of them, and on a busy machine that moment can fall after the next op: the peak then reads those bytes as
+#: live, where fake ranks (no worker threads) and the step's own code have freed them. The lag can only add to a
+#: peak, so the lower of two steps (alike in everything else) is the nearer to the step's own; two lagged steps in
+#: a row remain possible (``docs/testing.md``, stop 68).
+MEASURED_STEPS = 2
+
 
 def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointing: bool,
           parallelize: Callable[..., Any], step: Callable[..., Any] | None
@@ -54,9 +62,13 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens: tp ranks must see one batch
     tokens = tokens_for(shape, layout, generator).to(device)
     run_step(step, model, optimizer, tokens, mesh)  # a whole first step (the simulator's runs one micro-batch)
-    with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
-        run_step(step, model, optimizer, tokens, mesh)
-    return peak.categories(), seen.rows(), "cuda" if device.type == "cuda" else "cpu"
+    measured = []
+    for _ in range(MEASURED_STEPS):
+        with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
+            run_step(step, model, optimizer, tokens, mesh)
+        measured.append((peak.peak, peak.categories(), seen.rows()))
+    _, memory, rows = min(measured, key=lambda one: one[0])  # the step gloo's lag raised least, if at all
+    return memory, rows, "cuda" if device.type == "cuda" else "cpu"
 
 
 def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, micro_batch: int = 1,
@@ -64,7 +76,8 @@ def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, mic
                   loss_parallel: bool = False, parallelize: Callable[..., nn.Module] = parallelize,
                   step: Callable[..., Any] | None = None, timeout: float = 120.0) -> Simulated:
     """Rank 0's step on pp x dp x tp live ranks, as :func:`dtlib.sim.step.simulate` reports it (every layer run),
-    with torch's own kernels: the result's ``kernels`` names the device's."""
+    with torch's own kernels: the result's ``kernels`` names the device's. Of the steps measured after the first,
+    the one with the lowest peak (:data:`MEASURED_STEPS`)."""
     layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel, loss_parallel)
     started = time.perf_counter()
     results = spawn(_rank, layout.world_size, args=(shape, layout, checkpointing, parallelize, step),
