@@ -16,6 +16,11 @@ read as it happens. At each new peak the tracker notes each live storage's categ
 Bytes are the storages' sizes, without the CUDA caching allocator's rounding and fragmentation (the CPU and
 fake tensors have none), so a GPU's ``max_memory_allocated`` reads a few percent more.
 
+A storage is freed in whichever thread drops its last reference. On live gloo ranks that is sometimes gloo's own
+worker thread, which can hold a finished collective's tensors a moment after the rank's code let go of them:
+:meth:`PeakTracker.freed_elsewhere` names the bytes at the peak that another thread freed, 0 when the peak is
+exactly what the block's own code held.
+
 Example (inside a rank; the optimizer is optional)::
 
     with PeakTracker(model, optimizer) as peak:
@@ -25,6 +30,7 @@ Example (inside a rank; the optimizer is optional)::
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -152,6 +158,9 @@ class PeakTracker(TorchDispatchMode):
         # callback runs in whichever thread drops the storage's last reference, gloo's own worker threads
         # included, so it only notes the free, and the tracker's own code takes it off (_settle)
         self._freed: deque[tuple[int, weakref.ref]] = deque()
+        # the references of the storages that a thread other than the block's own freed (freed_elsewhere())
+        self._thread: int | None = None
+        self._elsewhere: list[weakref.ref] = []
         self._symbolic = False  # a storage of symbolic size (a ShapeEnv's fake tensor) seen: live() sums them all
         self._watching = False  # inside the block, where every resize is seen (_watch_resizes)
         self.peak = 0
@@ -178,8 +187,15 @@ class PeakTracker(TorchDispatchMode):
             return
         if known is not None:  # the entry of a storage gone, whose id this one now has
             self._forget(key, known[0])
-        self._refs[key] = (weakref.ref(storage, lambda ref, key=key: self._freed.append((key, ref))), category)
+        self._refs[key] = (weakref.ref(storage, lambda ref, key=key: self._note_free(key, ref)), category)
         self._measure(key, storage)
+
+    def _note_free(self, key: int, ref: weakref.ref) -> None:
+        """A followed storage's weak reference reports it freed, in the thread that dropped its last reference:
+        note the free (:meth:`_settle` takes it off), and whether that thread is another than the block's own."""
+        self._freed.append((key, ref))
+        if threading.get_ident() != self._thread:
+            self._elsewhere.append(ref)
 
     def _measure(self, key: int, storage: Any) -> None:
         """Note the bytes ``storage`` (followed, under ``key``) holds now, and the live total with them."""
@@ -309,6 +325,7 @@ class PeakTracker(TorchDispatchMode):
         return tensor
 
     def __enter__(self) -> PeakTracker:
+        self._thread = threading.get_ident()
         self._fsdp_params = compat.fsdp_params(self.model)
         for parameter in self.model.parameters():
             for storage in _storages(parameter):
@@ -392,6 +409,18 @@ class PeakTracker(TorchDispatchMode):
         holds a gradient or optimizer state is counted as such, whatever it was when it was created."""
         self.note_gradients()
         return self._totals(self._at_peak)
+
+    def freed_elsewhere(self) -> int:
+        """Bytes counted at the peak whose storages a thread other than the block's own freed, so far (the tracker
+        keeps listening after its block). The thread that drops a storage's last reference frees it. On live gloo
+        ranks that is sometimes gloo's own worker thread, still holding a finished collective's tensors a moment
+        after the rank's code let go of them, and a peak noted in that moment counts bytes the code no longer held.
+        0 means that every byte counted at the peak was freed by the block's own thread, or is still held: the peak
+        is what the block's code held, whatever the timing (a lag only adds bytes, so the peak's moment is then
+        the code's own fullest). More than 0: the peak may be off by up to that much (the worker may also simply
+        have been the last to let go of a tensor the code held at the peak); measure the step again."""
+        elsewhere = {id(ref) for ref in list(self._elsewhere)}
+        return sum(nbytes for ref, _, nbytes in self._at_peak if id(ref) in elsewhere)
 
     def moments(self) -> dict[Hashable, dict[str, int]]:
         """With ``moment``: for each moment it named (and :data:`STEP_MOMENT`), the bytes by category when the

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtlib.launch.device import rank_device
@@ -37,13 +38,32 @@ from dtlib.sim.step import (
     tokens_for,
 )
 
-#: Steps measured on the live ranks, after the first; the one with the lowest peak is reported. A finished
-#: collective's tensors are sometimes dropped last by gloo's own worker thread, a moment after the rank's code let
-#: go of them, and on a busy machine that moment can fall after the next op: the peak then reads those bytes as
-#: live, where fake ranks (no worker threads) and the step's own code have freed them. The lag can only add to a
-#: peak, so the lower of two steps (alike in everything else) is the nearer to the step's own; two lagged steps in
-#: a row remain possible (``docs/testing.md``, stop 68).
-MEASURED_STEPS = 2
+#: The most steps measured on the live ranks after the first, in search of one whose peak is exactly the step's own.
+#: A finished collective's tensors are sometimes dropped last by gloo's own worker thread, a moment after the rank's
+#: code let go of them, and on a busy machine that moment can fall after the next op: a peak noted then counts those
+#: bytes, where fake ranks (no worker threads) and the step's own code have freed them. The tracker names the bytes
+#: at its peak that another thread freed (:meth:`~dtlib.measure.peak.PeakTracker.freed_elsewhere`); a step with none
+#: is exact. Busy clones saw one such step in about fifty (``docs/testing.md``, stops 68 and 69).
+MOST_STEPS = 6
+
+Measured = tuple[PeakTracker, dict[str, int], list[Row]]
+
+
+def first_exact(measure: Callable[[], Measured], agree: Callable[[bool], bool], most: int = MOST_STEPS) -> Measured:
+    """Measure steps (``measure()``: the tracker, its categories and the collectives) until one is exact on every
+    rank's say (``agree``: rank 0's verdict, the one reported, told to all, so that every rank runs as many steps):
+    no byte at its peak freed by a thread other than the rank's own. A step's verdict is taken once the next step
+    has run: by then gloo's worker has long dropped whatever it still held of it. Refuses after ``most`` steps,
+    none exact."""
+    measured = [measure()]
+    for _ in range(most):
+        measured.append(measure())
+        if agree(measured[-2][0].freed_elsewhere() == 0):
+            return measured[-2]
+    raise RuntimeError(f"each of the {most} steps measured on live ranks held at its peak tensors that another thread "
+                       "freed later (gloo's worker dropping a finished collective's tensors after the rank's code let "
+                       "go of them): their peaks may count bytes the step no longer held. Is the machine very busy? "
+                       "Run it again when it is quieter.")
 
 
 def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointing: bool,
@@ -62,12 +82,18 @@ def _rank(rank: int, world_size: int, shape: Shape, layout: Layout, checkpointin
     generator = torch.Generator().manual_seed(0)  # every rank the same tokens: tp ranks must see one batch
     tokens = tokens_for(shape, layout, generator).to(device)
     run_step(step, model, optimizer, tokens, mesh)  # a whole first step (the simulator's runs one micro-batch)
-    measured = []
-    for _ in range(MEASURED_STEPS):
+
+    def measure() -> Measured:
         with PeakTracker(model, optimizer) as peak, traffic(groups_of(mesh)) as seen:
             run_step(step, model, optimizer, tokens, mesh)
-        measured.append((peak.peak, peak.categories(), seen.rows()))
-    _, memory, rows = min(measured, key=lambda one: one[0])  # the step gloo's lag raised least, if at all
+        return peak, peak.categories(), seen.rows()
+
+    def agree(exact: bool) -> bool:
+        verdict = torch.tensor([float(exact)], device=device)
+        dist.broadcast(verdict, src=0)
+        return bool(verdict.item())
+
+    _, memory, rows = first_exact(measure, agree)
     return memory, rows, "cuda" if device.type == "cuda" else "cpu"
 
 
@@ -76,8 +102,8 @@ def on_live_ranks(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 64, mic
                   loss_parallel: bool = False, parallelize: Callable[..., nn.Module] = parallelize,
                   step: Callable[..., Any] | None = None, timeout: float = 120.0) -> Simulated:
     """Rank 0's step on pp x dp x tp live ranks, as :func:`dtlib.sim.step.simulate` reports it (every layer run),
-    with torch's own kernels: the result's ``kernels`` names the device's. Of the steps measured after the first,
-    the one with the lowest peak (:data:`MEASURED_STEPS`)."""
+    with torch's own kernels: the result's ``kernels`` names the device's. The first step measured after the first
+    whose peak is exact (:func:`first_exact`)."""
     layout = check_layout(shape, dp, tp, seq_len, micro_batch, pp, micro_batches, sequence_parallel, loss_parallel)
     started = time.perf_counter()
     results = spawn(_rank, layout.world_size, args=(shape, layout, checkpointing, parallelize, step),
