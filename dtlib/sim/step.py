@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from dtlib.arguments import whole
 from dtlib.measure.peak import CATEGORIES, STEP_MOMENT, PeakTracker
 from dtlib.measure.traffic import Row, Traffic, sent_by_group, traffic
+from dtlib.sim.forked import alongside
 from dtlib.sim.llama import KERNELS, Llama, Shape, next_token_loss, vocabulary_sharded
 from dtlib.sim.pipeline import pipeline_step
 from dtlib.sim.world import fake_world
@@ -353,11 +354,12 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
     pipeline's first stage: the embedding, its share of the blocks, and the most micro-batches in flight).
 
     ``depths``: the two depths (blocks per stage) simulated and scaled to ``shape.layers`` (a few seconds whatever
-    the depth); None simulates every layer (about a second per layer here). ``parallelize`` and ``step`` are the
-    layout and the step, notebook 11's and :func:`dtlib.sim.pipeline.pipeline_step` by default; pass your own to
-    simulate them (a step for a pipeline, or for several micro-batches, also takes the mesh). With dtlib's
-    own layout and step, a question asked again in this process is answered from the first run, and every
-    caller gets a copy of its own: converting one's result in place (to GiB, say) changes no other caller's.
+    the depth; on Linux with two cores, both at once: :mod:`dtlib.sim.forked`); None simulates every layer (about
+    a second per layer here). ``parallelize`` and ``step`` are the layout and the step, notebook 11's and
+    :func:`dtlib.sim.pipeline.pipeline_step` by default; pass your own to simulate them (a step for a pipeline, or
+    for several micro-batches, also takes the mesh). With dtlib's own layout and step, a question asked again in
+    this process is answered from the first run, and every caller gets a copy of its own: converting one's result
+    in place (to GiB, say) changes no other caller's.
     ``kernels``: what the model keeps for backward, as a GPU's kernels keep it ("cuda", a cluster's question) or
     as this CPU's do ("cpu", what live ranks here measure); :data:`dtlib.sim.llama.KERNELS`.
     ``sequence_parallel``: with ``tp`` over 1, the norms and the activations between blocks hold a share of the
@@ -376,8 +378,11 @@ def simulate(shape: Shape, dp: int = 1, tp: int = 1, seq_len: int = 4096, micro_
         used = (shape.layers,)
     else:
         low_depth, high_depth = (depth * pp for depth in depths)  # layers in all: each stage holds depth blocks
-        low = step_on_fake_ranks(shape.with_layers(low_depth), layout, checkpointing, parallelize, step, kernels)
-        high = step_on_fake_ranks(shape.with_layers(high_depth), layout, checkpointing, parallelize, step, kernels)
+        def at(depth: int) -> Callable[[], tuple[dict[str, int], list[Row], dict[Any, dict[str, int]]]]:
+            return lambda: step_on_fake_ranks(shape.with_layers(depth), layout, checkpointing, parallelize, step,
+                                              kernels)
+
+        low, high = alongside(at(low_depth), at(high_depth))  # at once on two cores: a forked copy runs the lower
         moments = _deepest_moments(_anchored(low[2], depths[0]), _anchored(high[2], depths[1]), low_depth,
                                    high_depth, shape.layers)
         memory = _fullest(moments)
