@@ -43,7 +43,7 @@ from dtlib.sim.step import (
 #: code let go of them, and on a busy machine that moment can fall after the next op: a peak noted then counts those
 #: bytes, where fake ranks (no worker threads) and the step's own code have freed them. The tracker names the bytes
 #: at its peak that another thread freed (:meth:`~dtlib.measure.peak.PeakTracker.freed_elsewhere`); a step with none
-#: is exact. Busy clones saw one such step in about fifty (``docs/testing.md``, stops 68 and 69).
+#: is exact. Beside two busy loops, about one rank's step in fifty was not (``docs/testing.md``, stop 69).
 MOST_STEPS = 6
 
 Measured = tuple[PeakTracker, dict[str, int], list[Row]]
