@@ -670,7 +670,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
                       for launches in posted]
         wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried,
                        nccl_order.deadlock(posted) or next((said for rank in left for said in rank), None),
-                       file_channel(files), reductions)
+                       file_channel(files), reductions, nccl_order.tags_disagree(posted))
         if wrong is not None:
             return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
         first = first or values
@@ -679,15 +679,19 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
 
 def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,
            calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]], job: str | None = None,
-           channel: str | None = None, reductions: Sequence[Sequence[tuple[str, str]]] = ()) -> str | None:
+           channel: str | None = None, reductions: Sequence[Sequence[tuple[str, str]]] = (),
+           tags: str | None = None) -> str | None:
     """What is wrong with one run's answers, in the learner's terms, or None: the first wrong rank's value
-    explained by the first hint that holds, or, every value right, what no collective, a stand-in, the state the
-    job was left in (``job``: transfers that hang on NCCL, a group destroyed or added, work never waited for),
-    more collectives than needed or the exercise's own last checks (``also``) say. A file one rank wrote and
-    another read (``channel``) is said first once the values are right: it is how they got there."""
+    explained by tags that NCCL pairs otherwise than gloo (``tags``, from :func:`nccl_order.tags_disagree`: strict
+    mode paired them as NCCL does) or by the first hint that holds, or, every value right, what no collective, a
+    stand-in, the state the job was left in (``job``: transfers that hang on NCCL, a group destroyed or added, work
+    never waited for), more collectives than needed or the exercise's own last checks (``also``) say. A file one
+    rank wrote and another read (``channel``) is said first once the values are right: it is how they got there."""
     for rank, value in enumerate(values):
         if value is not UNREADABLE and exercise.same(value, expected):
             continue
+        if tags is not None:
+            return tags
         answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried,
                         reductions)
         # what any answer can do wrong in a way its calls show, first; then the exercise's own

@@ -14,6 +14,10 @@ point-to-point call, each ``batch_isend_irecv``, each collective, with its group
 rank's notes under NCCL's rules and says who waits for whom, or None when everything finishes. The checkers
 refuse an answer whose replay hangs.
 
+The same pairing settles tags. gloo pairs a send with the receive of the same tag; NCCL ignores tags and pairs
+the k-th send from a to b with b's k-th receive from a. Where those two differ in tag, the program meant gloo's
+pairing, and on GPUs each receive gets another message: :func:`tags_disagree` names the first such pair.
+
 Example::
 
     ring = [[("send", 1), ("recv", 2)], [("send", 2), ("recv", 0)], [("send", 0), ("recv", 1)]]
@@ -42,6 +46,7 @@ class Op:
     group: Group
     call: str
     reduce_op: str = ""  # a reduction's op as ReduceOp names it ("SUM", "AVG"), where the call has one
+    tag: int = 0  # a transfer's tag as the learner wrote it (strict mode passes 0 on, as NCCL ignores it)
 
 
 #: One launch on a stream: the ops posted together (one call, or one batch_isend_irecv).
@@ -72,6 +77,40 @@ def launch(kind: str, peer: int | None = None, group: Group = (), call: str = ""
     return (Op(kind, peer, group, call or kind),)
 
 
+def _key(rank: int, op: Op, world_size: int) -> tuple[Group, int, int]:
+    """A transfer's channel: its group, sender and receiver (global ranks); its k-th op there meets the peer's k-th."""
+    sender, receiver = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
+    return op.group or tuple(range(world_size)), sender, receiver
+
+
+def _nth(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+
+
+def tags_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
+    """The first send whose tag differs from that of the receive NCCL pairs it with (the k-th send from a to b
+    in a group, and b's k-th receive from a there), in the learner's terms; None where every pair agrees (tags
+    unused, or used in the order posted). gloo pairs by tag, so such a program's meaning rests on what NCCL
+    ignores."""
+    sent: dict[tuple[Group, int, int], list[Op]] = {}
+    received: dict[tuple[Group, int, int], list[Op]] = {}
+    for rank, launches in enumerate(ranks):
+        for op in (op for ops in launches for op in ops if op.peer is not None):
+            (sent if op.kind == "send" else received).setdefault(_key(rank, op, len(ranks)), []).append(op)
+    for channel, sends in sorted(sent.items()):
+        _, sender, receiver = channel
+        paired = zip(sends, received.get(channel, []), strict=False)  # an unmatched send is deadlock()'s to name
+        for k, (send, recv) in enumerate(paired, start=1):
+            if send.tag != recv.tag:
+                return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} has tag={send.tag}, and "
+                        f"rank {receiver}'s {_nth(k)} dist.{recv.call} from rank {sender} has tag={recv.tag}. "
+                        "NCCL ignores tags: it pairs the k-th send with the k-th receive between two ranks, so on "
+                        "GPUs that receive gets this message, which gloo alone would have kept for the receive of "
+                        "the same tag (strict mode paired them as NCCL does). Post the sends and the receives in "
+                        "the same order on both ranks, and leave tags out.")
+    return None
+
+
 def _said(rank: int, op: Op) -> str:
     if op.peer is None:
         return f"rank {rank} waits in dist.{op.call}"
@@ -95,8 +134,7 @@ def deadlock(ranks: Sequence[Sequence[Launch]]) -> str | None:
                 if op.peer is None:
                     key: tuple = ("collective", group)
                 else:
-                    sender, receiver = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
-                    key = ("p2p", group, sender, receiver, op.kind)
+                    key = ("p2p", *_key(rank, op, len(ranks)), op.kind)
                 index = counts.get((rank, key), 0)
                 counts[(rank, key)] = index + 1
                 keyed.append((op, (*key, index)))

@@ -22,9 +22,11 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
 - **tensors a GPU machine holds on the host** (made without ``device=``, or with ``.cpu()``), while
   :func:`dtlib.launch.host_tensors.watching` is on (every checker runs answers so): NCCL takes only tensors on
   the rank's GPU. Strict mode refuses them, naming the call that made them.
-- **tags** (``tag=`` of ``send``, ``recv``, ``isend``, ``irecv``): NCCL ignores them and matches a pair of
-  ranks' messages in the order they were posted. Strict mode does the same (it passes tag 0 on) and warns
-  (:class:`StrictWarning`) once per place in the code.
+- **tags** (``tag=`` of ``send``, ``recv``, ``isend``, ``irecv`` and ``P2POp``): NCCL ignores them and matches
+  a pair of ranks' messages in the order they were posted. Strict mode does the same (it passes tag 0 on) and
+  warns (:class:`StrictWarning`) once per place in the code. It notes each tag as written: where an answer's
+  values come out wrong and its tags disagree with NCCL's pairing, the checkers say so first, naming the pair
+  (:func:`dtlib.launch.nccl_order.tags_disagree`); tags that only repeat the order posted pass, as NCCL runs them.
 - **a blocking send and a blocking receive with one peer**, posted as separate calls, and **an ``isend`` or
   ``irecv`` posted while another of the rank's is still unwaited**: NCCL documents that dependent
   point-to-point calls must be posted together (``dist.batch_isend_irecv``); apart, NCCL runs them one after
@@ -316,6 +318,30 @@ class _Posted:
         return getattr(self._work, name)
 
 
+_warned: set[tuple[str, int, str]] = set()  # the places in the code strict mode has warned about, and of what
+
+
+def _warn_once(kind: str, message: str) -> None:
+    """A :class:`StrictWarning` of ``kind`` at the learner's line that called strict mode's caller, once there."""
+    caller = sys._getframe(2)
+    where = (caller.f_code.co_filename, caller.f_lineno, kind)
+    if where not in _warned:
+        _warned.add(where)
+        warnings.warn(message, StrictWarning, stacklevel=3)
+
+
+#: What a tag warning says after the call: how NCCL pairs messages, and what strict mode does about it.
+_TAGS_IGNORED = ("NCCL ignores tags and matches two ranks' messages in the order they were posted; strict mode "
+                 "does the same (tag 0). Post the sends and the receives in the same order on both ranks.")
+
+
+def _untagged(op: Any) -> Any:
+    """A copy of the ``P2POp`` ``op`` with tag 0 (the learner's own stays as written)."""
+    copy = object.__new__(type(op))
+    copy.__dict__.update(vars(op), tag=0)
+    return copy
+
+
 class _PointToPoint:
     """Holds ``send``, ``recv``, ``isend`` and ``irecv`` to NCCL's contract: a named sender, contiguous tensors,
     tags ignored; and flags dependent calls posted apart (a blocking send and receive with one peer, or an
@@ -324,14 +350,6 @@ class _PointToPoint:
     def __init__(self) -> None:
         self.last: tuple[str, int] | None = None
         self.unwaited: list[_Posted] = []
-        self.warned: set[tuple[str, int, str]] = set()
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        caller = sys._getframe(2)
-        where = (caller.f_code.co_filename, caller.f_lineno, kind)
-        if where not in self.warned:
-            self.warned.add(where)
-            warnings.warn(message, StrictWarning, stacklevel=3)
 
     def wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
@@ -352,15 +370,13 @@ class _PointToPoint:
             _refuse_non_contiguous(name, arguments)
             host_tensors.refuse(name, arguments)
             nccl_order.note(nccl_order.Op("send" if name in ("send", "isend") else "recv", peer,
-                                          _group_ranks(arguments.get("group")), name))
+                                          _group_ranks(arguments.get("group")), name, tag=arguments.get("tag") or 0))
             if arguments.get("tag"):
-                self._warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): NCCL ignores tags and matches "
-                                "two ranks' messages in the order they were posted; strict mode does the same "
-                                "(tag 0). Post the sends and the receives in the same order on both ranks.")
+                _warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): {_TAGS_IGNORED}")
                 arguments["tag"] = 0
             if name in ("send", "recv"):
                 if self.last is not None and self.last[1] == peer and self.last[0] != name:
-                    self._warn_once("apart", f"rank {dist.get_rank()} posted a blocking dist.{self.last[0]} and a "
+                    _warn_once("apart", f"rank {dist.get_rank()} posted a blocking dist.{self.last[0]} and a "
                                     f"blocking dist.{name} with rank {peer} as two calls. NCCL documents that such "
                                     "dependent transfers can deadlock unless posted together: "
                                     "dist.batch_isend_irecv([dist.P2POp(dist.isend, ...), "
@@ -369,7 +385,7 @@ class _PointToPoint:
                 return original(*bound.args, **bound.kwargs)
             self.unwaited = [posted for posted in self.unwaited if posted.pending]
             if self.unwaited:
-                self._warn_once("unbatched", f"rank {dist.get_rank()} posted dist.{name} while an earlier isend or "
+                _warn_once("unbatched", f"rank {dist.get_rank()} posted dist.{name} while an earlier isend or "
                                 "irecv of its own was still unwaited. NCCL runs unbatched point-to-point calls one "
                                 "after another: a large message then waits for a receive queued behind it, and "
                                 "the ranks hang. Post them together: dist.batch_isend_irecv([dist.P2POp(dist.isend, "
@@ -454,8 +470,11 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
     kinds = ["send" if "send" in getattr(op.op, "__name__", "") else "recv" for op in ops]
     host_tensors.refuse("batch_isend_irecv", {f"the tensor of its i{kind}": op.tensor for kind, op in
                                               zip(kinds, ops, strict=True)})
-    nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"batch_isend_irecv's i{kind}")
-                      for kind, op in zip(kinds, ops, strict=True)))
+    nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"batch_isend_irecv's i{kind}",
+                                    tag=op.tag or 0) for kind, op in zip(kinds, ops, strict=True)))
+    if any(op.tag for op in ops):
+        _warn_once("tag", f"dist.P2POp(..., tag={next(op.tag for op in ops if op.tag)}): {_TAGS_IGNORED}")
+        ops = [_untagged(op) for op in ops]
     return [_track(_Posted(work, "a work of dist.batch_isend_irecv")) for work in original(ops)]
 
 
@@ -475,6 +494,7 @@ def install() -> bool:
     """
     if _active:
         return False
+    _warned.clear()
     point_to_point = _PointToPoint()
     for name in WRITES:
         if hasattr(dist, name):

@@ -102,6 +102,39 @@ def test_a_ring_of_blocking_sends_hangs_and_is_said_to_wait_in_its_transfers():
     assert "even ranks send first" in feedback.message
 
 
+def _exchanged_in_halves(rank, world_size, x, receive_tags):
+    """Every rank sends every other its x in two halves, tagged 1 and 2, and receives theirs with
+    ``receive_tags``, in that order, all in one batch; then sums what it holds."""
+    half, ops, parts = x.numel() // 2, [], []
+    for peer in (peer for peer in range(world_size) if peer != rank):
+        ops += [dist.P2POp(dist.isend, x[:half], peer, tag=1), dist.P2POp(dist.isend, x[half:], peer, tag=2)]
+        theirs = {1: torch.empty_like(x[:half]), 2: torch.empty_like(x[half:])}
+        ops += [dist.P2POp(dist.irecv, theirs[tag], peer, tag=tag) for tag in receive_tags]
+        parts.append(theirs)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return x + sum(torch.cat([theirs[1], theirs[2]]) for theirs in parts)
+
+
+def halves_received_by_tag_in_reverse(rank, world_size, x):  # gloo pairs by tag: right there, wrong on NCCL
+    return _exchanged_in_halves(rank, world_size, x, receive_tags=(2, 1))
+
+
+def halves_received_in_the_order_sent(rank, world_size, x):  # the tags repeat the order: NCCL runs it right
+    return _exchanged_in_halves(rank, world_size, x, receive_tags=(1, 2))
+
+
+def test_an_answer_whose_tags_pair_other_messages_than_nccls_order_is_refused_and_told_why():
+    """gloo pairs by tag, so the reversed answer gave right sums there; strict mode pairs as NCCL does, and the
+    checker names the pair of transfers instead of the wrong sums that follow."""
+    feedback = checks.sum_of_ranks(halves_received_by_tag_in_reverse, world_size=2)
+    assert not feedback.ok
+    said = ("Rank 0's 1st dist.batch_isend_irecv's isend to rank 1 has tag=1, and rank 1's 1st "
+            "dist.batch_isend_irecv's irecv from rank 0 has tag=2. NCCL ignores tags")
+    assert feedback.message.startswith(said), feedback.message
+    assert checks.sum_of_ranks(halves_received_in_the_order_sent, world_size=2).ok
+
+
 def destroys_the_group(rank, world_size, x):
     dist.all_reduce(x)
     dist.destroy_process_group()

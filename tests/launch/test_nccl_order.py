@@ -2,14 +2,15 @@
 
 Oracle: NCCL's rules as its documentation states them (a rank's transfers run one after another on its group's
 stream; a send ends only while its receive runs; a group call posts its transfers together), worked by hand for
-each case: the classic deadlocks hang, their textbook fixes (even/odd order, batching) finish.
+each case: the classic deadlocks hang, their textbook fixes (even/odd order, batching) finish; and NCCL pairs
+the k-th send between two ranks with the k-th receive, whatever their tags (torch's ProcessGroupNCCL ignores them).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from dtlib.launch.nccl_order import Op, deadlock, launch, note, recording
+from dtlib.launch.nccl_order import Launch, Op, deadlock, launch, note, recording, tags_disagree
 
 
 def _program(*calls: tuple[str, int | None]) -> list[tuple[Op, ...]]:
@@ -85,3 +86,30 @@ def test_notes_are_kept_only_while_recording_and_nest():
         note(*launch("all_reduce"))
     assert [ops[0].kind for ops in outer] == ["send", "all_reduce"]
     assert [ops[0].kind for ops in inner] == ["recv"]
+
+
+def _tagged(kind: str, peer: int, tag: int) -> Launch:
+    return (Op(kind, peer, (), kind, tag=tag),)
+
+
+def test_tags_that_repeat_the_order_posted_agree_with_nccls_pairing():
+    assert tags_disagree([[_tagged("send", 1, 1), _tagged("send", 1, 2)],
+                          [_tagged("recv", 0, 1), _tagged("recv", 0, 2)]]) is None
+    assert tags_disagree([_program(("send", 1)), _program(("recv", 0))]) is None  # no tags at all
+    assert tags_disagree([[_tagged("send", 1, 7)], [_tagged("recv", 0, 7)]]) is None  # one tag, both sides
+
+
+def test_tags_that_pair_other_messages_than_the_order_are_named_by_the_first_such_pair():
+    said = tags_disagree([[_tagged("send", 1, 1), _tagged("send", 1, 2)],
+                          [_tagged("recv", 0, 2), _tagged("recv", 0, 1)]])
+    assert said is not None and said.startswith("Rank 0's 1st dist.send to rank 1 has tag=1, and rank 1's 1st "
+                                                "dist.recv from rank 0 has tag=2. NCCL ignores tags"), said
+
+
+def test_tags_are_paired_per_channel_and_inside_a_batch_too():
+    # Rank 2's messages to rank 1 come after rank 0's in rank 1's program, but have a channel of their own.
+    ranks = [[_tagged("send", 1, 5)], [_tagged("recv", 0, 5), _tagged("recv", 2, 6)], [_tagged("send", 1, 6)]]
+    assert tags_disagree(ranks) is None
+    batch = (Op("send", 1, (), "batch_isend_irecv's isend", tag=3), Op("recv", 1, (), "batch_isend_irecv's irecv"))
+    said = tags_disagree([[batch], [(Op("recv", 0, (), "irecv"), Op("send", 0, (), "isend"))]])
+    assert said is not None and "dist.batch_isend_irecv's isend to rank 1 has tag=3" in said, said

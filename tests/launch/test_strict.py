@@ -161,12 +161,33 @@ def _tagged(rank, world_size):
     return got, [message for message in said if "tag" in message]
 
 
+def _tagged_in_a_batch(rank, world_size):
+    """As :func:`_tagged`, every transfer a ``P2POp`` of one ``batch_isend_irecv``; also returns whether the
+    learner's own ``P2POp`` objects still hold the tags they were given."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank == 0:
+            ops = [dist.P2POp(dist.isend, torch.tensor([1.0]), 1, tag=1),
+                   dist.P2POp(dist.isend, torch.tensor([2.0]), 1, tag=2)]
+            got = []
+        else:
+            got = [torch.empty(1), torch.empty(1)]
+            ops = [dist.P2POp(dist.irecv, got[0], 0, tag=2), dist.P2POp(dist.irecv, got[1], 0, tag=1)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    said = [str(w.message) for w in caught if issubclass(w.category, strict.StrictWarning)]
+    return [t.item() for t in got], [m for m in said if "tag" in m], [op.tag for op in ops]
+
+
 @pytest.mark.timeout(60)
-def test_tags_are_ignored_as_nccl_ignores_them():
-    (_, said0), (got, said1) = dtlib.spawn(_tagged, 2, strict=True)
+@pytest.mark.parametrize("posted", [_tagged, _tagged_in_a_batch])
+def test_tags_are_ignored_as_nccl_ignores_them(posted):
+    (_, said0, *mine0), (got, said1, *mine1) = dtlib.spawn(posted, 2, strict=True)
     assert got == [1.0, 2.0]  # NCCL's order: the first message into the first receive
     assert "NCCL ignores tags" in said0[0] and "NCCL ignores tags" in said1[0]
-    assert dtlib.spawn(_tagged, 2, strict=False)[1] == ([2.0, 1.0], [])  # gloo's own: matched by tag
+    assert dtlib.spawn(posted, 2, strict=False)[1][:2] == ([2.0, 1.0], [])  # gloo's own: matched by tag
+    if posted is _tagged_in_a_batch:  # the transfers ran untagged, the learner's ops are left as written
+        assert mine0 == [[1, 2]] and mine1 == [[2, 1]]
 
 
 def _exchange(rank, world_size, how):
