@@ -563,6 +563,29 @@ def destroyed_while_needed(err: WorkerError) -> str | None:
             f"remove the call.")
 
 
+#: gloo's words as it aborts a rank whose buffer is smaller than the message that arrived for it: bytes that
+#: arrived, bytes the buffer holds ("op.preamble.length <= op.nbytes. 20 vs 4. Received data size doesn't match").
+_TOO_LARGE = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match expected size")
+
+
+def sizes_differ(err: WorkerError) -> str | None:
+    """What to say when gloo aborted a rank because a message was larger than the buffer it arrived for: a send
+    and the receive strict mode paired it with (NCCL's pairing: by order, tags ignored) differ in size, or the
+    ranks' tensors in one collective do. gloo's own words blame a collective and hide which."""
+    for failure in err.failures:
+        found = _TOO_LARGE.search(failure.message)
+        if found is not None:
+            arrived, room = found.groups()
+            return (f"Rank {failure.rank} was stopped by gloo: {arrived} bytes arrived for a buffer of {room}. The "
+                    "ranks' transfers did not pair up in size: a send met a receive of another size, or the ranks "
+                    "gave one collective tensors of different sizes. Strict mode pairs sends and receives as NCCL "
+                    "does, the k-th send between two ranks with the k-th receive, whatever their tags. NCCL "
+                    "compares no sizes, so on GPUs the ranks would read wrong numbers or hang. Give every send a "
+                    "receive of its size and dtype, posted in the same order on both ranks, and every rank "
+                    "tensors of one size in each collective.")
+    return None
+
+
 #: torch's words for a process group that no longer exists: the default one (c10d) and one looked up by name
 #: (the functional collectives under DTensor).
 _GROUP_GONE = ("Default process group has not been initialized", "Could not resolve the process group registered")
@@ -656,7 +679,7 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
             err = _returned(err)
             return Feedback(False, transfers_hang(err) or exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
-            return Feedback(False, destroyed_while_needed(err) or exercise.failure(err))
+            return Feedback(False, destroyed_while_needed(err) or sizes_differ(err) or exercise.failure(err))
         except CannotSend as err:  # dtlib.spawn's refusal to send the answer, before any rank started
             return Feedback(False, f"Your function cannot be sent to the ranks: {err.reason}")
         if runs is not None:

@@ -10,6 +10,7 @@ the groups that exist, works never waited for). Rank functions travel by value, 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -133,6 +134,43 @@ def test_an_answer_whose_tags_pair_other_messages_than_nccls_order_is_refused_an
             "dist.batch_isend_irecv's irecv from rank 0 has tag=2. NCCL ignores tags")
     assert feedback.message.startswith(said), feedback.message
     assert checks.sum_of_ranks(halves_received_in_the_order_sent, world_size=2).ok
+
+
+def _exchanged_unevenly(rank, world_size, x, receive_tags):
+    """As :func:`_exchanged_in_halves`, cut after the first number instead of in the middle."""
+    ops, parts = [], []
+    for peer in (peer for peer in range(world_size) if peer != rank):
+        ops += [dist.P2POp(dist.isend, x[:1], peer, tag=1), dist.P2POp(dist.isend, x[1:], peer, tag=2)]
+        theirs = {1: torch.empty_like(x[:1]), 2: torch.empty_like(x[1:])}
+        ops += [dist.P2POp(dist.irecv, theirs[tag], peer, tag=tag) for tag in receive_tags]
+        parts.append(theirs)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return x + sum(torch.cat([theirs[1], theirs[2]]) for theirs in parts)
+
+
+def uneven_parts_received_by_tag_in_reverse(rank, world_size, x):  # NCCL's pairing meets 1 number with the rest
+    return _exchanged_unevenly(rank, world_size, x, receive_tags=(2, 1))
+
+
+def receives_one_number_short(rank, world_size, x):
+    if rank == 0:
+        dist.send(x, 1)
+    elif rank == 1:
+        dist.recv(x[1:].contiguous(), 0)
+    dist.all_reduce(x)
+    return x
+
+
+@pytest.mark.parametrize("answer", [uneven_parts_received_by_tag_in_reverse, receives_one_number_short])
+def test_a_send_that_meets_a_smaller_receive_is_named_as_such_not_as_gloos_abort(answer):
+    """gloo aborts the receiving rank ("Is there a distributed collective mismatch in your code?"); the checker
+    says which sizes met, and why tags did not keep them apart."""
+    feedback = checks.sum_of_ranks(answer, world_size=2)  # no hang: the default timeout only bounds a broken run
+    assert not feedback.ok
+    assert re.match(r"Rank [01] was stopped by gloo: \d+ bytes arrived for a buffer of \d+\. The ranks' transfers "
+                    r"did not pair up in size", feedback.message), feedback.message
+    assert "whatever their tags" in feedback.message
 
 
 def destroys_the_group(rank, world_size, x):
