@@ -15,6 +15,9 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   hands gloo a flat view of the same memory.
 - **bitwise reductions** (``ReduceOp.BAND``, ``BOR``, ``BXOR``) and **receiving from any source**
   (``dist.recv`` without ``src``): gloo has them, NCCL does not. Strict mode refuses them.
+- **``dist.monitored_barrier``** on a group that would be NCCL's on GPUs (the default one, or one made by
+  ``dist.new_group`` without ``backend="gloo"``): torch implements it for gloo only and raises on NCCL. Strict
+  mode refuses it there, as torch would on GPUs, and lets it run on a group made with ``backend="gloo"``.
 - **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``) as a call's tensor, input or
   output: NCCL refuses them ("Tensors must be contiguous"); gloo computes on the wrong elements without a word.
   Strict mode refuses them, naming the argument. (Lists of tensors may hold views: NCCL's ``all_gather`` and
@@ -439,6 +442,30 @@ def _group_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]
 
 
 _active: dict[str, Callable[..., Any]] = {}  # what install replaced, by name ("send", "P2POp.__init__")
+_gloo_groups: set[str] = set()  # the names of the groups made with backend="gloo": gloo's on a GPU machine too
+
+
+def _new_group(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``new_group``, the group's name kept where it names gloo as its backend."""
+    original = _active["new_group"]
+    group = original(*args, **kwargs)
+    backend = inspect.signature(original).bind(*args, **kwargs).arguments.get("backend")
+    if str(backend or "").lower() == "gloo" and isinstance(group, ProcessGroup):
+        _gloo_groups.add(group.group_name)
+    return group
+
+
+def _monitored_barrier(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``monitored_barrier``, refused on a group that is NCCL's on GPUs, as torch refuses it there."""
+    original = _active["monitored_barrier"]
+    group = inspect.signature(original).bind(*args, **kwargs).arguments.get("group")
+    if _called_from_torch() or (isinstance(group, ProcessGroup) and group.group_name in _gloo_groups):
+        return original(*args, **kwargs)
+    which = "the default group" if group in (None, dist.group.WORLD) else "a group made without backend=\"gloo\""
+    raise ValueError(f"dist.monitored_barrier on {which}: torch implements it for gloo only, and on GPUs that group "
+                     "is NCCL's, where it raises \"monitored_barrier is only implemented for GLOO backend\". Make "
+                     "a gloo group for it once, on every rank: checker = dist.new_group(backend=\"gloo\"), then "
+                     "dist.monitored_barrier(group=checker, timeout=...). Or use dist.barrier()")
 
 
 def _original(op: Any) -> Any:
@@ -483,7 +510,7 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
 #: transfers there too. Not ``isend``, ``irecv`` or ``batch_isend_irecv``: torch's own ``P2POp`` and
 #: ``batch_isend_irecv`` compare their ops with that module's ``isend`` by identity.
 _SOURCE = distributed_c10d
-_ALSO_IN_SOURCE = (*WRITES, "send", "recv")
+_ALSO_IN_SOURCE = (*WRITES, "send", "recv", "new_group", "monitored_barrier")
 
 
 def install() -> bool:
@@ -503,6 +530,10 @@ def install() -> bool:
     for name in ("send", "recv", "isend", "irecv"):
         _active[name] = getattr(dist, name)
         setattr(dist, name, point_to_point.wrap(name, _active[name]))
+    _gloo_groups.clear()
+    for name, replacement in (("new_group", _new_group), ("monitored_barrier", _monitored_barrier)):
+        _active[name] = getattr(dist, name)
+        setattr(dist, name, functools.wraps(_active[name])(replacement))
     for name in _ALSO_IN_SOURCE:
         if name in _active and getattr(_SOURCE, name, None) is _active[name]:
             _active[f"{_SOURCE.__name__}:{name}"] = _active[name]

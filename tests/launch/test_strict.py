@@ -5,6 +5,7 @@ Oracle: the same rank function with strict mode off (gloo's own behaviour) and w
 
 from __future__ import annotations
 
+import datetime
 import math
 import warnings
 
@@ -188,6 +189,33 @@ def test_tags_are_ignored_as_nccl_ignores_them(posted):
     assert dtlib.spawn(posted, 2, strict=False)[1][:2] == ([2.0, 1.0], [])  # gloo's own: matched by tag
     if posted is _tagged_in_a_batch:  # the transfers ran untagged, the learner's ops are left as written
         assert mine0 == [[1, 2]] and mine1 == [[2, 1]]
+
+
+def _monitored(rank, world_size, where):
+    """``dist.monitored_barrier`` on the group ``where`` names; what it raised, or "ran"."""
+    group = {"default": None, "world": dist.group.WORLD, "new_group()": dist.new_group(),
+             "new_group(backend='gloo')": dist.new_group(backend="gloo"),
+             "new_group(ranks, None, 'gloo')": dist.new_group(list(range(world_size)), None, "gloo")}[where]
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=30))
+        return "ran"
+    except ValueError as err:
+        return str(err)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["default", "world", "new_group()"])
+def test_a_monitored_barrier_on_a_group_nccl_would_run_is_refused_as_torch_refuses_it_on_gpus(where):
+    said = dtlib.spawn(_monitored, 2, args=(where,), strict=True)
+    assert all(s.startswith("dist.monitored_barrier on ") and "only implemented for GLOO backend" in s
+               and 'dist.new_group(backend="gloo")' in s for s in said), said
+    assert dtlib.spawn(_monitored, 2, args=(where,), strict=False) == ["ran", "ran"]  # gloo's own: it runs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["new_group(backend='gloo')", "new_group(ranks, None, 'gloo')"])
+def test_a_monitored_barrier_on_a_gloo_group_of_its_own_runs_as_it_would_beside_nccl(where):
+    assert dtlib.spawn(_monitored, 2, args=(where,), strict=True) == ["ran", "ran"]
 
 
 def _exchange(rank, world_size, how):
