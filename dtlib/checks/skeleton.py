@@ -586,6 +586,21 @@ def sizes_differ(err: WorkerError) -> str | None:
     return None
 
 
+#: Python's words for a list of one item unpacked into several names.
+_UNPACKED_ONE = re.compile(r"not enough values to unpack \(expected \d+, got 1\)")
+
+
+def one_work_per_batch(err: WorkerError) -> str | None:
+    """A note for a rank that unpacked a list of one into several names: most likely ``batch_isend_irecv``'s
+    works, which strict mode returns as NCCL does, one for the whole batch (gloo returns one per transfer)."""
+    if not any(failure.exc_type == "ValueError" and _UNPACKED_ONE.search(failure.message)
+               for failure in err.failures):
+        return None
+    return ("If that line unpacks what dist.batch_isend_irecv returned: NCCL returns one work for the whole batch "
+            "(gloo one per transfer), and strict mode does as NCCL does. Wait for every work it returns: "
+            "for work in dist.batch_isend_irecv(ops): work.wait().")
+
+
 #: torch's words for a process group that no longer exists: the default one (c10d) and one looked up by name
 #: (the functional collectives under DTensor).
 _GROUP_GONE = ("Default process group has not been initialized", "Could not resolve the process group registered")
@@ -679,7 +694,8 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
             err = _returned(err)
             return Feedback(False, transfers_hang(err) or exercise.hang(err, getattr(fn, "__name__", "")))
         except WorkerError as err:
-            return Feedback(False, destroyed_while_needed(err) or sizes_differ(err) or exercise.failure(err))
+            said = destroyed_while_needed(err) or sizes_differ(err) or exercise.failure(err)
+            return Feedback(False, "\n".join(filter(None, (said, one_work_per_batch(err)))))
         except CannotSend as err:  # dtlib.spawn's refusal to send the answer, before any rank started
             return Feedback(False, f"Your function cannot be sent to the ranks: {err.reason}")
         if runs is not None:
@@ -691,9 +707,10 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
         values = [exercise.read(value) for value in results]
         reductions = [[(op.kind, op.reduce_op) for launch in launches for op in launch if op.reduce_op]
                       for launches in posted]
+        unequal = nccl_order.sizes_disagree(posted)  # what NCCL refuses, whatever the values
         wrong = _wrong(exercise, size, world_size, results, values, expected, calls, inputs, carried,
-                       nccl_order.deadlock(posted) or next((said for rank in left for said in rank), None),
-                       file_channel(files), reductions, nccl_order.tags_disagree(posted))
+                       nccl_order.deadlock(posted) or unequal or next((said for rank in left for said in rank), None),
+                       file_channel(files), reductions, unequal or nccl_order.tags_disagree(posted))
         if wrong is not None:
             return Feedback(False, wrong if size == sizes[0] else exercise.only_first(*sizes, wrong))
         first = first or values
@@ -703,18 +720,19 @@ def judge(fn: Any, exercise: RankExercise, world_size: int, timeout: float | Non
 def _wrong(exercise: RankExercise, size: int, world_size: int, results: list[Any], values: list[Any], expected: Any,
            calls: list[dict[str, int]], inputs: list[Any], carried: list[list[Carried]], job: str | None = None,
            channel: str | None = None, reductions: Sequence[Sequence[tuple[str, str]]] = (),
-           tags: str | None = None) -> str | None:
+           pairing: str | None = None) -> str | None:
     """What is wrong with one run's answers, in the learner's terms, or None: the first wrong rank's value
-    explained by tags that NCCL pairs otherwise than gloo (``tags``, from :func:`nccl_order.tags_disagree`: strict
-    mode paired them as NCCL does) or by the first hint that holds, or, every value right, what no collective, a
-    stand-in, the state the job was left in (``job``: transfers that hang on NCCL, a group destroyed or added, work
-    never waited for), more collectives than needed or the exercise's own last checks (``also``) say. A file one
-    rank wrote and another read (``channel``) is said first once the values are right: it is how they got there."""
+    explained by a send and a receive that NCCL pairs but that differ in size or tag (``pairing``, from
+    :mod:`nccl_order`: strict mode paired them as NCCL does) or by the first hint that holds, or, every value
+    right, what no collective, a stand-in, the state the job was left in (``job``: transfers that hang on NCCL or
+    differ in size, a group destroyed or added, work never waited for), more collectives than needed or the
+    exercise's own last checks (``also``) say. A file one rank wrote and another read (``channel``) is said first
+    once the values are right: it is how they got there."""
     for rank, value in enumerate(values):
         if value is not UNREADABLE and exercise.same(value, expected):
             continue
-        if tags is not None:
-            return tags
+        if pairing is not None:
+            return pairing
         answer = Answer(rank, size, world_size, results[rank], value, expected, values, calls, inputs, carried,
                         reductions)
         # what any answer can do wrong in a way its calls show, first; then the exercise's own

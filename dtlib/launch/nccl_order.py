@@ -17,6 +17,8 @@ refuse an answer whose replay hangs.
 The same pairing settles tags. gloo pairs a send with the receive of the same tag; NCCL ignores tags and pairs
 the k-th send from a to b with b's k-th receive from a. Where those two differ in tag, the program meant gloo's
 pairing, and on GPUs each receive gets another message: :func:`tags_disagree` names the first such pair.
+NCCL also needs the two ends of a pair to agree in count and dtype; gloo fills the start of a larger receive
+and says nothing: :func:`sizes_disagree` names the first pair that differs.
 
 Example::
 
@@ -47,6 +49,7 @@ class Op:
     call: str
     reduce_op: str = ""  # a reduction's op as ReduceOp names it ("SUM", "AVG"), where the call has one
     tag: int = 0  # a transfer's tag as the learner wrote it (strict mode passes 0 on, as NCCL ignores it)
+    size: tuple[int, str] | None = None  # a transfer's tensor: its number of elements and dtype ("float32")
 
 
 #: One launch on a stream: the ops posted together (one call, or one batch_isend_irecv).
@@ -87,11 +90,9 @@ def _nth(k: int) -> str:
     return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
-def tags_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
-    """The first send whose tag differs from that of the receive NCCL pairs it with (the k-th send from a to b
-    in a group, and b's k-th receive from a there), in the learner's terms; None where every pair agrees (tags
-    unused, or used in the order posted). gloo pairs by tag, so such a program's meaning rests on what NCCL
-    ignores."""
+def _pairs(ranks: Sequence[Sequence[Launch]]) -> Iterator[tuple[int, int, int, Op, Op]]:
+    """Every send with the receive NCCL pairs it with: ``(k, sender, receiver, send, receive)``, the k-th (from 1)
+    between the two ranks in one group, in the order of the channels; an unmatched send is :func:`deadlock`'s."""
     sent: dict[tuple[Group, int, int], list[Op]] = {}
     received: dict[tuple[Group, int, int], list[Op]] = {}
     for rank, launches in enumerate(ranks):
@@ -99,15 +100,38 @@ def tags_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
             (sent if op.kind == "send" else received).setdefault(_key(rank, op, len(ranks)), []).append(op)
     for channel, sends in sorted(sent.items()):
         _, sender, receiver = channel
-        paired = zip(sends, received.get(channel, []), strict=False)  # an unmatched send is deadlock()'s to name
-        for k, (send, recv) in enumerate(paired, start=1):
-            if send.tag != recv.tag:
-                return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} has tag={send.tag}, and "
-                        f"rank {receiver}'s {_nth(k)} dist.{recv.call} from rank {sender} has tag={recv.tag}. "
-                        "NCCL ignores tags: it pairs the k-th send with the k-th receive between two ranks, so on "
-                        "GPUs that receive gets this message, which gloo alone would have kept for the receive of "
-                        "the same tag (strict mode paired them as NCCL does). Post the sends and the receives in "
-                        "the same order on both ranks, and leave tags out.")
+        for k, (send, recv) in enumerate(zip(sends, received.get(channel, []), strict=False), start=1):
+            yield k, sender, receiver, send, recv
+
+
+def sizes_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
+    """The first send whose tensor differs in count or dtype from that of the receive NCCL pairs it with, in the
+    learner's terms; None where every pair agrees (or a size was not noted). NCCL needs both; gloo fills the start
+    of a larger receive and leaves the rest as it was."""
+    for k, sender, receiver, send, recv in _pairs(ranks):
+        if send.size is not None and recv.size is not None and send.size != recv.size:
+            (sent, sent_dtype), (room, room_dtype) = send.size, recv.size
+            return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} sends {sent} {sent_dtype}, and "
+                    f"the receive NCCL pairs it with, rank {receiver}'s {_nth(k)} dist.{recv.call} from rank "
+                    f"{sender}, takes {room} {room_dtype}. NCCL needs both ends to agree in count and dtype: on GPUs "
+                    "such a pair may hang or leave numbers unwritten. gloo filled the start of the receive and said "
+                    "nothing. Receive into a tensor of the sent one's shape and dtype.")
+    return None
+
+
+def tags_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
+    """The first send whose tag differs from that of the receive NCCL pairs it with (the k-th send from a to b
+    in a group, and b's k-th receive from a there), in the learner's terms; None where every pair agrees (tags
+    unused, or used in the order posted). gloo pairs by tag, so such a program's meaning rests on what NCCL
+    ignores."""
+    for k, sender, receiver, send, recv in _pairs(ranks):
+        if send.tag != recv.tag:
+            return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} has tag={send.tag}, and "
+                    f"rank {receiver}'s {_nth(k)} dist.{recv.call} from rank {sender} has tag={recv.tag}. "
+                    "NCCL ignores tags: it pairs the k-th send with the k-th receive between two ranks, so on "
+                    "GPUs that receive gets this message, which gloo alone would have kept for the receive of "
+                    "the same tag (strict mode paired them as NCCL does). Post the sends and the receives in "
+                    "the same order on both ranks, and leave tags out.")
     return None
 
 

@@ -18,6 +18,8 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
 - **``dist.monitored_barrier``** on a group that would be NCCL's on GPUs (the default one, or one made by
   ``dist.new_group`` without ``backend="gloo"``): torch implements it for gloo only and raises on NCCL. Strict
   mode refuses it there, as torch would on GPUs, and lets it run on a group made with ``backend="gloo"``.
+- **sparse tensors**, which gloo reduces and NCCL refuses, and a send or receive of **int16, uint16, uint32 or
+  uint64**, which gloo sends as bytes and NCCL has no type for: strict mode refuses them.
 - **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``) as a call's tensor, input or
   output: NCCL refuses them ("Tensors must be contiguous"); gloo computes on the wrong elements without a word.
   Strict mode refuses them, naming the argument. (Lists of tensors may hold views: NCCL's ``all_gather`` and
@@ -25,6 +27,8 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
 - **tensors a GPU machine holds on the host** (made without ``device=``, or with ``.cpu()``), while
   :func:`dtlib.launch.host_tensors.watching` is on (every checker runs answers so): NCCL takes only tensors on
   the rank's GPU. Strict mode refuses them, naming the call that made them.
+- **``batch_isend_irecv``'s works**: NCCL posts the batch as one group call and returns one work for it, gloo
+  one work per transfer. Strict mode returns NCCL's one, so code that unpacks the list fails here too.
 - **tags** (``tag=`` of ``send``, ``recv``, ``isend``, ``irecv`` and ``P2POp``): NCCL ignores them and matches
   a pair of ranks' messages in the order they were posted. Strict mode does the same (it passes tag 0 on) and
   warns (:class:`StrictWarning`) once per place in the code. It notes each tag as written: where an answer's
@@ -268,12 +272,30 @@ def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
     """A ValueError naming the first tensor argument of ``dist.<name>`` that is not contiguous. Lists of tensors
     pass: NCCL's ``all_gather`` and ``reduce_scatter`` copy them through a flat buffer of their own."""
     for key, tensor in arguments.items():
+        if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+            raise ValueError(f"dist.{name}: {key} is a {str(tensor.layout).removeprefix('torch.')} tensor. gloo "
+                             "reduces sparse tensors, NCCL refuses them (\"NCCL does not support all_reduce with "
+                             "sparse tensors\"). Pass a dense one (t.to_dense())")
         if isinstance(tensor, torch.Tensor) and not _contiguous(tensor):
             raise ValueError(
                 f"dist.{name}: {key} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}: "
                 "a transpose, a slice with a step or a column). NCCL refuses it ('Tensors must be contiguous'), "
                 "and gloo computes on the wrong elements without a word. Pass a contiguous copy (t.contiguous()) "
                 "and copy the result back where the call writes it")
+
+
+#: The dtypes that gloo sends as bytes and NCCL has no type for (NCCLUtils.hpp's ``ncclDataType``): a send or a
+#: receive of them raises on GPUs. gloo's collectives refuse them already.
+NO_NCCL_TYPE = (torch.int16, torch.uint16, torch.uint32, torch.uint64)
+
+
+def _refuse_dtype_nccl_lacks(name: str, tensor: Any) -> None:
+    """A ValueError where ``dist.<name>`` sends or receives a tensor whose dtype NCCL has no type for."""
+    if isinstance(tensor, torch.Tensor) and tensor.dtype in NO_NCCL_TYPE:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise ValueError(f"dist.{name}: the tensor is {dtype}, which NCCL has no type for: on GPUs torch raises "
+                         f"before sending it, while gloo sends its bytes. Send int32 or int64 instead "
+                         f"(t.to(torch.int64)), or the raw bytes (t.view(torch.uint8)) on both ends")
 
 
 def _concatenated(name: str, arguments: dict[str, Any]) -> None:
@@ -293,6 +315,27 @@ def _global_root(arguments: dict[str, Any], key: str) -> int:
     if arguments.get(f"group_{key}") is not None:
         return dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[f"group_{key}"])
     return arguments[key]
+
+
+class _Batched:
+    """The works of one ``batch_isend_irecv`` as the one work NCCL returns for them: NCCL posts the batch as one
+    group call (``_coalescing_manager``) and returns a list of one work, gloo one work per transfer. Code that
+    unpacks the list (``send_work, recv_work = dist.batch_isend_irecv(...)``) fails on a laptop as on GPUs."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return all([work.wait(*args, **kwargs) for work in self._works])  # every one waited, whatever the first says
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([work.get_future() for work in self._works])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._works[-1], name)
 
 
 class _Posted:
@@ -338,6 +381,13 @@ _TAGS_IGNORED = ("NCCL ignores tags and matches two ranks' messages in the order
                  "does the same (tag 0). Post the sends and the receives in the same order on both ranks.")
 
 
+def _size(tensor: Any) -> tuple[int, str] | None:
+    """A transfer's tensor as :mod:`dtlib.launch.nccl_order` compares the two ends: elements and dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return tensor.numel(), str(tensor.dtype).removeprefix("torch.")
+
+
 def _untagged(op: Any) -> Any:
     """A copy of the ``P2POp`` ``op`` with tag 0 (the learner's own stays as written)."""
     copy = object.__new__(type(op))
@@ -371,9 +421,11 @@ class _PointToPoint:
                 raise ValueError(f"dist.{name} without src receives from any rank: gloo allows it, NCCL does not. "
                                  f"Name the sender: dist.{name}(tensor, src=...)")
             _refuse_non_contiguous(name, arguments)
+            _refuse_dtype_nccl_lacks(name, arguments.get("tensor"))
             host_tensors.refuse(name, arguments)
             nccl_order.note(nccl_order.Op("send" if name in ("send", "isend") else "recv", peer,
-                                          _group_ranks(arguments.get("group")), name, tag=arguments.get("tag") or 0))
+                                          _group_ranks(arguments.get("group")), name, tag=arguments.get("tag") or 0,
+                                          size=_size(arguments.get("tensor"))))
             if arguments.get("tag"):
                 _warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): {_TAGS_IGNORED}")
                 arguments["tag"] = 0
@@ -478,8 +530,9 @@ def _original(op: Any) -> Any:
 
 
 def _p2p_op_new(cls: type, op: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if isinstance(tensor, torch.Tensor) and not _contiguous(tensor):
+    if isinstance(tensor, torch.Tensor):
         _refuse_non_contiguous("P2POp", {"tensor": tensor})
+        _refuse_dtype_nccl_lacks("P2POp", tensor)
     return _active["P2POp.__new__"](cls, _original(op), tensor, *args, **kwargs)
 
 
@@ -498,11 +551,13 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
     host_tensors.refuse("batch_isend_irecv", {f"the tensor of its i{kind}": op.tensor for kind, op in
                                               zip(kinds, ops, strict=True)})
     nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"batch_isend_irecv's i{kind}",
-                                    tag=op.tag or 0) for kind, op in zip(kinds, ops, strict=True)))
+                                    tag=op.tag or 0, size=_size(op.tensor))
+                      for kind, op in zip(kinds, ops, strict=True)))
     if any(op.tag for op in ops):
         _warn_once("tag", f"dist.P2POp(..., tag={next(op.tag for op in ops if op.tag)}): {_TAGS_IGNORED}")
         ops = [_untagged(op) for op in ops]
-    return [_track(_Posted(work, "a work of dist.batch_isend_irecv")) for work in original(ops)]
+    works = original(ops)
+    return [_track(_Posted(works[0] if len(works) == 1 else _Batched(works), "the work of dist.batch_isend_irecv"))]
 
 
 #: Where ``from torch.distributed import all_reduce`` finds the function, and where a pickled reference to it

@@ -173,6 +173,44 @@ def test_a_send_that_meets_a_smaller_receive_is_named_as_such_not_as_gloos_abort
     assert "whatever their tags" in feedback.message
 
 
+def ring_that_unpacks_its_batch(rank, world_size, x):
+    def post(current, incoming, right, left, rank):
+        sending, receiving = dist.batch_isend_irecv([dist.P2POp(dist.isend, current, right),
+                                                     dist.P2POp(dist.irecv, incoming, left)])
+        sending.wait()
+        receiving.wait()
+    return _ring(rank, world_size, x, post)
+
+
+def test_a_batch_unpacked_as_one_work_per_transfer_fails_as_on_nccl_and_is_told_why():
+    """NCCL's batch_isend_irecv returns one work for the batch; gloo's, one per transfer: strict mode, NCCL's."""
+    feedback = checks.sum_of_ranks(ring_that_unpacks_its_batch, world_size=2)
+    assert not feedback.ok
+    assert "not enough values to unpack (expected 2, got 1)" in feedback.message, feedback.message
+    assert "NCCL returns one work for the whole batch" in feedback.message, feedback.message
+
+
+def receives_into_a_larger_buffer(rank, world_size, x):
+    """Right on gloo, which fills the start of the larger buffer; NCCL needs the counts to agree."""
+    total = x.clone()
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        room = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, room, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        total += room[: x.numel()]
+    return total
+
+
+def test_a_receive_larger_than_its_send_is_refused_though_gloo_gave_the_right_sums():
+    feedback = checks.sum_of_ranks(receives_into_a_larger_buffer, world_size=2)
+    assert not feedback.ok
+    assert feedback.message.startswith("Rank 0's 1st dist.batch_isend_irecv's isend to rank 1 sends "), feedback.message
+    assert "NCCL needs both ends to agree in count and dtype" in feedback.message
+
+
 def destroys_the_group(rank, world_size, x):
     dist.all_reduce(x)
     dist.destroy_process_group()

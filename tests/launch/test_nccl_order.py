@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlib.launch.nccl_order import Launch, Op, deadlock, launch, note, recording, tags_disagree
+from dtlib.launch.nccl_order import Launch, Op, deadlock, launch, note, recording, sizes_disagree, tags_disagree
 
 
 def _program(*calls: tuple[str, int | None]) -> list[tuple[Op, ...]]:
@@ -113,3 +113,19 @@ def test_tags_are_paired_per_channel_and_inside_a_batch_too():
     batch = (Op("send", 1, (), "batch_isend_irecv's isend", tag=3), Op("recv", 1, (), "batch_isend_irecv's irecv"))
     said = tags_disagree([[batch], [(Op("recv", 0, (), "irecv"), Op("send", 0, (), "isend"))]])
     assert said is not None and "dist.batch_isend_irecv's isend to rank 1 has tag=3" in said, said
+
+
+def _sized(kind: str, peer: int, numel: int, dtype: str = "float32") -> Launch:
+    return (Op(kind, peer, (), kind, size=(numel, dtype)),)
+
+
+def test_a_receive_that_differs_from_its_send_in_count_or_dtype_is_named():
+    assert sizes_disagree([[_sized("send", 1, 4)], [_sized("recv", 0, 4)]]) is None
+    assert sizes_disagree([_program(("send", 1)), _program(("recv", 0))]) is None  # sizes not noted
+    larger = sizes_disagree([[_sized("send", 1, 4), _sized("send", 1, 4)],
+                             [_sized("recv", 0, 4), _sized("recv", 0, 5)]])
+    assert larger is not None and larger.startswith("Rank 0's 2nd dist.send to rank 1 sends 4 float32, and the "
+                                                    "receive NCCL pairs it with, rank 1's 2nd dist.recv from rank "
+                                                    "0, takes 5 float32."), larger
+    other_dtype = sizes_disagree([[_sized("send", 1, 4, "float32")], [_sized("recv", 0, 4, "int32")]])
+    assert other_dtype is not None and "takes 4 int32" in other_dtype

@@ -97,6 +97,13 @@ def _refused(rank, world_size, what):
             dist.all_gather([torch.empty(3), torch.empty(3)], torch.ones(3, 2)[:, 0])
         elif what == "non-contiguous P2POp":
             dist.P2POp(dist.isend, torch.ones(2, 3).t(), 1 - rank)
+        elif what == "sparse":
+            dist.all_reduce(torch.eye(3).to_sparse())  # gloo would reduce it
+        elif what == "int16 send":
+            (dist.send(torch.ones(2, dtype=torch.int16), 1) if rank == 0 else
+             dist.recv(torch.empty(2, dtype=torch.int16), 0))  # gloo sends the bytes
+        elif what == "uint32 P2POp":
+            dist.P2POp(dist.irecv, torch.empty(2, dtype=torch.uint32), 1 - rank)
         else:
             dist.send(torch.ones(2, 3).t(), dst=1 - rank)  # refused before anything is sent
     except ValueError as err:
@@ -110,7 +117,10 @@ def _refused(rank, world_size, what):
     ("non-contiguous", "dist.all_reduce: tensor is not contiguous (shape (2, 3)"),
     ("non-contiguous input", "dist.all_gather: tensor is not contiguous"),
     ("non-contiguous send", "dist.send: tensor is not contiguous"),
-    ("non-contiguous P2POp", "dist.P2POp: tensor is not contiguous")])
+    ("non-contiguous P2POp", "dist.P2POp: tensor is not contiguous"),
+    ("sparse", "dist.all_reduce: tensor is a sparse_coo tensor. gloo reduces sparse tensors, NCCL refuses them"),
+    ("int16 send", "the tensor is int16, which NCCL has no type for"),
+    ("uint32 P2POp", "dist.P2POp: the tensor is uint32, which NCCL has no type for")])
 def test_what_nccl_lacks_is_refused_with_its_reason(what, says):
     messages = dtlib.spawn(_refused, 2, args=(what,), strict=True)
     if what == "any source":  # rank 0 uses irecv, rank 1 recv
@@ -241,6 +251,24 @@ def _exchange(rank, world_size, how):
     return theirs.item(), [str(w.message) for w in caught if issubclass(w.category, strict.StrictWarning)]
 
 
+def _works_of_a_batch(rank, world_size):
+    """How many works ``batch_isend_irecv`` returns for a send and a receive, and what each rank received."""
+    peer, mine, theirs = 1 - rank, torch.full((2,), float(rank)), torch.empty(2)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)])
+    count = len(works)
+    finished = [work.wait() for work in works]
+    return count, finished, all(work.is_completed() for work in works), theirs.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_returns_one_work_as_nccl_does_so_unpacking_one_per_transfer_fails_here_too():
+    """torch's batch_isend_irecv returns cm.works, one work for the group call, where the backend coalesces
+    (NCCL), and one per transfer where it does not (gloo): distributed_c10d.batch_isend_irecv."""
+    assert dtlib.spawn(_works_of_a_batch, 2, strict=True) == [(1, [True], True, [1.0, 1.0]),
+                                                              (1, [True], True, [0.0, 0.0])]
+    assert [count for count, *_ in dtlib.spawn(_works_of_a_batch, 2, strict=False)] == [2, 2]  # gloo's own
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["batched", "batched, torch's own functions", "unbatched", "one at a time"])
 def test_isends_and_irecvs_posted_apart_are_flagged_and_batched_ones_are_not(how):
@@ -359,7 +387,7 @@ def test_strict_mode_notes_what_each_rank_posts_and_the_work_it_never_waited_for
     assert notes0 == [[("send", 1, "batch_isend_irecv's isend"), ("recv", 1, "batch_isend_irecv's irecv")],
                       [("all_reduce", None, "all_reduce")], [("send", 1, "isend")]]
     assert notes1[-1] == [("recv", 0, "irecv")]
-    assert batch0 and set(batch0) == {"a work of dist.batch_isend_irecv"}  # one work per transfer on gloo
+    assert batch0 == ["the work of dist.batch_isend_irecv"]  # one for the batch, as NCCL returns (gloo: one each)
     assert single0 == ["dist.isend to rank 1"] and left0 == []
     assert (got0, got1) == ([1.0, 1.0], [0.0, 0.0])
 

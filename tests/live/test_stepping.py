@@ -653,9 +653,9 @@ def test_a_waiting_rank_whose_call_ends_by_itself_ends_the_cell_at_the_next_comm
     ended, with that error, and the ranks keep their variables (it stayed 'paused', and nothing said why)."""
     import time
 
-    ranks.run("kept = rank + 100")
-    view = ranks.run("if rank == 0:\n    dist.monitored_barrier(timeout=__import__('datetime').timedelta(seconds=1))",
-                     step=True)
+    ranks.run("kept = rank + 100\nchecker = dist.new_group(backend='gloo')")  # strict mode: a gloo group of its own
+    view = ranks.run("if rank == 0:\n    dist.monitored_barrier(checker, timeout=__import__('datetime').timedelta("
+                     "seconds=1))", step=True)
     assert view.states()[0] == "paused before monitored_barrier #1", view.states()  # no placeholder tensor shown
     deadline = time.monotonic() + 60
     while True:  # the first step: rank 1 finishes the cell; rank 0 waits inside the barrier until its 1 s
