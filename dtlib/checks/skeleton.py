@@ -577,26 +577,28 @@ def sizes_differ(err: WorkerError) -> str | None:
         if found is not None:
             arrived, room = found.groups()
             return (f"Rank {failure.rank} was stopped by gloo: {arrived} bytes arrived for a buffer of {room}. The "
-                    "ranks' transfers did not pair up in size: a send met a receive of another size, or the ranks "
-                    "gave one collective tensors of different sizes. Strict mode pairs sends and receives as NCCL "
-                    "does, the k-th send between two ranks with the k-th receive, whatever their tags. NCCL "
-                    "compares no sizes, so on GPUs the ranks would read wrong numbers or hang. Give every send a "
+                    "ranks' transfers did not pair up in size: a send met a receive of another size (strict mode "
+                    "pairs them as NCCL does, the k-th send between two ranks with the k-th receive, whatever their "
+                    "tags), or the ranks gave one collective tensors of different sizes. NCCL compares no sizes, so "
+                    "on GPUs the ranks would read wrong numbers or hang. Give every send a "
                     "receive of its size and dtype, posted in the same order on both ranks, and every rank "
                     "tensors of one size in each collective.")
     return None
 
 
-#: Python's words for a list of one item unpacked into several names.
-_UNPACKED_ONE = re.compile(r"not enough values to unpack \(expected \d+, got 1\)")
+#: Python's words for a list of one item unpacked into several names, or indexed past its first.
+_ONE_ITEM = {"ValueError": re.compile(r"not enough values to unpack \(expected \d+, got 1\)"),
+             "IndexError": re.compile(r"list index out of range")}
 
 
 def one_work_per_batch(err: WorkerError) -> str | None:
-    """A note for a rank that unpacked a list of one into several names: most likely ``batch_isend_irecv``'s
-    works, which strict mode returns as NCCL does, one for the whole batch (gloo returns one per transfer)."""
-    if not any(failure.exc_type == "ValueError" and _UNPACKED_ONE.search(failure.message)
+    """A note for a rank that unpacked a list of one into several names, or indexed it past its first: perhaps
+    ``batch_isend_irecv``'s works, which strict mode returns as NCCL does, one for the whole batch (gloo returns
+    one per transfer)."""
+    if not any(failure.exc_type in _ONE_ITEM and _ONE_ITEM[failure.exc_type].search(failure.message)
                for failure in err.failures):
         return None
-    return ("If that line unpacks what dist.batch_isend_irecv returned: NCCL returns one work for the whole batch "
+    return ("If that line reads what dist.batch_isend_irecv returned: NCCL returns one work for the whole batch "
             "(gloo one per transfer), and strict mode does as NCCL does. Wait for every work it returns: "
             "for work in dist.batch_isend_irecv(ops): work.wait().")
 

@@ -17,8 +17,9 @@ refuse an answer whose replay hangs.
 The same pairing settles tags. gloo pairs a send with the receive of the same tag; NCCL ignores tags and pairs
 the k-th send from a to b with b's k-th receive from a. Where those two differ in tag, the program meant gloo's
 pairing, and on GPUs each receive gets another message: :func:`tags_disagree` names the first such pair.
-NCCL also needs the two ends of a pair to agree in count and dtype; gloo fills the start of a larger receive
-and says nothing: :func:`sizes_disagree` names the first pair that differs.
+NCCL also needs the two ends of a pair to move the same bytes (it counts its own types, and torch hands it bool
+as uint8 and a complex tensor as its real view); gloo fills the start of a larger receive and says nothing:
+:func:`sizes_disagree` names the first pair that differs.
 
 Example::
 
@@ -49,7 +50,7 @@ class Op:
     call: str
     reduce_op: str = ""  # a reduction's op as ReduceOp names it ("SUM", "AVG"), where the call has one
     tag: int = 0  # a transfer's tag as the learner wrote it (strict mode passes 0 on, as NCCL ignores it)
-    size: tuple[int, str] | None = None  # a transfer's tensor: its number of elements and dtype ("float32")
+    size: tuple[int, str, int] | None = None  # a transfer's tensor: its elements, dtype ("float32") and bytes
 
 
 #: One launch on a stream: the ops posted together (one call, or one batch_isend_irecv).
@@ -90,48 +91,62 @@ def _nth(k: int) -> str:
     return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
-def _pairs(ranks: Sequence[Sequence[Launch]]) -> Iterator[tuple[int, int, int, Op, Op]]:
-    """Every send with the receive NCCL pairs it with: ``(k, sender, receiver, send, receive)``, the k-th (from 1)
-    between the two ranks in one group, in the order of the channels; an unmatched send is :func:`deadlock`'s."""
-    sent: dict[tuple[Group, int, int], list[Op]] = {}
-    received: dict[tuple[Group, int, int], list[Op]] = {}
+def _channels(ranks: Sequence[Sequence[Launch]]) -> dict[tuple[Group, int, int], tuple[list[Op], list[Op]]]:
+    """Every channel's sends and receives, each in the order posted: NCCL pairs the k-th of one with the k-th of
+    the other."""
+    channels: dict[tuple[Group, int, int], tuple[list[Op], list[Op]]] = {}
     for rank, launches in enumerate(ranks):
         for op in (op for ops in launches for op in ops if op.peer is not None):
-            (sent if op.kind == "send" else received).setdefault(_key(rank, op, len(ranks)), []).append(op)
-    for channel, sends in sorted(sent.items()):
-        _, sender, receiver = channel
-        for k, (send, recv) in enumerate(zip(sends, received.get(channel, []), strict=False), start=1):
-            yield k, sender, receiver, send, recv
+            sends, receives = channels.setdefault(_key(rank, op, len(ranks)), ([], []))
+            (sends if op.kind == "send" else receives).append(op)
+    return dict(sorted(channels.items()))
+
+
+def _by_tag(tags: list[int], k: int, others: list[int]) -> int | None:
+    """Where gloo pairs the k-th (from 1) of one side of a channel, whose tags are ``tags``: the place (from 1) on
+    the other side, tagged ``others``, of its n-th op of the same tag, n counting this one's; None where none is."""
+    tag = tags[k - 1]
+    places = [place for place, other in enumerate(others, start=1) if other == tag]
+    nth = tags[: k - 1].count(tag)
+    return places[nth] if nth < len(places) else None
 
 
 def sizes_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
-    """The first send whose tensor differs in count or dtype from that of the receive NCCL pairs it with, in the
-    learner's terms; None where every pair agrees (or a size was not noted). NCCL needs both; gloo fills the start
-    of a larger receive and leaves the rest as it was."""
-    for k, sender, receiver, send, recv in _pairs(ranks):
-        if send.size is not None and recv.size is not None and send.size != recv.size:
-            (sent, sent_dtype), (room, room_dtype) = send.size, recv.size
-            return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} sends {sent} {sent_dtype}, and "
-                    f"the receive NCCL pairs it with, rank {receiver}'s {_nth(k)} dist.{recv.call} from rank "
-                    f"{sender}, takes {room} {room_dtype}. NCCL needs both ends to agree in count and dtype: on GPUs "
-                    "such a pair may hang or leave numbers unwritten. gloo filled the start of the receive and said "
-                    "nothing. Receive into a tensor of the sent one's shape and dtype.")
+    """The first send whose tensor holds other bytes than that of the receive NCCL pairs it with, in the
+    learner's terms; None where every pair agrees (or a size was not noted). NCCL needs the two ends to agree
+    (torch hands it bool as uint8 and a complex tensor as its real view, so bytes are what it compares); gloo
+    fills the start of a larger receive and leaves the rest as it was."""
+    for (_, sender, receiver), (sends, receives) in _channels(ranks).items():
+        for k, (send, recv) in enumerate(zip(sends, receives, strict=False), start=1):  # unmatched: deadlock()'s
+            if send.size is None or recv.size is None or send.size[2] == recv.size[2]:
+                continue
+            (sent, sent_dtype, sent_bytes), (room, room_dtype, room_bytes) = send.size, recv.size
+            return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} sends {sent} {sent_dtype} "
+                    f"({sent_bytes} bytes), and the receive NCCL pairs it with, rank {receiver}'s {_nth(k)} "
+                    f"dist.{recv.call} from rank {sender}, takes {room} {room_dtype} ({room_bytes} bytes). NCCL "
+                    "needs both ends to agree in count and type: on GPUs such a pair may hang or leave numbers "
+                    "unwritten. gloo filled the start of the receive and said nothing. Receive into a tensor of the "
+                    "sent one's shape and dtype.")
     return None
 
 
 def tags_disagree(ranks: Sequence[Sequence[Launch]]) -> str | None:
-    """The first send whose tag differs from that of the receive NCCL pairs it with (the k-th send from a to b
-    in a group, and b's k-th receive from a there), in the learner's terms; None where every pair agrees (tags
-    unused, or used in the order posted). gloo pairs by tag, so such a program's meaning rests on what NCCL
+    """The first pair NCCL makes (the k-th send from a to b in a group, and b's k-th receive from a there) whose
+    tags differ and whose send or receive gloo, pairing by tag, would give another partner, in the learner's
+    terms; None where the two pairings agree: tags unused, used in the order posted, or matching nothing at all
+    (gloo would wait, and NCCL's order is the only pairing there is). Such a program's meaning rests on what NCCL
     ignores."""
-    for k, sender, receiver, send, recv in _pairs(ranks):
-        if send.tag != recv.tag:
+    for (_, sender, receiver), (sends, receives) in _channels(ranks).items():
+        sent, received = [op.tag for op in sends], [op.tag for op in receives]
+        for k, (send, recv) in enumerate(zip(sends, receives, strict=False), start=1):
+            if send.tag == recv.tag or {_by_tag(sent, k, received), _by_tag(received, k, sent)} <= {k, None}:
+                continue
             return (f"Rank {sender}'s {_nth(k)} dist.{send.call} to rank {receiver} has tag={send.tag}, and "
                     f"rank {receiver}'s {_nth(k)} dist.{recv.call} from rank {sender} has tag={recv.tag}. "
                     "NCCL ignores tags: it pairs the k-th send with the k-th receive between two ranks, so on "
-                    "GPUs that receive gets this message, which gloo alone would have kept for the receive of "
-                    "the same tag (strict mode paired them as NCCL does). Post the sends and the receives in "
-                    "the same order on both ranks, and leave tags out.")
+                    "GPUs that receive gets this message, where gloo alone pairs by tag (strict mode paired them "
+                    "as NCCL does). Post the sends and the receives in the same order on both ranks, and leave "
+                    "tags out.")
     return None
 
 

@@ -19,7 +19,8 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   ``dist.new_group`` without ``backend="gloo"``): torch implements it for gloo only and raises on NCCL. Strict
   mode refuses it there, as torch would on GPUs, and lets it run on a group made with ``backend="gloo"``.
 - **sparse tensors**, which gloo reduces and NCCL refuses, and a send or receive of **int16, uint16, uint32 or
-  uint64**, which gloo sends as bytes and NCCL has no type for: strict mode refuses them.
+  uint64** (or the newest 8- and 4-bit floats), which gloo sends as bytes and NCCL has no type for: strict mode
+  refuses them.
 - **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``) as a call's tensor, input or
   output: NCCL refuses them ("Tensors must be contiguous"); gloo computes on the wrong elements without a word.
   Strict mode refuses them, naming the argument. (Lists of tensors may hold views: NCCL's ``all_gather`` and
@@ -273,9 +274,9 @@ def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
     pass: NCCL's ``all_gather`` and ``reduce_scatter`` copy them through a flat buffer of their own."""
     for key, tensor in arguments.items():
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
-            raise ValueError(f"dist.{name}: {key} is a {str(tensor.layout).removeprefix('torch.')} tensor. gloo "
-                             "reduces sparse tensors, NCCL refuses them (\"NCCL does not support all_reduce with "
-                             "sparse tensors\"). Pass a dense one (t.to_dense())")
+            raise ValueError(f"dist.{name}: {key} is a {str(tensor.layout).removeprefix('torch.')} tensor, which "
+                             "NCCL refuses (torch's NCCL group takes dense GPU tensors only), and gloo may not. "
+                             "Pass a dense one (t.to_dense())")
         if isinstance(tensor, torch.Tensor) and not _contiguous(tensor):
             raise ValueError(
                 f"dist.{name}: {key} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}: "
@@ -286,7 +287,8 @@ def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
 
 #: The dtypes that gloo sends as bytes and NCCL has no type for (NCCLUtils.hpp's ``ncclDataType``): a send or a
 #: receive of them raises on GPUs. gloo's collectives refuse them already.
-NO_NCCL_TYPE = (torch.int16, torch.uint16, torch.uint32, torch.uint64)
+NO_NCCL_TYPE = tuple(getattr(torch, name) for name in ("int16", "uint16", "uint32", "uint64", "float8_e8m0fnu",
+                                                        "float4_e2m1fn_x2") if hasattr(torch, name))
 
 
 def _refuse_dtype_nccl_lacks(name: str, tensor: Any) -> None:
@@ -334,7 +336,26 @@ class _Batched:
     def get_future(self) -> torch.futures.Future:
         return torch.futures.collect_all([work.get_future() for work in self._works])
 
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
+
+    def exception(self) -> Any:
+        return next((error for error in (work.exception() for work in self._works) if error is not None), None)
+
+    def synchronize(self) -> None:
+        for work in self._works:
+            work.synchronize()
+
+    def result(self) -> list[torch.Tensor]:
+        return [tensor for work in self._works for tensor in work.result()]
+
+    def source_rank(self) -> int:
+        raise RuntimeError("the work of a dist.batch_isend_irecv has no source rank: NCCL returns one work for "
+                           "the whole batch. Name each irecv's sender in its P2POp instead")
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._works[-1], name)
 
 
@@ -381,11 +402,11 @@ _TAGS_IGNORED = ("NCCL ignores tags and matches two ranks' messages in the order
                  "does the same (tag 0). Post the sends and the receives in the same order on both ranks.")
 
 
-def _size(tensor: Any) -> tuple[int, str] | None:
-    """A transfer's tensor as :mod:`dtlib.launch.nccl_order` compares the two ends: elements and dtype."""
+def _size(tensor: Any) -> tuple[int, str, int] | None:
+    """A transfer's tensor as :mod:`dtlib.launch.nccl_order` compares the two ends: elements, dtype and bytes."""
     if not isinstance(tensor, torch.Tensor):
         return None
-    return tensor.numel(), str(tensor.dtype).removeprefix("torch.")
+    return tensor.numel(), str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()
 
 
 def _untagged(op: Any) -> Any:
@@ -494,7 +515,9 @@ def _group_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]
 
 
 _active: dict[str, Callable[..., Any]] = {}  # what install replaced, by name ("send", "P2POp.__init__")
-_gloo_groups: set[str] = set()  # the names of the groups made with backend="gloo": gloo's on a GPU machine too
+#: The groups made with backend="gloo", gloo's on a GPU machine too, by name and identity (torch may give a name
+#: again after a group is destroyed; ProcessGroup takes no weak reference).
+_gloo_groups: set[tuple[str, int]] = set()
 
 
 def _new_group(*args: Any, **kwargs: Any) -> Any:
@@ -503,7 +526,7 @@ def _new_group(*args: Any, **kwargs: Any) -> Any:
     group = original(*args, **kwargs)
     backend = inspect.signature(original).bind(*args, **kwargs).arguments.get("backend")
     if str(backend or "").lower() == "gloo" and isinstance(group, ProcessGroup):
-        _gloo_groups.add(group.group_name)
+        _gloo_groups.add((group.group_name, id(group)))
     return group
 
 
@@ -511,9 +534,11 @@ def _monitored_barrier(*args: Any, **kwargs: Any) -> Any:
     """torch's ``monitored_barrier``, refused on a group that is NCCL's on GPUs, as torch refuses it there."""
     original = _active["monitored_barrier"]
     group = inspect.signature(original).bind(*args, **kwargs).arguments.get("group")
-    if _called_from_torch() or (isinstance(group, ProcessGroup) and group.group_name in _gloo_groups):
+    if (_called_from_torch() or group is dist.GroupMember.NON_GROUP_MEMBER  # torch's: a warning, no barrier
+            or isinstance(group, ProcessGroup) and (group.group_name, id(group)) in _gloo_groups):
         return original(*args, **kwargs)
-    which = "the default group" if group in (None, dist.group.WORLD) else "a group made without backend=\"gloo\""
+    which = ("the default group" if group in (None, dist.group.WORLD)
+             else "a group not made by dist.new_group(backend=\"gloo\")")
     raise ValueError(f"dist.monitored_barrier on {which}: torch implements it for gloo only, and on GPUs that group "
                      "is NCCL's, where it raises \"monitored_barrier is only implemented for GLOO backend\". Make "
                      "a gloo group for it once, on every rank: checker = dist.new_group(backend=\"gloo\"), then "
@@ -530,7 +555,7 @@ def _original(op: Any) -> Any:
 
 
 def _p2p_op_new(cls: type, op: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if isinstance(tensor, torch.Tensor):
+    if isinstance(tensor, torch.Tensor) and not _called_from_torch():  # a pipeline schedule's own: gloo's rules
         _refuse_non_contiguous("P2POp", {"tensor": tensor})
         _refuse_dtype_nccl_lacks("P2POp", tensor)
     return _active["P2POp.__new__"](cls, _original(op), tensor, *args, **kwargs)

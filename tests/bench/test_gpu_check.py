@@ -55,20 +55,20 @@ def test_without_cuda_the_check_says_what_it_would_run_writes_nothing_and_exits_
     assert sum(_limits(plans[1]).values()) <= 600 - 30
 
 
-@pytest.mark.timeout(120)
-def test_the_notebook_workers_get_a_core_per_nccl_rank_and_their_limit_grows_as_they_shrink(tmp_path):
-    for cores, workers in ((16, [7, 7, 4, 2]), (96, [7, 7, 7, 7]), (2, [1, 1, 1, 1])):
-        _, plans = _plans(tmp_path, cores)
-        assert [int(plan.split(", ")[1].split()[0]) for plan in plans] == workers, cores
-        for plan, count in zip(plans, workers, strict=True):
-            (notebooks,) = [line for line in plan.splitlines() if "--nbval-lax" in line]
-            assert f"notebooks/ -n {count} --dist" in notebooks if count > 1 else "notebooks/ -q" in notebooks
-        # the same work shared by fewer workers: each doubling's limit times the workers stays put (rounded up)
-        first = _limits(plans[0])["notebooks"] * workers[0]
-        assert all(0 <= _limits(plan)["notebooks"] * count - first - 25 * doubling * 7 < count
-                   for doubling, (plan, count) in enumerate(zip(plans, workers, strict=True)))
-        if cores == 96:  # enough cores: every plan fits one call of a lent machine
-            assert all(sum(_limits(plan).values()) <= 600 - 30 for plan in plans)
+@pytest.mark.timeout(120)  # one script run, 6 s on a quiet laptop: each machine its own test, its own limit
+@pytest.mark.parametrize(("cores", "workers"), [(16, [7, 7, 4, 2]), (96, [7, 7, 7, 7]), (2, [1, 1, 1, 1])])
+def test_the_notebook_workers_get_a_core_per_nccl_rank_and_their_limit_grows_as_they_shrink(tmp_path, cores, workers):
+    _, plans = _plans(tmp_path, cores)
+    assert [int(plan.split(", ")[1].split()[0]) for plan in plans] == workers, cores
+    for plan, count in zip(plans, workers, strict=True):
+        (notebooks,) = [line for line in plan.splitlines() if "--nbval-lax" in line]
+        assert f"notebooks/ -n {count} --dist" in notebooks if count > 1 else "notebooks/ -q" in notebooks
+    # the same work shared by fewer workers: each doubling's limit times the workers stays put (rounded up)
+    first = _limits(plans[0])["notebooks"] * workers[0]
+    assert all(0 <= _limits(plan)["notebooks"] * count - first - 25 * doubling * 7 < count
+               for doubling, (plan, count) in enumerate(zip(plans, workers, strict=True)))
+    if cores == 96:  # enough cores: every plan fits one call of a lent machine
+        assert all(sum(_limits(plan).values()) <= 600 - 30 for plan in plans)
 
 
 def test_the_script_parses():

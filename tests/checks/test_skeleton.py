@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import reduce
 
+import dtlib
 from dtlib import checks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -165,7 +166,7 @@ def receives_one_number_short(rank, world_size, x):
 @pytest.mark.parametrize("answer", [uneven_parts_received_by_tag_in_reverse, receives_one_number_short])
 def test_a_send_that_meets_a_smaller_receive_is_named_as_such_not_as_gloos_abort(answer):
     """gloo aborts the receiving rank ("Is there a distributed collective mismatch in your code?"); the checker
-    says which sizes met, and why tags did not keep them apart."""
+    says that a send met a smaller receive, with the bytes of each, and that tags do not keep messages apart."""
     feedback = checks.sum_of_ranks(answer, world_size=2)  # no hang: the default timeout only bounds a broken run
     assert not feedback.ok
     assert re.match(r"Rank [01] was stopped by gloo: \d+ bytes arrived for a buffer of \d+\. The ranks' transfers "
@@ -205,10 +206,13 @@ def receives_into_a_larger_buffer(rank, world_size, x):
 
 
 def test_a_receive_larger_than_its_send_is_refused_though_gloo_gave_the_right_sums():
+    inputs = [torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])]
+    sums = dtlib.spawn(receives_into_a_larger_buffer, 2, rank_args=inputs, output="none")
+    assert [s.tolist() for s in sums] == [[11.0, 22.0]] * 2  # right on gloo, strict mode or not
     feedback = checks.sum_of_ranks(receives_into_a_larger_buffer, world_size=2)
     assert not feedback.ok
     assert feedback.message.startswith("Rank 0's 1st dist.batch_isend_irecv's isend to rank 1 sends "), feedback.message
-    assert "NCCL needs both ends to agree in count and dtype" in feedback.message
+    assert "NCCL needs both ends to agree in count and type" in feedback.message
 
 
 def destroys_the_group(rank, world_size, x):

@@ -110,13 +110,14 @@ def test_tags_are_paired_per_channel_and_inside_a_batch_too():
     # Rank 2's messages to rank 1 come after rank 0's in rank 1's program, but have a channel of their own.
     ranks = [[_tagged("send", 1, 5)], [_tagged("recv", 0, 5), _tagged("recv", 2, 6)], [_tagged("send", 1, 6)]]
     assert tags_disagree(ranks) is None
-    batch = (Op("send", 1, (), "batch_isend_irecv's isend", tag=3), Op("recv", 1, (), "batch_isend_irecv's irecv"))
-    said = tags_disagree([[batch], [(Op("recv", 0, (), "irecv"), Op("send", 0, (), "isend"))]])
+    batch = (Op("send", 1, (), "batch_isend_irecv's isend", tag=3), Op("send", 1, (), "batch_isend_irecv's isend",
+                                                                        tag=4))
+    said = tags_disagree([[batch], [(Op("recv", 0, (), "irecv", tag=4), Op("recv", 0, (), "irecv", tag=3))]])
     assert said is not None and "dist.batch_isend_irecv's isend to rank 1 has tag=3" in said, said
 
 
-def _sized(kind: str, peer: int, numel: int, dtype: str = "float32") -> Launch:
-    return (Op(kind, peer, (), kind, size=(numel, dtype)),)
+def _sized(kind: str, peer: int, numel: int, dtype: str = "float32", item: int = 4) -> Launch:
+    return (Op(kind, peer, (), kind, size=(numel, dtype, numel * item)),)
 
 
 def test_a_receive_that_differs_from_its_send_in_count_or_dtype_is_named():
@@ -124,8 +125,35 @@ def test_a_receive_that_differs_from_its_send_in_count_or_dtype_is_named():
     assert sizes_disagree([_program(("send", 1)), _program(("recv", 0))]) is None  # sizes not noted
     larger = sizes_disagree([[_sized("send", 1, 4), _sized("send", 1, 4)],
                              [_sized("recv", 0, 4), _sized("recv", 0, 5)]])
-    assert larger is not None and larger.startswith("Rank 0's 2nd dist.send to rank 1 sends 4 float32, and the "
-                                                    "receive NCCL pairs it with, rank 1's 2nd dist.recv from rank "
-                                                    "0, takes 5 float32."), larger
-    other_dtype = sizes_disagree([[_sized("send", 1, 4, "float32")], [_sized("recv", 0, 4, "int32")]])
-    assert other_dtype is not None and "takes 4 int32" in other_dtype
+    assert larger is not None and larger.startswith("Rank 0's 2nd dist.send to rank 1 sends 4 float32 (16 bytes), "
+                                                    "and the receive NCCL pairs it with, rank 1's 2nd dist.recv "
+                                                    "from rank 0, takes 5 float32 (20 bytes)."), larger
+    other_dtype = sizes_disagree([[_sized("send", 1, 4, "float32")], [_sized("recv", 0, 4, "float64", 8)]])
+    assert other_dtype is not None and "takes 4 float64 (32 bytes)" in other_dtype
+
+
+@pytest.mark.parametrize(("sent", "received"), [
+    (("bool", 1), ("uint8", 1)),  # torch hands NCCL both as ncclUint8
+    (("complex64", 8), ("float32", 4)),  # a complex tensor goes as its real view: 2 floats each
+    (("float32", 4), ("int32", 4))])  # the same bytes: NCCL's transfer moves them
+def test_pairs_whose_bytes_agree_pass_as_nccl_runs_them(sent, received):
+    (sent_dtype, sent_item), (received_dtype, received_item) = sent, received
+    count = 4 * received_item // sent_item if sent_item > received_item else 4
+    room = count * sent_item // received_item
+    assert sizes_disagree([[_sized("send", 1, count, sent_dtype, sent_item)],
+                           [_sized("recv", 0, room, received_dtype, received_item)]]) is None
+    assert sizes_disagree([[_sized("send", 1, 0)], [_sized("recv", 0, 0)]]) is None  # nothing sent, nothing taken
+
+
+def test_tags_that_match_nothing_leave_nccls_order_as_the_only_pairing():
+    # The sender tags each message with its step, the receiver tags none: gloo would wait, NCCL pairs in order.
+    assert tags_disagree([[_tagged("send", 1, 1), _tagged("send", 1, 2)],
+                          [_tagged("recv", 0, 0), _tagged("recv", 0, 0)]]) is None
+
+
+def test_a_receive_that_gloo_would_pair_with_a_later_send_is_named():
+    # Sends tagged 2 then 1, receives 1 and 1: gloo gives the first receive the second send; NCCL, the first.
+    said = tags_disagree([[_tagged("send", 1, 2), _tagged("send", 1, 1)],
+                          [_tagged("recv", 0, 1), _tagged("recv", 0, 1)]])
+    assert said is not None and said.startswith("Rank 0's 1st dist.send to rank 1 has tag=2, and rank 1's 1st "
+                                                "dist.recv from rank 0 has tag=1."), said

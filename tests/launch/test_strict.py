@@ -118,7 +118,7 @@ def _refused(rank, world_size, what):
     ("non-contiguous input", "dist.all_gather: tensor is not contiguous"),
     ("non-contiguous send", "dist.send: tensor is not contiguous"),
     ("non-contiguous P2POp", "dist.P2POp: tensor is not contiguous"),
-    ("sparse", "dist.all_reduce: tensor is a sparse_coo tensor. gloo reduces sparse tensors, NCCL refuses them"),
+    ("sparse", "dist.all_reduce: tensor is a sparse_coo tensor, which NCCL refuses"),
     ("int16 send", "the tensor is int16, which NCCL has no type for"),
     ("uint32 P2POp", "dist.P2POp: the tensor is uint32, which NCCL has no type for")])
 def test_what_nccl_lacks_is_refused_with_its_reason(what, says):
@@ -228,6 +228,19 @@ def test_a_monitored_barrier_on_a_gloo_group_of_its_own_runs_as_it_would_beside_
     assert dtlib.spawn(_monitored, 2, args=(where,), strict=True) == ["ran", "ran"]
 
 
+def _monitored_by_two_of_three(rank, world_size):
+    """Every rank makes a gloo group of ranks 0 and 1 (new_group is called by all); every rank then calls
+    monitored_barrier on it: rank 2, outside it, gets torch's own warning and returns at once."""
+    pair = dist.new_group([0, 1], backend="gloo")
+    dist.monitored_barrier(group=pair, timeout=datetime.timedelta(seconds=30))
+    return "ran"
+
+
+@pytest.mark.timeout(60)
+def test_a_monitored_barrier_on_a_gloo_group_a_rank_is_not_in_passes_as_torch_lets_it():
+    assert dtlib.spawn(_monitored_by_two_of_three, 3, strict=True) == ["ran"] * 3
+
+
 def _exchange(rank, world_size, how):
     """Each rank sends its rank to the next and receives from the previous, as ``how`` posts it."""
     mine, theirs = torch.tensor([float(rank)]), torch.empty(1)
@@ -257,15 +270,22 @@ def _works_of_a_batch(rank, world_size):
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)])
     count = len(works)
     finished = [work.wait() for work in works]
-    return count, finished, all(work.is_completed() for work in works), theirs.tolist()
+    try:
+        works[-1].source_rank()
+        sender = "named"
+    except RuntimeError as err:
+        sender = str(err).split(":")[0]
+    return (count, finished, all(work.is_completed() and work.is_success() and work.exception() is None
+                                 for work in works), theirs.tolist(), sender if count == 1 else "")
 
 
 @pytest.mark.timeout(60)
 def test_a_batch_returns_one_work_as_nccl_does_so_unpacking_one_per_transfer_fails_here_too():
     """torch's batch_isend_irecv returns cm.works, one work for the group call, where the backend coalesces
     (NCCL), and one per transfer where it does not (gloo): distributed_c10d.batch_isend_irecv."""
-    assert dtlib.spawn(_works_of_a_batch, 2, strict=True) == [(1, [True], True, [1.0, 1.0]),
-                                                              (1, [True], True, [0.0, 0.0])]
+    no_sender = "the work of a dist.batch_isend_irecv has no source rank"  # nor has NCCL's one work
+    assert dtlib.spawn(_works_of_a_batch, 2, strict=True) == [(1, [True], True, [1.0, 1.0], no_sender),
+                                                              (1, [True], True, [0.0, 0.0], no_sender)]
     assert [count for count, *_ in dtlib.spawn(_works_of_a_batch, 2, strict=False)] == [2, 2]  # gloo's own
 
 
