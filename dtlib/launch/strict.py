@@ -275,7 +275,7 @@ def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
     for key, tensor in arguments.items():
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
             raise ValueError(f"dist.{name}: {key} is a {str(tensor.layout).removeprefix('torch.')} tensor, which "
-                             "NCCL refuses (torch's NCCL group takes dense GPU tensors only), and gloo may not. "
+                             "NCCL refuses (torch's NCCL group takes dense GPU tensors only), though gloo takes it. "
                              "Pass a dense one (t.to_dense())")
         if isinstance(tensor, torch.Tensor) and not _contiguous(tensor):
             raise ValueError(
