@@ -51,6 +51,7 @@ class Op:
     reduce_op: str = ""  # a reduction's op as ReduceOp names it ("SUM", "AVG"), where the call has one
     tag: int = 0  # a transfer's tag as the learner wrote it (strict mode passes 0 on, as NCCL ignores it)
     size: tuple[int, str, int] | None = None  # a transfer's tensor: its elements, dtype ("float32") and bytes
+    comm: str = ""  # the group's name (torch's group_name), which tells apart two groups of the same members
 
 
 #: One launch on a stream: the ops posted together (one call, or one batch_isend_irecv).
@@ -81,20 +82,28 @@ def launch(kind: str, peer: int | None = None, group: Group = (), call: str = ""
     return (Op(kind, peer, group, call or kind),)
 
 
-def _key(rank: int, op: Op, world_size: int) -> tuple[Group, int, int]:
-    """A transfer's channel: its group, sender and receiver (global ranks); its k-th op there meets the peer's k-th."""
+def _stream(op: Op, world_size: int) -> tuple[Group, str]:
+    """The communicator ``op`` runs on: its group's members and name. Two groups of the same members are two
+    communicators, each with its own stream, as on NCCL."""
+    return op.group or tuple(range(world_size)), op.comm
+
+
+def _key(rank: int, op: Op, world_size: int) -> tuple[tuple[Group, str], int, int]:
+    """A transfer's channel: its communicator, sender and receiver (global ranks); its k-th op there meets the
+    peer's k-th."""
     sender, receiver = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
-    return op.group or tuple(range(world_size)), sender, receiver
+    return _stream(op, world_size), sender, receiver
 
 
 def _nth(k: int) -> str:
     return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
-def _channels(ranks: Sequence[Sequence[Launch]]) -> dict[tuple[Group, int, int], tuple[list[Op], list[Op]]]:
+def _channels(ranks: Sequence[Sequence[Launch]]) -> dict[tuple[tuple[Group, str], int, int],
+                                                         tuple[list[Op], list[Op]]]:
     """Every channel's sends and receives, each in the order posted: NCCL pairs the k-th of one with the k-th of
     the other."""
-    channels: dict[tuple[Group, int, int], tuple[list[Op], list[Op]]] = {}
+    channels: dict[tuple[tuple[Group, str], int, int], tuple[list[Op], list[Op]]] = {}
     for rank, launches in enumerate(ranks):
         for op in (op for ops in launches for op in ops if op.peer is not None):
             sends, receives = channels.setdefault(_key(rank, op, len(ranks)), ([], []))
@@ -158,27 +167,26 @@ def _said(rank: int, op: Op) -> str:
 
 
 def deadlock(ranks: Sequence[Sequence[Launch]]) -> str | None:
-    """Replay each rank's launches in the order posted, one stream per (rank, group); a transfer runs when its
-    match (the k-th send from a to b meets b's k-th receive from a, in the same group) is at the head of the
+    """Replay each rank's launches in the order posted, one stream per (rank, communicator); a transfer runs when
+    its match (the k-th send from a to b meets b's k-th receive from a, in the same group) is at the head of the
     peer's stream too, a collective when every member has its k-th collective of that group at its head.
     Returns what is left waiting, in the learner's terms, or None when every launch finishes."""
-    streams: dict[tuple[int, Group], list[list[tuple[Op, tuple]]]] = {}
+    streams: dict[tuple[int, tuple[Group, str]], list[list[tuple[Op, tuple]]]] = {}
     counts: dict[tuple, int] = {}
     posted: set[tuple[int, tuple]] = set()
     for rank, launches in enumerate(ranks):
         for ops in launches:
             keyed = []
             for op in ops:
-                group = op.group or tuple(range(len(ranks)))
                 if op.peer is None:
-                    key: tuple = ("collective", group)
+                    key: tuple = ("collective", _stream(op, len(ranks)))
                 else:
                     key = ("p2p", *_key(rank, op, len(ranks)), op.kind)
                 index = counts.get((rank, key), 0)
                 counts[(rank, key)] = index + 1
                 keyed.append((op, (*key, index)))
                 posted.add((rank, (*key, index)))
-            streams.setdefault((rank, ops[0].group or tuple(range(len(ranks)))), []).append(keyed)
+            streams.setdefault((rank, _stream(ops[0], len(ranks))), []).append(keyed)
 
     def heads() -> set[tuple[int, tuple]]:
         return {(rank, key) for (rank, _), queue in streams.items() if queue for _, key in queue[0]}
@@ -188,7 +196,7 @@ def deadlock(ranks: Sequence[Sequence[Launch]]) -> str | None:
         runs = set()
         for rank, key in at_head:
             if key[0] == "collective":
-                if all((member, key) in at_head for member in key[1]):
+                if all((member, key) in at_head for member in key[1][0]):
                     runs.add((rank, key))
             elif _match(rank, key) in at_head:
                 runs.add((rank, key))

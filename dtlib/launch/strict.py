@@ -22,9 +22,9 @@ GPUs. Strict mode holds a gloo job to what NCCL (and ``torch.distributed``'s doc
   uint64** (or the newest 8- and 4-bit floats), which gloo sends as bytes and NCCL has no type for: strict mode
   refuses them.
 - **non-contiguous tensors** (a transpose, a slice with a step, ``x[:, 0]``) as a call's tensor, input or
-  output: NCCL refuses them ("Tensors must be contiguous"); gloo computes on the wrong elements without a word.
-  Strict mode refuses them, naming the argument. (Lists of tensors may hold views: NCCL's ``all_gather`` and
-  ``reduce_scatter`` copy them through a flat buffer.)
+  output: NCCL refuses them ("Tensors must be contiguous"); gloo reduces, broadcasts and gathers them through
+  a copy, and refuses only some (a send). Strict mode refuses them, naming the argument. (Lists of tensors may
+  hold views: NCCL's ``all_gather`` and ``reduce_scatter`` copy them through a flat buffer.)
 - **tensors a GPU machine holds on the host** (made without ``device=``, or with ``.cpu()``), while
   :func:`dtlib.launch.host_tensors.watching` is on (every checker runs answers so): NCCL takes only tensors on
   the rank's GPU. Strict mode refuses them, naming the call that made them.
@@ -46,7 +46,8 @@ rank posts its ``isend`` before its ``irecv`` hangs there; an even/odd order doe
 each call it sees for :mod:`dtlib.launch.nccl_order`, which replays every rank's notes as NCCL runs them, and
 :func:`unwaited` names the ``isend``, ``irecv`` and async collectives never waited for.
 
-Only calls made from outside torch are held to it: torch's own (FSDP, DDP, DTensor) keep gloo's behaviour.
+Only calls made from outside torch are held to it: torch's own (FSDP, DDP, DTensor) keep gloo's behaviour. So
+do calls on a group made with ``dist.new_group(backend="gloo")``: that group is gloo's on a GPU machine too.
 It is on in every gloo rank that ``dtlib.spawn`` or live ranks start (NCCL ranks need none);
 ``dtlib.spawn(..., strict=False)``, or ``DTLIB_STRICT=0`` in the environment, shows gloo's own behaviour instead.
 Inside any gloo rank (under torchrun, say), :func:`nccl_contract` turns it on for a block.
@@ -101,6 +102,12 @@ _posted: list[Any] = []  # every isend, irecv and async collective strict mode h
 def _group_ranks(group: Any) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: the default group), in order."""
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _op(kind: str, peer: int | None, group: Any, call: str, **details: Any) -> nccl_order.Op:
+    """One op on ``group`` (None: the default group) as :mod:`dtlib.launch.nccl_order` replays it."""
+    chosen = group if group is not None else dist.group.WORLD
+    return nccl_order.Op(kind, peer, _group_ranks(group), call, comm=getattr(chosen, "group_name", ""), **details)
 
 
 def unwaited() -> list[str]:
@@ -223,6 +230,8 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
+        if _gloo_group(arguments.get("group")):
+            return original(*args, **kwargs)
         op = arguments.get("op")
         op_name = "" if op is None else getattr(op, "name", str(op).rsplit(".", 1)[-1])
         if op_name in BITWISE:
@@ -231,7 +240,7 @@ def _strict(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         _refuse_non_contiguous(name, arguments)
         host_tensors.refuse(name, arguments)
         _concatenated(name, arguments)
-        nccl_order.note(nccl_order.Op(name, None, _group_ranks(arguments.get("group")), name, op_name))
+        nccl_order.note(_op(name, None, arguments.get("group"), name, reduce_op=op_name))
         rank = dist.get_rank()
         undefined_here = name == "reduce" and rank != _global_root(arguments, "dst")
         if not arguments.get("async_op"):
@@ -281,7 +290,7 @@ def _refuse_non_contiguous(name: str, arguments: dict[str, Any]) -> None:
             raise ValueError(
                 f"dist.{name}: {key} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}: "
                 "a transpose, a slice with a step or a column). NCCL refuses it ('Tensors must be contiguous'), "
-                "and gloo computes on the wrong elements without a word. Pass a contiguous copy (t.contiguous()) "
+                "where gloo works on a copy. Pass a contiguous copy (t.contiguous()) "
                 "and copy the result back where the call writes it")
 
 
@@ -435,6 +444,8 @@ class _PointToPoint:
                 return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             arguments = bound.arguments
+            if _gloo_group(arguments.get("group")):
+                return original(*args, **kwargs)
             peer = arguments.get(peer_key)
             if peer is None and arguments.get(f"group_{peer_key}") is not None:
                 peer = dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[f"group_{peer_key}"])
@@ -444,9 +455,8 @@ class _PointToPoint:
             _refuse_non_contiguous(name, arguments)
             _refuse_dtype_nccl_lacks(name, arguments.get("tensor"))
             host_tensors.refuse(name, arguments)
-            nccl_order.note(nccl_order.Op("send" if name in ("send", "isend") else "recv", peer,
-                                          _group_ranks(arguments.get("group")), name, tag=arguments.get("tag") or 0,
-                                          size=_size(arguments.get("tensor"))))
+            nccl_order.note(_op("send" if name in ("send", "isend") else "recv", peer, arguments.get("group"), name,
+                                tag=arguments.get("tag") or 0, size=_size(arguments.get("tensor"))))
             if arguments.get("tag"):
                 _warn_once("tag", f"dist.{name}(..., tag={arguments['tag']}): {_TAGS_IGNORED}")
                 arguments["tag"] = 0
@@ -489,7 +499,7 @@ def _group_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]
 
     @functools.wraps(original)
     def method(group: Any, *args: Any, **kwargs: Any) -> Any:
-        if _called_from_torch() or not args:
+        if _called_from_torch() or not args or _gloo_group(group):
             return original(group, *args, **kwargs)
         what = f"ProcessGroup.{name}(...)"
         host_tensors.refuse(f"group.{name}", {"its tensors": args[0]})
@@ -530,12 +540,18 @@ def _new_group(*args: Any, **kwargs: Any) -> Any:
     return group
 
 
+def _gloo_group(group: Any) -> bool:
+    """Whether ``group`` was made with ``backend="gloo"``: gloo's on a GPU machine too, so its calls keep gloo's
+    rules (host tensors, bitwise reductions, buffered sends) and stay out of NCCL's replay."""
+    return isinstance(group, ProcessGroup) and (group.group_name, id(group)) in _gloo_groups
+
+
 def _monitored_barrier(*args: Any, **kwargs: Any) -> Any:
     """torch's ``monitored_barrier``, refused on a group that is NCCL's on GPUs, as torch refuses it there."""
     original = _active["monitored_barrier"]
     group = inspect.signature(original).bind(*args, **kwargs).arguments.get("group")
     if (_called_from_torch() or group is dist.GroupMember.NON_GROUP_MEMBER  # torch's: a warning, no barrier
-            or isinstance(group, ProcessGroup) and (group.group_name, id(group)) in _gloo_groups):
+            or _gloo_group(group)):
         return original(*args, **kwargs)
     which = ("the default group" if group in (None, dist.group.WORLD)
              else "a group not made by dist.new_group(backend=\"gloo\")")
@@ -555,7 +571,9 @@ def _original(op: Any) -> Any:
 
 
 def _p2p_op_new(cls: type, op: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if isinstance(tensor, torch.Tensor) and not _called_from_torch():  # a pipeline schedule's own: gloo's rules
+    group = kwargs.get("group", args[1] if len(args) > 1 else None)  # (op, tensor, peer, group, ...)
+    # A pipeline schedule's own P2POps, and those on a gloo group, keep gloo's rules.
+    if isinstance(tensor, torch.Tensor) and not _called_from_torch() and not _gloo_group(group):
         _refuse_non_contiguous("P2POp", {"tensor": tensor})
         _refuse_dtype_nccl_lacks("P2POp", tensor)
     return _active["P2POp.__new__"](cls, _original(op), tensor, *args, **kwargs)
@@ -569,15 +587,14 @@ def _batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
     """torch's ``batch_isend_irecv``, its transfers noted as posted together (:mod:`dtlib.launch.nccl_order`) and
     its works kept until waited for."""
     original = _active["batch_isend_irecv"]
-    if _called_from_torch():  # a pipeline schedule's own
-        return original(p2p_op_list)
     ops = list(p2p_op_list)
+    if _called_from_torch() or ops and all(_gloo_group(op.group) for op in ops):  # a schedule's own, or gloo's
+        return original(p2p_op_list)
     kinds = ["send" if "send" in getattr(op.op, "__name__", "") else "recv" for op in ops]
     host_tensors.refuse("batch_isend_irecv", {f"the tensor of its i{kind}": op.tensor for kind, op in
                                               zip(kinds, ops, strict=True)})
-    nccl_order.note(*(nccl_order.Op(kind, op.peer, _group_ranks(op.group), f"batch_isend_irecv's i{kind}",
-                                    tag=op.tag or 0, size=_size(op.tensor))
-                      for kind, op in zip(kinds, ops, strict=True)))
+    nccl_order.note(*(_op(kind, op.peer, op.group, f"batch_isend_irecv's i{kind}", tag=op.tag or 0,
+                          size=_size(op.tensor)) for kind, op in zip(kinds, ops, strict=True)))
     if any(op.tag for op in ops):
         _warn_once("tag", f"dist.P2POp(..., tag={next(op.tag for op in ops if op.tag)}): {_TAGS_IGNORED}")
         ops = [_untagged(op) for op in ops]

@@ -64,6 +64,26 @@ def test_another_group_has_a_stream_of_its_own():
                      [launch("all_reduce")]]) is not None
 
 
+def test_two_groups_of_the_same_members_are_two_streams_and_two_channels():
+    def on(comm: str, kind: str, peer: int) -> Launch:
+        return (Op(kind, peer, (0, 1), kind, comm=comm),)
+
+    # Each rank sends first, on its own group: one stream per rank would hang; two communicators run both.
+    crossed = [[on("a", "send", 1), on("b", "recv", 1)], [on("b", "send", 0), on("a", "recv", 0)]]
+    assert deadlock(crossed) is None
+    assert deadlock([[on("a", "send", 1), on("a", "recv", 1)], [on("a", "send", 0), on("a", "recv", 0)]])
+    # Sizes pair per communicator: group a's send meets group a's receive, whatever was posted between.
+    sized = [[(Op("send", 1, (0, 1), "send", size=(2, "float32", 8), comm="a"),),
+              (Op("send", 1, (0, 1), "send", size=(4, "float32", 16), comm="b"),)],
+             [(Op("recv", 0, (0, 1), "recv", size=(4, "float32", 16), comm="b"),),
+              (Op("recv", 0, (0, 1), "recv", size=(2, "float32", 8), comm="a"),)]]
+    assert sizes_disagree(sized) is None and deadlock(sized) is None
+    # A collective on one meets the same collective on the other rank's same group, not the other group's.
+    collectives = [[(Op("all_reduce", None, (0, 1), "all_reduce", comm="a"),), on("b", "send", 1)],
+                   [on("b", "recv", 0), (Op("all_reduce", None, (0, 1), "all_reduce", comm="a"),)]]
+    assert deadlock(collectives) is None
+
+
 def test_a_transfer_that_no_peer_matches_is_named():
     said = deadlock([[launch("send", 1, call="isend")], []])
     assert said == ("Rank 0's dist.isend to rank 1 is never matched: rank 1 posts no receive for it. gloo lets the "

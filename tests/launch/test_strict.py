@@ -92,7 +92,7 @@ def _refused(rank, world_size, what):
         elif what == "any source":
             (dist.recv if rank else dist.irecv)(torch.empty(1))  # from any rank: refused before anything is posted
         elif what == "non-contiguous":
-            dist.all_reduce(torch.arange(10.0).view(2, 5)[:, ::2])  # gloo would reduce the wrong elements
+            dist.all_reduce(torch.arange(10.0).view(2, 5)[:, ::2])  # gloo reduces it through a copy
         elif what == "non-contiguous input":
             dist.all_gather([torch.empty(3), torch.empty(3)], torch.ones(3, 2)[:, 0])
         elif what == "non-contiguous P2POp":
@@ -239,6 +239,71 @@ def _monitored_by_two_of_three(rank, world_size):
 @pytest.mark.timeout(60)
 def test_a_monitored_barrier_on_a_gloo_group_a_rank_is_not_in_passes_as_torch_lets_it():
     assert dtlib.spawn(_monitored_by_two_of_three, 3, strict=True) == ["ran"] * 3
+
+
+def _on_a_group(rank, world_size, backend, what):
+    """``what``, which NCCL refuses and gloo runs, on a group made with ``backend``: what it raised, or "ran"."""
+    from dtlib.launch import host_tensors
+
+    group = dist.new_group(backend=backend)
+    peer = 1 - rank
+    try:
+        with host_tensors.watching():
+            if what == "bitwise":
+                dist.all_reduce(torch.ones(1, dtype=torch.int32), op=dist.ReduceOp.BOR, group=group)
+            elif what == "host tensor":
+                dist.all_reduce(torch.ones(2).cpu(), group=group)
+            elif what == "non-contiguous":
+                dist.broadcast(torch.ones(2, 3).t(), src=0, group=group)
+            elif what == "int16 P2POp":
+                x = torch.full((2,), rank, dtype=torch.int16)
+                ops = [dist.P2POp(dist.isend, x, peer, group), dist.P2POp(dist.irecv, torch.empty_like(x), peer, group)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            else:  # the group's own method
+                group.allreduce([torch.ones(2).cpu()]).wait()
+    except ValueError as err:
+        return str(err)
+    return "ran"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["bitwise", "host tensor", "non-contiguous", "int16 P2POp", "group method"])
+def test_a_group_made_with_backend_gloo_keeps_gloos_rules_as_it_would_beside_nccl(what):
+    assert dtlib.spawn(_on_a_group, 2, args=("gloo", what), strict=True) == ["ran", "ran"]
+    refused = dtlib.spawn(_on_a_group, 2, args=(None, what), strict=True)  # a group NCCL would run
+    assert all(said != "ran" for said in refused), refused
+
+
+def _two_groups_crossed(rank, world_size):
+    """Two groups of the same two ranks: rank 0 sends on the first and receives on the second, rank 1 the
+    mirror image. On NCCL they are two communicators, each with its own stream, so both transfers run."""
+    from dtlib.launch import nccl_order
+
+    first, second = dist.new_group(), dist.new_group()
+    mine, theirs = torch.full((2,), float(rank)), torch.empty(2)
+    with nccl_order.recording() as notes:
+        if rank == 0:
+            sent, got = dist.isend(mine, 1, group=first), dist.irecv(theirs, 1, group=second)
+        else:
+            sent, got = dist.isend(mine, 0, group=second), dist.irecv(theirs, 0, group=first)
+        sent.wait()
+        got.wait()
+    return notes, theirs.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_two_groups_of_the_same_ranks_are_replayed_as_two_communicators():
+    from dtlib.launch import nccl_order
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", strict.StrictWarning)  # the second isend is posted unwaited: flagged
+        (notes0, got0), (notes1, got1) = dtlib.spawn(_two_groups_crossed, 2, strict=True)
+    assert (got0, got1) == ([1.0, 1.0], [0.0, 0.0])
+    assert notes0[0][0].comm == notes1[1][0].comm != notes0[1][0].comm  # named by torch's group_name, alike
+    assert nccl_order.deadlock([notes0, notes1]) is None
+    assert nccl_order.deadlock([[tuple(op.__class__(**{**vars(op), "comm": ""}) for op in launch) for launch in rank]
+                                for rank in (notes0, notes1)]) is not None  # one stream each: it would hang
 
 
 def _exchange(rank, world_size, how):
