@@ -349,6 +349,8 @@ class _Batched:
         return all(work.is_success() for work in self._works)
 
     def exception(self) -> Any:
+        """Torch's deprecated ``Work.exception()``, kept so that code calling it meets what torch's own work
+        does: ``None`` or the error on 2.13, a ``TypeError`` on 2.11, which cannot convert the value."""
         return next((error for error in (work.exception() for work in self._works) if error is not None), None)
 
     def synchronize(self) -> None:
