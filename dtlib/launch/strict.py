@@ -346,6 +346,7 @@ class _Batched:
         return torch.futures.collect_all([work.get_future() for work in self._works])
 
     def is_success(self) -> bool:
+        """Torch's deprecated ``Work.is_success()``, kept for code that still calls it."""
         return all(work.is_success() for work in self._works)
 
     def exception(self) -> Any:

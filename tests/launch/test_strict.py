@@ -340,9 +340,9 @@ def _works_of_a_batch(rank, world_size):
         sender = "named"
     except RuntimeError as err:
         sender = str(err).split(":")[0]
-    # Work.exception() is left out: torch deprecates it, and torch 2.11 cannot return its value to Python.
-    return (count, finished, all(work.is_completed() and work.is_success() for work in works), theirs.tolist(),
-            sender if count == 1 else "")
+    # Work.is_success() and Work.exception() are left out: torch deprecates both (and 2.11 cannot return the
+    # latter's value to Python).
+    return (count, finished, all(work.is_completed() for work in works), theirs.tolist(), sender if count == 1 else "")
 
 
 @pytest.mark.timeout(60)
